@@ -1,0 +1,37 @@
+# minipar: `make run` and `make test` work from a clean clone (they install into .venv first).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+MPIRUN := $(VENV)/bin/mpirun
+NP     ?= 4
+# Several ranks share few cores: one BLAS thread per rank.
+export OMP_NUM_THREADS := 1
+export OPENBLAS_NUM_THREADS := 1
+export MKL_NUM_THREADS := 1
+
+.PHONY: install run test test-serial test-mpi bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[mpich,test]'
+	touch $@
+
+# Single process until data parallelism lands (issue 4).
+run: install
+	$(PY) -m minipar.train
+
+test: test-serial test-mpi
+
+test-serial: install
+	$(PY) -m pytest -q tests
+
+# MPI tests: 4 ranks, a hard timeout, and any failing rank aborts the world (tests/mpi/conftest.py).
+test-mpi: install
+	timeout -k 10 900 $(MPIRUN) -n $(NP) $(PY) -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
+
+bench: install
+	@for s in scripts/bench_*.py; do echo "== $$s"; $(PY) $$s || exit 1; done
+
+clean:
+	rm -rf $(VENV) *.egg-info
