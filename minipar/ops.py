@@ -1,0 +1,415 @@
+"""Differentiable operations: each a Function with a hand-written forward and backward.
+
+Letters as in nanoGPT: B batch, T time, C channels, nh heads, hs = C/nh head size, V vocab,
+N = B*T rows. Every op keeps its input dtype (float32 or float64): constants are Python
+floats, which NumPy never lets upcast an array. Backward formulas are checked against
+central finite differences in tests/test_ops.py.
+
+The functions at the bottom (`linear`, `layer_norm`, ...) are the public entry points.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minipar.tensor import Function, Tensor
+
+
+def _unbroadcast(g: np.ndarray, shape) -> np.ndarray:
+    """Sum a broadcast gradient back down to `shape` (numpy broadcasting rules)."""
+    if g.shape == tuple(shape):
+        return g
+    extra = g.ndim - len(shape)
+    axes = tuple(range(extra)) + tuple(i + extra for i, n in enumerate(shape) if n == 1 and g.shape[i + extra] != 1)
+    return g.sum(axis=axes, keepdims=True).reshape(shape) if axes else g.reshape(shape)
+
+
+def _as_tensor(x, like: Tensor) -> Tensor:
+    if isinstance(x, Tensor):
+        return x
+    return Tensor(np.asarray(x, dtype=like.dtype))
+
+
+# --- elementwise and shape ------------------------------------------------------------------
+
+class Add(Function):
+    def forward(self, a, b):
+        self.shapes = (a.shape, b.shape)
+        return a + b
+
+    def backward(self, g):
+        sa, sb = self.shapes
+        return _unbroadcast(g, sa), _unbroadcast(g, sb)
+
+
+class Mul(Function):
+    def forward(self, a, b):
+        self.save(a, b)
+        return a * b
+
+    def backward(self, g):
+        a, b = self.saved
+        da = _unbroadcast(g * b, a.shape) if self.needs_input_grad[0] else None
+        db = _unbroadcast(g * a, b.shape) if self.needs_input_grad[1] else None
+        return da, db
+
+
+class Reshape(Function):
+    def forward(self, x, shape):
+        self.in_shape = x.shape
+        return x.reshape(shape)
+
+    def backward(self, g):
+        return g.reshape(self.in_shape), None
+
+
+class Transpose(Function):
+    def forward(self, x, axes):
+        self.axes = axes
+        return x.transpose(axes)
+
+    def backward(self, g):
+        return g.transpose(np.argsort(self.axes)), None
+
+
+class Slice(Function):
+    """x[index] for a tuple of slices; backward scatters into zeros."""
+
+    def forward(self, x, index):
+        self.in_shape, self.index = x.shape, index
+        return x[index]
+
+    def backward(self, g):
+        dx = np.zeros(self.in_shape, dtype=g.dtype)
+        dx[self.index] = g
+        return dx, None
+
+
+class Concat(Function):
+    def forward(self, axis, *xs):
+        self.axis, self.sizes = axis, [x.shape[axis] for x in xs]
+        return np.concatenate(xs, axis=axis)
+
+    def backward(self, g):
+        cuts = np.cumsum(self.sizes)[:-1]
+        return (None, *np.split(g, cuts, axis=self.axis))
+
+
+class Sum(Function):
+    def forward(self, x, axis, keepdims):
+        self.in_shape, self.axis, self.keepdims = x.shape, axis, keepdims
+        return np.asarray(x.sum(axis=axis, keepdims=keepdims))
+
+    def backward(self, g):
+        if not self.keepdims and self.axis is not None:
+            g = np.expand_dims(g, self.axis)
+        return np.broadcast_to(g, self.in_shape).copy(), None, None
+
+
+# --- dense layers ---------------------------------------------------------------------------
+
+class MatMul(Function):
+    """a @ b with numpy's batched broadcasting. A 2-D b (a weight) takes the fast path:
+    its gradient is one GEMM over all rows, a.reshape(N, K).T @ g.reshape(N, M)."""
+
+    def forward(self, a, b):
+        self.save(a, b)
+        return a @ b
+
+    def backward(self, g):
+        a, b = self.saved
+        da = db = None
+        if self.needs_input_grad[0]:
+            da = _unbroadcast(g @ np.swapaxes(b, -1, -2), a.shape) if b.ndim > 1 else None
+        if self.needs_input_grad[1]:
+            if b.ndim == 2 and a.ndim >= 2:
+                db = a.reshape(-1, a.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+            else:
+                db = _unbroadcast(np.swapaxes(a, -1, -2) @ g, b.shape)
+        return da, db
+
+
+class Linear(Function):
+    """y = x @ w + b with x (..., Cin), w (Cin, Cout), b (Cout,) or None."""
+
+    def forward(self, x, w, b=None):
+        self.save(x, w)
+        y = x @ w                                          # (..., Cout)
+        if b is not None:
+            y += b
+        return y
+
+    def backward(self, g):
+        x, w = self.saved
+        g2 = g.reshape(-1, g.shape[-1])                    # (N, Cout)
+        dx = (g @ w.T) if self.needs_input_grad[0] else None
+        dw = (x.reshape(-1, x.shape[-1]).T @ g2) if self.needs_input_grad[1] else None
+        if len(self.needs_input_grad) == 2:                # called without a bias
+            return dx, dw
+        return dx, dw, (g2.sum(0) if self.needs_input_grad[2] else None)
+
+
+class Embedding(Function):
+    """w[idx]: idx int array (...), w (V, C) -> (..., C). Backward scatters rows with
+    np.add.at, which sums repeated ids correctly (fancy-index += would not)."""
+
+    def forward(self, idx, w):
+        self.save(idx)
+        self.w_shape = w.shape
+        return w[idx]
+
+    def backward(self, g):
+        (idx,) = self.saved
+        dw = np.zeros(self.w_shape, dtype=g.dtype)
+        np.add.at(dw, idx.reshape(-1), g.reshape(-1, self.w_shape[1]))
+        return None, dw
+
+
+# --- normalisation and nonlinearity ---------------------------------------------------------
+
+class LayerNorm(Function):
+    """(x - mean) / sqrt(var + eps) * w + b over the last axis, biased variance."""
+
+    def forward(self, x, w, b, eps=1e-5):
+        mu = x.mean(-1, keepdims=True)                     # (N, 1)
+        xc = x - mu                                        # (N, C)
+        var = np.einsum("...i,...i->...", xc, xc)[..., None] * (1.0 / x.shape[-1])
+        rstd = 1.0 / np.sqrt(var + eps)                    # (N, 1)
+        xhat = np.multiply(xc, rstd, out=xc)               # (N, C), reuses xc
+        self.save(xhat, w, rstd)
+        y = xhat * w
+        y += b
+        return y
+
+    def backward(self, g):
+        xhat, w, rstd = self.saved
+        gw = g.reshape(-1, g.shape[-1])
+        dw = np.einsum("ni,ni->i", xhat.reshape(gw.shape), gw)
+        db = gw.sum(0)
+        dxhat = g * w                                      # (N, C)
+        c1 = dxhat.mean(-1, keepdims=True)
+        c2 = np.einsum("...i,...i->...", dxhat, xhat)[..., None] * (1.0 / g.shape[-1])
+        dxhat -= c1
+        dxhat -= xhat * c2
+        dxhat *= rstd
+        return dxhat, dw, db, None
+
+
+_GELU_K = math.sqrt(2.0 / math.pi)
+
+
+class GELU(Function):
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's tanh form."""
+
+    def forward(self, x):
+        x2 = x * x
+        u = x2 * 0.044715
+        u += 1.0
+        u *= x
+        u *= _GELU_K                                       # sqrt(2/pi) (x + 0.044715 x^3)
+        t = np.tanh(u, out=u)
+        self.save(x, t)
+        y = t + 1.0
+        y *= x
+        y *= 0.5
+        return y
+
+    def backward(self, g):
+        x, t = self.saved
+        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+        inner = x * x
+        inner *= 3 * 0.044715 * _GELU_K
+        inner += _GELU_K
+        inner *= x
+        sech2 = t * t
+        np.subtract(1.0, sech2, out=sech2)
+        inner *= sech2
+        inner += t
+        inner += 1.0
+        inner *= 0.5
+        inner *= g
+        return inner
+
+
+class Softmax(Function):
+    def forward(self, x, axis=-1):
+        y = x - x.max(axis=axis, keepdims=True)
+        np.exp(y, out=y)
+        y /= y.sum(axis=axis, keepdims=True)
+        self.save(y)
+        self.axis = axis
+        return y
+
+    def backward(self, g):
+        (y,) = self.saved
+        dx = g - (g * y).sum(axis=self.axis, keepdims=True)
+        dx *= y
+        return dx, None
+
+
+# --- attention ------------------------------------------------------------------------------
+
+_MASKS: dict = {}
+
+
+def _causal_mask(t: int, dtype) -> np.ndarray:
+    """(t, t) additive mask: 0 on and below the diagonal, -inf above (cached)."""
+    key = (t, np.dtype(dtype))
+    if key not in _MASKS:
+        _MASKS[key] = np.triu(np.full((t, t), -np.inf, dtype=dtype), k=1)
+    return _MASKS[key]
+
+
+class CausalSelfAttention(Function):
+    """Fused causal attention on the packed projection qkv (B, T, 3C') = [q | k | v],
+    with nh heads of hs = C'/nh. Returns y (B, T, C'). C' = C, or C/tp on a
+    tensor-parallel rank that holds nh/tp heads: the op does not care."""
+
+    def forward(self, qkv, n_head):
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        hs = C // n_head
+        # (B, T, 3, nh, hs) -> three (B, nh, T, hs)
+        q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+        q = q * (1.0 / math.sqrt(hs))                      # scale the smaller operand
+        k = np.ascontiguousarray(k)
+        v = np.ascontiguousarray(v)
+        att = q @ k.transpose(0, 1, 3, 2)                  # (B, nh, T, T)
+        att += _causal_mask(T, att.dtype)
+        att -= att.max(-1, keepdims=True)
+        np.exp(att, out=att)
+        att /= att.sum(-1, keepdims=True)
+        y = att @ v                                        # (B, nh, T, hs)
+        self.save(q, k, v, att)
+        self.dims = (B, T, C, n_head, hs)
+        return y.transpose(0, 2, 1, 3).reshape(B, T, C)
+
+    def backward(self, g):
+        q, k, v, att = self.saved
+        B, T, C, nh, hs = self.dims
+        gy = g.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
+        dqkv = np.empty((B, T, 3, nh, hs), dtype=g.dtype)
+        dv = np.swapaxes(att, -1, -2) @ gy                  # (B, nh, T, hs)
+        datt = gy @ np.swapaxes(v, -1, -2)                  # (B, nh, T, T)
+        # softmax backward: ds = att * (datt - sum(datt * att))
+        row = np.einsum("bhij,bhij->bhi", datt, att)[..., None]
+        datt -= row
+        datt *= att
+        dq = datt @ k                                       # (B, nh, T, hs)
+        dq *= 1.0 / math.sqrt(hs)
+        dk = np.swapaxes(datt, -1, -2) @ q                  # q was scaled in forward
+        dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
+        dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
+        dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
+        return dqkv.reshape(B, T, 3 * C), None
+
+
+# --- loss -----------------------------------------------------------------------------------
+
+class CrossEntropy(Function):
+    """sum over rows of -log softmax(logits)[target], divided by `denom`.
+    logits (..., V), targets int (...). Stable for large logits: log-sum-exp after
+    subtracting the row max. denom defaults to the number of rows (the mean); a
+    data-parallel or micro-batched caller passes the global row count instead."""
+
+    def forward(self, logits, targets, denom=None):
+        V = logits.shape[-1]
+        z = logits.reshape(-1, V) - logits.reshape(-1, V).max(-1, keepdims=True)   # (N, V)
+        t = targets.reshape(-1)
+        n = t.shape[0]
+        denom = float(n if denom is None else denom)
+        p = np.exp(z)
+        s = p.sum(-1, keepdims=True)                       # (N, 1)
+        lse = np.log(s)
+        loss = (lse[:, 0] - z[np.arange(n), t]).sum() / denom
+        p /= s                                             # softmax probabilities
+        self.save(p, t)
+        self.denom, self.shape = denom, logits.shape
+        return np.asarray(loss, dtype=logits.dtype)
+
+    def backward(self, g):
+        p, t = self.saved
+        d = p.copy()                                       # (N, V)
+        d[np.arange(t.shape[0]), t] -= 1.0
+        d *= g * (1.0 / self.denom)
+        return d.reshape(self.shape), None, None
+
+
+# --- public functional API ------------------------------------------------------------------
+
+def add(a, b):
+    a = _as_tensor(a, b) if not isinstance(a, Tensor) else a
+    return Add.apply(a, _as_tensor(b, a))
+
+
+def mul(a, b):
+    a = _as_tensor(a, b) if not isinstance(a, Tensor) else a
+    return Mul.apply(a, _as_tensor(b, a))
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    return MatMul.apply(a, b)
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    return Linear.apply(x, w, b) if b is not None else Linear.apply(x, w)
+
+
+def reshape(x: Tensor, shape) -> Tensor:
+    return Reshape.apply(x, tuple(shape))
+
+
+def transpose(x: Tensor, axes=None) -> Tensor:
+    axes = tuple(range(x.ndim))[::-1] if axes is None else tuple(axes)
+    return Transpose.apply(x, axes)
+
+
+def split(x: Tensor, sections, axis: int = -1) -> list:
+    """np.split semantics: an int number of equal parts, or a list of cut points."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    cuts = list(range(0, n, n // sections))[1:] if isinstance(sections, int) else list(sections)
+    bounds = [0, *cuts, n]
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        index = (slice(None),) * axis + (slice(lo, hi),)
+        out.append(Slice.apply(x, index))
+    return out
+
+
+def concat(xs, axis: int = -1) -> Tensor:
+    return Concat.apply(axis, *xs)
+
+
+def sum(x: Tensor, axis=None, keepdims=False) -> Tensor:  # noqa: A001 - mirrors numpy
+    return Sum.apply(x, axis, keepdims)
+
+
+def mean(x: Tensor, axis=None, keepdims=False) -> Tensor:
+    n = x.size if axis is None else int(np.prod([x.shape[a] for a in np.atleast_1d(axis)]))
+    return mul(Sum.apply(x, axis, keepdims), 1.0 / n)
+
+
+def embedding(idx, w: Tensor) -> Tensor:
+    return Embedding.apply(np.asarray(idx), w)
+
+
+def layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float = 1e-5) -> Tensor:
+    return LayerNorm.apply(x, w, b, eps)
+
+
+def gelu(x: Tensor) -> Tensor:
+    return GELU.apply(x)
+
+
+def softmax(x: Tensor, axis: int = -1) -> Tensor:
+    return Softmax.apply(x, axis)
+
+
+def causal_self_attention(qkv: Tensor, n_head: int) -> Tensor:
+    return CausalSelfAttention.apply(qkv, n_head)
+
+
+def cross_entropy(logits: Tensor, targets, denom=None) -> Tensor:
+    return CrossEntropy.apply(logits, np.asarray(targets), denom)

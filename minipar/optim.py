@@ -1,0 +1,124 @@
+"""AdamW (PyTorch's), global-norm gradient clipping and the learning-rate schedule.
+
+The update itself is a function on plain arrays, `adamw_update`, so that later mechanisms
+(ZeRO's flat shards, mixed precision's fp32 master weights) apply exactly the same
+arithmetic to whatever slice of the parameters a rank owns. Per parameter p with
+gradient g, at step t = 1, 2, ...:
+
+    p -= lr * wd * p                         decoupled weight decay (only ndim >= 2)
+    m = b1 m + (1 - b1) g ;  v = b2 v + (1 - b2) g^2
+    p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def adamw_update(p, g, m, v, step: int, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay=0.0):
+    """One AdamW step in place on arrays p, m, v. step counts from 1. weight_decay is a
+    float or an array broadcastable to p (0 where a parameter is not decayed)."""
+    b1, b2 = betas
+    if np.any(weight_decay):
+        p *= 1.0 - lr * weight_decay
+    m *= b1
+    m += (1.0 - b1) * g
+    v *= b2
+    v += (1.0 - b2) * (g * g)
+    bc1 = 1.0 - b1 ** step
+    bc2 = 1.0 - b2 ** step
+    denom = np.sqrt(v)
+    denom *= 1.0 / math.sqrt(bc2)
+    denom += eps
+    upd = np.divide(m, denom, out=denom)
+    upd *= lr / bc1
+    p -= upd
+
+
+class AdamW:
+    """torch.optim.AdamW on minipar Tensors. Weight decay applies to parameters with two or
+    more dimensions (weights and embeddings), never to biases or LayerNorm gains."""
+
+    def __init__(self, params, lr: float = 3e-4, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.1):
+        self.params = list(params)
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.step_count = 0
+        self.m = [np.zeros_like(p.data) for p in self.params]
+        self.v = [np.zeros_like(p.data) for p in self.params]
+
+    def step(self):
+        self.step_count += 1
+        for p, m, v in zip(self.params, self.m, self.v):
+            if p.grad is None:
+                continue
+            wd = self.weight_decay if p.data.ndim >= 2 else 0.0
+            adamw_update(p.data, p.grad, m, v, self.step_count, self.lr, self.betas, self.eps, wd)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def state_bytes(self) -> int:
+        return sum(a.nbytes for a in self.m) + sum(a.nbytes for a in self.v)
+
+    def state_dict(self) -> dict:
+        """{'step': n, 'm.{i}': ..., 'v.{i}': ...} in parameter order (names added by the caller)."""
+        out = {"step": np.asarray(self.step_count)}
+        for i, (m, v) in enumerate(zip(self.m, self.v)):
+            out[f"m.{i}"], out[f"v.{i}"] = m, v
+        return out
+
+    def load_state_dict(self, state: dict):
+        self.step_count = int(state["step"])
+        for i, (m, v) in enumerate(zip(self.m, self.v)):
+            for key, dst in ((f"m.{i}", m), (f"v.{i}", v)):
+                if state[key].shape != dst.shape:
+                    raise ValueError(f"optimizer state {key}: shape {state[key].shape} != {dst.shape}")
+                dst[...] = state[key]
+
+
+def grad_norm(grads) -> float:
+    """Global L2 norm of a list of gradient arrays (None entries skipped), in float64."""
+    sq = 0.0
+    for g in grads:
+        if g is not None:
+            g64 = g.ravel().astype(np.float64, copy=False)
+            sq += float(g64 @ g64)
+    return math.sqrt(sq)
+
+
+def clip_coef(total_norm: float, max_norm: float) -> float:
+    """PyTorch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """Clip the gradients of `params` in place to global norm max_norm (0 disables);
+    returns the norm before clipping."""
+    total = grad_norm([p.grad for p in params])
+    c = clip_coef(total, max_norm)
+    if c < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad *= c
+    return total
+
+
+def lr_at(step: int, base_lr: float, schedule: str = "constant", warmup: int = 0,
+          total_steps: int = 1, min_lr: float = 0.0) -> float:
+    """Learning rate for 0-based `step`: linear warm-up over `warmup` steps, then constant
+    or cosine decay from base_lr to min_lr at total_steps."""
+    if warmup > 0 and step < warmup:
+        return base_lr * (step + 1) / warmup
+    if schedule == "constant":
+        return base_lr
+    if schedule != "cosine":
+        raise ValueError(f"unknown lr schedule {schedule!r} (constant, cosine)")
+    span = max(1, total_steps - warmup)
+    frac = min(1.0, max(0.0, (step - warmup) / span))
+    return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * frac))

@@ -1,0 +1,250 @@
+"""A small reverse-mode autograd engine on NumPy arrays.
+
+A `Tensor` wraps an ndarray (`.data`) and, for leaves that require it, accumulates a
+gradient (`.grad`, same shape). Every differentiable operation is a `Function` subclass
+with a hand-written `forward` (NumPy in, NumPy out) and `backward` (output gradient in,
+one gradient per input out). `Function.apply` runs forward and, unless `no_grad()` is
+active, records the node so that `loss.backward()` can walk the graph.
+
+backward() in four steps (micrograd's recipe, made safe for several live graphs):
+  1. topological order of the nodes reachable from the root (iterative DFS);
+  2. count, for every tensor, how many edges of *this* graph feed gradient into it;
+  3. walk the order backwards: each node gets its complete output gradient, calls its
+     Function's backward, and hands the pieces to its inputs (summing when a tensor is
+     used several times, e.g. tied embeddings);
+  4. when a leaf's count reaches zero its gradient for this backward is complete: it is
+     added into `leaf.grad` with `+=` and the leaf's hooks fire (data-parallel buckets start
+     their all-reduce there while backward goes on).
+Intermediate gradients live in a dict local to the call, never on the tensors, so several
+graphs (micro-batches in flight in a pipeline) can be alive and be differentiated
+independently, in any order. A graph is freed after its backward.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+_grad_enabled = True
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Run operations without recording a graph (evaluation, generation, optimizer steps)."""
+    global _grad_enabled
+    prev, _grad_enabled = _grad_enabled, False
+    try:
+        yield
+    finally:
+        _grad_enabled = prev
+
+
+def is_grad_enabled() -> bool:
+    return _grad_enabled
+
+
+class Tensor:
+    """An ndarray with an optional gradient and a link to the Function that produced it."""
+
+    __slots__ = ("data", "grad", "requires_grad", "name", "_ctx", "_hooks", "__weakref__")
+
+    def __init__(self, data, requires_grad: bool = False, name: str | None = None):
+        self.data = data if isinstance(data, np.ndarray) else np.asarray(data)
+        self.grad = None                 # ndarray like data, accumulated with +=
+        self.requires_grad = requires_grad
+        self.name = name
+        self._ctx = None                 # the Function node that made this tensor (None: a leaf)
+        self._hooks = []
+
+    # --- plain properties -------------------------------------------------------------
+    shape = property(lambda self: self.data.shape)
+    dtype = property(lambda self: self.data.dtype)
+    ndim = property(lambda self: self.data.ndim)
+    size = property(lambda self: self.data.size)
+    is_leaf = property(lambda self: self._ctx is None)
+
+    def __repr__(self):
+        nm = f" {self.name!r}" if self.name else ""
+        return f"Tensor{nm}(shape={self.shape}, dtype={self.dtype}, requires_grad={self.requires_grad})"
+
+    def item(self) -> float:
+        return self.data.item()
+
+    def numpy(self) -> np.ndarray:
+        return self.data
+
+    def detach(self) -> "Tensor":
+        return Tensor(self.data)
+
+    def register_grad_hook(self, fn):
+        """fn(tensor) runs once this leaf's gradient for the current backward is complete
+        (after it has been added into .grad)."""
+        if not self.is_leaf:
+            raise ValueError("grad hooks are only supported on leaf tensors")
+        self._hooks.append(fn)
+        return fn
+
+    def remove_grad_hook(self, fn):
+        self._hooks.remove(fn)
+
+    # --- operators: thin sugar over minipar.ops ---------------------------------------
+    def __add__(self, other):
+        from minipar import ops
+        return ops.add(self, other)
+
+    __radd__ = __add__
+
+    def __mul__(self, other):
+        from minipar import ops
+        return ops.mul(self, other)
+
+    __rmul__ = __mul__
+
+    def __matmul__(self, other):
+        from minipar import ops
+        return ops.matmul(self, other)
+
+    def reshape(self, *shape):
+        from minipar import ops
+        return ops.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
+
+    def sum(self, axis=None, keepdims=False):
+        from minipar import ops
+        return ops.sum(self, axis, keepdims)
+
+    def mean(self, axis=None, keepdims=False):
+        from minipar import ops
+        return ops.mean(self, axis, keepdims)
+
+    # --- the graph ----------------------------------------------------------------------
+    def backward(self, grad=None, retain_graph: bool = False):
+        """Back-propagate from this tensor. `grad` defaults to 1 for a scalar."""
+        if grad is None:
+            if self.data.size != 1:
+                raise ValueError(f"backward() without grad needs a scalar, got shape {self.shape}")
+            grad = np.ones_like(self.data)
+        grad = np.asarray(grad, dtype=self.data.dtype)
+        if grad.shape != self.shape:
+            raise ValueError(f"grad shape {grad.shape} != tensor shape {self.shape}")
+        backward(self, grad, retain_graph=retain_graph)
+
+    def saved_bytes(self) -> int:
+        """Bytes of activations that this graph holds for its backward (parameters excluded)."""
+        return saved_bytes(self)
+
+
+def _graph(root: Tensor):
+    """Nodes (non-leaf tensors) reachable from root in topological order, and, for every
+    tensor that requires grad, the number of graph edges that feed gradient into it."""
+    order, pending = [], {}
+    seen = {id(root)}
+    stack = [(root, False)]
+    while stack:
+        t, expanded = stack.pop()
+        if expanded:
+            order.append(t)
+            continue
+        if t._ctx is None:
+            continue
+        stack.append((t, True))
+        for p in t._ctx.parents:
+            if p is None or not p.requires_grad:
+                continue
+            pending[id(p)] = pending.get(id(p), 0) + 1
+            if id(p) not in seen:
+                seen.add(id(p))
+                stack.append((p, False))
+    return order, pending
+
+
+def backward(root: Tensor, grad: np.ndarray, retain_graph: bool = False):
+    order, pending = _graph(root)
+    grads = {id(root): grad}
+    if root._ctx is None:                       # a leaf was asked for backward directly
+        _finish_leaf(root, grad)
+        return
+    for t in reversed(order):
+        g = grads.pop(id(t), None)
+        ctx = t._ctx
+        if g is None:                           # nothing flowed here (e.g. unused output)
+            g = np.zeros_like(t.data)
+        in_grads = ctx.backward(g)
+        if not isinstance(in_grads, tuple):
+            in_grads = (in_grads,)
+        if len(in_grads) != len(ctx.parents):
+            raise RuntimeError(f"{type(ctx).__name__}.backward returned {len(in_grads)} grads "
+                               f"for {len(ctx.parents)} inputs")
+        for p, pg in zip(ctx.parents, in_grads):
+            if p is None or not p.requires_grad:
+                continue
+            if pg is not None:
+                if pg.shape != p.data.shape:
+                    raise RuntimeError(f"{type(ctx).__name__}.backward: grad shape {pg.shape} "
+                                       f"!= input shape {p.data.shape}")
+                prev = grads.get(id(p))
+                # never add in place: pg may alias another tensor's gradient
+                grads[id(p)] = pg if prev is None else prev + pg
+            pending[id(p)] -= 1
+            if pending[id(p)] == 0 and p._ctx is None:
+                _finish_leaf(p, grads.pop(id(p), None))
+        if not retain_graph:
+            ctx.saved = ()
+            t._ctx = None
+
+
+def _finish_leaf(leaf: Tensor, g):
+    if g is not None:
+        if leaf.grad is None:
+            leaf.grad = np.array(g, dtype=leaf.data.dtype, copy=True)  # own it: g may alias
+        else:
+            leaf.grad += g
+    for hook in leaf._hooks:
+        hook(leaf)
+
+
+def saved_bytes(root: Tensor) -> int:
+    order, _ = _graph(root)
+    leaves = set()
+    for t in order:
+        for p in t._ctx.parents:
+            if p is not None and p._ctx is None:
+                leaves.add(id(p.data))
+    seen, total = set(), 0
+    for t in order:
+        for a in t._ctx.saved:
+            if isinstance(a, np.ndarray) and id(a) not in seen and id(a) not in leaves:
+                seen.add(id(a))
+                total += a.nbytes
+    return total
+
+
+class Function:
+    """One node of the graph. Subclasses write forward(self, *arrays) -> ndarray and
+    backward(self, grad) -> one gradient (or None) per forward argument, in order.
+    Non-Tensor arguments (ints, index arrays, flags) are passed through and get None."""
+
+    def save(self, *arrays):
+        """Keep what backward needs. Counted by Tensor.saved_bytes()."""
+        self.saved = arrays
+
+    @classmethod
+    def apply(cls, *args, **kwargs) -> Tensor:
+        ctx = cls()
+        ctx.saved = ()
+        raw = [a.data if isinstance(a, Tensor) else a for a in args]
+        needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        ctx.needs_input_grad = needs
+        out = Tensor(ctx.forward(*raw, **kwargs))
+        if _grad_enabled and any(needs):
+            out.requires_grad = True
+            out._ctx = ctx
+            ctx.parents = tuple(a if isinstance(a, Tensor) else None for a in args)
+        else:
+            ctx.saved = ()
+        return out
+
+    def forward(self, *args):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def backward(self, grad):  # pragma: no cover - abstract
+        raise NotImplementedError
