@@ -113,9 +113,10 @@ class GPT:
         extra = sorted(set(state) - set(self.params))
         if missing or extra:
             raise ValueError(f"state_dict mismatch: missing {missing[:4]}, unexpected {extra[:4]}")
-        for n, p in self.params.items():
+        for n, p in self.params.items():                    # check all before changing any
             if tuple(state[n].shape) != p.shape:
                 raise ValueError(f"{n}: checkpoint shape {tuple(state[n].shape)} != model shape {p.shape}")
+        for n, p in self.params.items():
             p.data[...] = state[n]
 
     def zero_grad(self):

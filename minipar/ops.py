@@ -115,13 +115,17 @@ class MatMul(Function):
 
     def forward(self, a, b):
         self.save(a, b)
+        if b.ndim == 2 and a.ndim > 2:                     # one GEMM over all rows
+            return (a.reshape(-1, a.shape[-1]) @ b).reshape(*a.shape[:-1], b.shape[1])
         return a @ b
 
     def backward(self, g):
         a, b = self.saved
         da = db = None
-        if self.needs_input_grad[0]:
-            da = _unbroadcast(g @ np.swapaxes(b, -1, -2), a.shape) if b.ndim > 1 else None
+        if self.needs_input_grad[0] and b.ndim == 2 and a.ndim > 2:
+            da = (g.reshape(-1, g.shape[-1]) @ b.T).reshape(a.shape)
+        elif self.needs_input_grad[0]:
+            da = _unbroadcast(g @ np.swapaxes(b, -1, -2), a.shape)
         if self.needs_input_grad[1]:
             if b.ndim == 2 and a.ndim >= 2:
                 db = a.reshape(-1, a.shape[-1]).T @ g.reshape(-1, g.shape[-1])
@@ -131,20 +135,22 @@ class MatMul(Function):
 
 
 class Linear(Function):
-    """y = x @ w + b with x (..., Cin), w (Cin, Cout), b (Cout,) or None."""
+    """y = x @ w + b with x (..., Cin), w (Cin, Cout), b (Cout,) or None. Rows are
+    flattened to one (N, Cin) @ (Cin, Cout) GEMM: numpy would otherwise loop over B."""
 
     def forward(self, x, w, b=None):
-        self.save(x, w)
-        y = x @ w                                          # (..., Cout)
+        x2 = x.reshape(-1, x.shape[-1])                    # (N, Cin)
+        self.save(x2, w)
+        y = x2 @ w                                         # (N, Cout)
         if b is not None:
             y += b
-        return y
+        return y.reshape(*x.shape[:-1], w.shape[1])
 
     def backward(self, g):
-        x, w = self.saved
+        x2, w = self.saved
         g2 = g.reshape(-1, g.shape[-1])                    # (N, Cout)
-        dx = (g @ w.T) if self.needs_input_grad[0] else None
-        dw = (x.reshape(-1, x.shape[-1]).T @ g2) if self.needs_input_grad[1] else None
+        dx = (g2 @ w.T).reshape(*g.shape[:-1], w.shape[0]) if self.needs_input_grad[0] else None
+        dw = (x2.T @ g2) if self.needs_input_grad[1] else None
         if len(self.needs_input_grad) == 2:                # called without a bias
             return dx, dw
         return dx, dw, (g2.sum(0) if self.needs_input_grad[2] else None)
@@ -369,6 +375,8 @@ def split(x: Tensor, sections, axis: int = -1) -> list:
     """np.split semantics: an int number of equal parts, or a list of cut points."""
     axis = axis % x.ndim
     n = x.shape[axis]
+    if isinstance(sections, int) and (sections <= 0 or n % sections):
+        raise ValueError(f"split: axis {axis} of size {n} does not divide into {sections} equal parts")
     cuts = list(range(0, n, n // sections))[1:] if isinstance(sections, int) else list(sections)
     bounds = [0, *cuts, n]
     out = []

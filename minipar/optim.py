@@ -39,7 +39,9 @@ def adamw_update(p, g, m, v, step: int, lr: float, betas=(0.9, 0.95), eps: float
 
 class AdamW:
     """torch.optim.AdamW on minipar Tensors. Weight decay applies to parameters with two or
-    more dimensions (weights and embeddings), never to biases or LayerNorm gains."""
+    more dimensions (weights and embeddings), never to biases or LayerNorm gains. One step
+    count serves every parameter (PyTorch keeps one per parameter; they differ only for a
+    parameter that sometimes has no gradient, which never happens in GPT)."""
 
     def __init__(self, params, lr: float = 3e-4, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.1):
@@ -68,16 +70,19 @@ class AdamW:
         """{'step': n, 'm.{i}': ..., 'v.{i}': ...} in parameter order (names added by the caller)."""
         out = {"step": np.asarray(self.step_count)}
         for i, (m, v) in enumerate(zip(self.m, self.v)):
-            out[f"m.{i}"], out[f"v.{i}"] = m, v
+            out[f"m.{i}"], out[f"v.{i}"] = m.copy(), v.copy()
         return out
 
     def load_state_dict(self, state: dict):
-        self.step_count = int(state["step"])
         for i, (m, v) in enumerate(zip(self.m, self.v)):
             for key, dst in ((f"m.{i}", m), (f"v.{i}", v)):
+                if key not in state:
+                    raise ValueError(f"optimizer state has no {key!r}")
                 if state[key].shape != dst.shape:
                     raise ValueError(f"optimizer state {key}: shape {state[key].shape} != {dst.shape}")
-                dst[...] = state[key]
+        self.step_count = int(state["step"])
+        for i, (m, v) in enumerate(zip(self.m, self.v)):
+            m[...], v[...] = state[f"m.{i}"], state[f"v.{i}"]
 
 
 def grad_norm(grads) -> float:

@@ -22,10 +22,12 @@ independently, in any order. A graph is freed after its backward.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import numpy as np
 
 _grad_enabled = True
+_node_seq = itertools.count()     # numbers graph nodes in order of creation
 
 
 @contextlib.contextmanager
@@ -135,34 +137,41 @@ class Tensor:
 
 def _graph(root: Tensor):
     """Nodes (non-leaf tensors) reachable from root in topological order, and, for every
-    tensor that requires grad, the number of graph edges that feed gradient into it."""
-    order, pending = [], {}
+    tensor that requires grad, the number of graph edges that feed gradient into it.
+
+    The order is the order of creation (Function.apply numbers every node): an op's
+    inputs always exist before its output, so creation order is topological, and walking
+    it backwards finishes the parameters used last in forward first, as PyTorch does
+    (data-parallel buckets rely on that). A depth-first order would not: it can visit a
+    tensor used both directly and through a branch (x + f(x)) before the branch is done."""
+    nodes, pending = [], {}
     seen = {id(root)}
-    stack = [(root, False)]
+    stack = [root]
     while stack:
-        t, expanded = stack.pop()
-        if expanded:
-            order.append(t)
-            continue
+        t = stack.pop()
         if t._ctx is None:
             continue
-        stack.append((t, True))
+        nodes.append(t)
         for p in t._ctx.parents:
             if p is None or not p.requires_grad:
                 continue
             pending[id(p)] = pending.get(id(p), 0) + 1
             if id(p) not in seen:
                 seen.add(id(p))
-                stack.append((p, False))
-    return order, pending
+                stack.append(p)
+    nodes.sort(key=lambda t: t._ctx.seq)
+    return nodes, pending
 
 
 def backward(root: Tensor, grad: np.ndarray, retain_graph: bool = False):
+    if root._ctx is None:
+        if not root.requires_grad:
+            raise RuntimeError("backward() on a tensor with no graph: it does not require grad, "
+                               "or its graph was already freed by an earlier backward()")
+        _finish_leaf(root, grad)                # a leaf was asked for backward directly
+        return
     order, pending = _graph(root)
     grads = {id(root): grad}
-    if root._ctx is None:                       # a leaf was asked for backward directly
-        _finish_leaf(root, grad)
-        return
     for t in reversed(order):
         g = grads.pop(id(t), None)
         ctx = t._ctx
@@ -202,19 +211,24 @@ def _finish_leaf(leaf: Tensor, g):
         hook(leaf)
 
 
+def _owner(a: np.ndarray) -> np.ndarray:
+    """The array that owns a view's memory (a reshape or transpose of x is x's memory)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
 def saved_bytes(root: Tensor) -> int:
     order, _ = _graph(root)
-    leaves = set()
-    for t in order:
-        for p in t._ctx.parents:
-            if p is not None and p._ctx is None:
-                leaves.add(id(p.data))
-    seen, total = set(), 0
+    params = {id(_owner(p.data)) for t in order for p in t._ctx.parents if p is not None and p._ctx is None}
+    counted, total = set(), 0
     for t in order:
         for a in t._ctx.saved:
-            if isinstance(a, np.ndarray) and id(a) not in seen and id(a) not in leaves:
-                seen.add(id(a))
-                total += a.nbytes
+            if isinstance(a, np.ndarray):
+                own = _owner(a)
+                if id(own) not in counted and id(own) not in params:
+                    counted.add(id(own))
+                    total += own.nbytes
     return total
 
 
@@ -236,6 +250,7 @@ class Function:
         ctx.needs_input_grad = needs
         out = Tensor(ctx.forward(*raw, **kwargs))
         if _grad_enabled and any(needs):
+            ctx.seq = next(_node_seq)
             out.requires_grad = True
             out._ctx = ctx
             ctx.parents = tuple(a if isinstance(a, Tensor) else None for a in args)

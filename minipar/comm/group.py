@@ -1,0 +1,438 @@
+"""Group, the traffic ledger, and the one way a message moves: a polled Isend/Irecv.
+
+Everything in `minipar.comm` is built from the pieces in this file:
+
+- `Group(mpi_comm)` wraps a communicator (world or a sub-group, any size, 1 included). It
+  duplicates it, so minipar's messages can never be confused with anyone else's.
+- A collective is a Python *generator*: it posts a few Isend/Irecv for one step, `yield`s
+  the requests, and is resumed once they have completed. Written this way the ring in
+  `ring.py` reads like blocking code, and the same generator runs either to the end at once
+  (`run`, the blocking call) or a step at a time while other work goes on (`Handle`, what
+  `all_reduce_async` returns: each `handle.test()` advances it as far as it can).
+- Waiting is polling: `Testall` in a loop, first busy (lowest latency), then yielding the core
+  (ranks often outnumber cores), then sleeping. No wait blocks inside MPI, so every wait can
+  give up after `MINIPAR_COMM_TIMEOUT` seconds (default 600) with an error that names the
+  operation, the step and the peer.
+- Every message is counted in a per-process ledger under the name of the top-level call
+  (`traffic()`, `reset_traffic()`), and printed when `MINIPAR_TRACE=1`:
+  `rank 1 -> 2 | all_reduce step 3/6 | 4096 B` (world ranks, printed by the sender).
+- `MINIPAR_DEBUG=1`: before each collective the ranks all-gather a short description of the
+  call (operation, dtype, shape, root, op, call number) and every rank raises
+  `CollectiveMismatch` listing what each rank called if they differ.
+- `send(g, x, dst)` / `recv(g, src)` carry dtype and shape in a 128-byte header message
+  followed by the payload message; both are counted in the ledger.
+
+Bytes go on the wire as raw bytes (MPI.BYTE), so any NumPy dtype works, float16 and
+ml_dtypes' bfloat16 included; reductions are NumPy ufuncs applied in place.
+"""
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+
+# Tags: collective call k of a group uses tag k % _TAG_CYCLE (so overlapping async calls never
+# match each other's messages); point-to-point and the debug check have their own tags.
+# The MPI standard guarantees tags up to 32767.
+_TAG_CYCLE = 32000
+TAG_P2P = 32001
+TAG_DEBUG = 32002
+
+HEADER_BYTES = 128          # send/recv header: b"<dtype>|<shape>" padded with zeros
+_NAP_AFTER = 0.05           # seconds of waiting before it sleeps between polls
+_NAP = 0.0005
+
+
+class CommError(RuntimeError):
+    """A collective or point-to-point call failed."""
+
+
+class CommTimeout(CommError, TimeoutError):
+    """No progress for MINIPAR_COMM_TIMEOUT seconds."""
+
+
+class CollectiveMismatch(CommError):
+    """MINIPAR_DEBUG: ranks of a group called different collectives (or shapes, dtypes...)."""
+
+
+def _env_flag(name):
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+# --------------------------------------------------------------------------------------------
+# The ledger: {op: {"calls", "bytes_sent", "bytes_recv", "seconds"}} for this process.
+
+_LEDGER = {}
+
+
+def traffic():
+    """What this process sent and received, per top-level operation (a copy)."""
+    return {name: dict(entry) for name, entry in _LEDGER.items()}
+
+
+def reset_traffic():
+    _LEDGER.clear()
+
+
+def _account(name, sent, recvd, seconds):
+    e = _LEDGER.get(name)
+    if e is None:
+        e = _LEDGER[name] = {"calls": 0, "bytes_sent": 0, "bytes_recv": 0, "seconds": 0.0}
+    e["calls"] += 1
+    e["bytes_sent"] += sent
+    e["bytes_recv"] += recvd
+    e["seconds"] += seconds
+
+
+# --------------------------------------------------------------------------------------------
+
+_HOOK_INSTALLED = False
+
+
+def abort_on_error():
+    """Make an uncaught exception on any rank print its traceback and end the whole job.
+
+    Without this, the other ranks would wait for the dead one (until their timeout).
+    Installed by the first Group created in a world of more than one process.
+    """
+    global _HOOK_INSTALLED
+    if _HOOK_INSTALLED:
+        return
+    _HOOK_INSTALLED = True
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+            return previous(kind, value, tb)
+        text = "".join(traceback.format_exception(kind, value, tb))
+        rank = MPI.COMM_WORLD.Get_rank()
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+        sys.stderr.write(f"[rank {rank}] aborting the job (uncaught exception)\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+
+
+class Group:
+    """A set of ranks that talk to each other: wraps (a duplicate of) an mpi4py communicator.
+
+    g.rank, g.size    this process's rank in the group, and the group size
+    g.comm            the duplicated communicator (safe to use for MPI's own calls in tests)
+    g.world_ranks     world rank of each group rank (what the trace prints)
+    debug, trace, timeout default to MINIPAR_DEBUG, MINIPAR_TRACE, MINIPAR_COMM_TIMEOUT.
+    """
+
+    def __init__(self, comm, *, debug=None, trace=None, timeout=None):
+        self.comm = comm.Dup()          # our own message space; Dup is allowed (not a collective op)
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        mine, world = self.comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        ranks = mine.Translate_ranks(list(range(self.size)), world)
+        mine.Free()
+        world.Free()
+        self.world_ranks = [w if w != MPI.UNDEFINED else r for r, w in enumerate(ranks)]
+        self.debug = _env_flag("MINIPAR_DEBUG") if debug is None else bool(debug)
+        self.trace = _env_flag("MINIPAR_TRACE") if trace is None else bool(trace)
+        self.timeout = float(os.environ.get("MINIPAR_COMM_TIMEOUT", "600")) if timeout is None \
+            else float(timeout)
+        self.calls = 0                  # collective calls so far: tag and debug call number
+        if MPI.COMM_WORLD.Get_size() > 1:
+            abort_on_error()
+
+    def __repr__(self):
+        return f"Group(rank={self.rank}, size={self.size}, world_ranks={self.world_ranks})"
+
+    def begin(self, name, nsteps, describe=None):
+        """Start collective call `name`: a fresh Call, after the debug agreement if enabled.
+
+        describe: a string of everything the ranks must agree on (dtype, shape, op, root...).
+        """
+        self.calls += 1
+        if self.debug and self.size > 1:
+            _agree(self, f"{name}({describe or ''})")
+        return Call(self, name, nsteps, self.calls % _TAG_CYCLE)
+
+
+class Call:
+    """One collective call in flight: its tag, step counter, byte counts, and the wait loop."""
+
+    __slots__ = ("g", "name", "tag", "nsteps", "step", "sent", "recvd", "t0", "peers", "comm",
+                 "trace")
+
+    def __init__(self, g, name, nsteps, tag):
+        self.g, self.name, self.nsteps, self.tag = g, name, nsteps, tag
+        self.comm, self.trace = g.comm, g.trace
+        self.step = 0
+        self.sent = self.recvd = 0
+        self.peers = ()                 # (verb, peer, nbytes) of this step, for error messages
+        self.t0 = time.perf_counter()
+
+    # Posting messages. Buffers are contiguous 1-D ndarrays of any dtype, sent as raw bytes;
+    # empty ones are skipped (both sides always know the sizes). Each returns a request list.
+
+    def isend(self, step, buf, dst):
+        self.step = step
+        nbytes = buf.nbytes
+        if not nbytes:
+            return []
+        self.sent += nbytes
+        self.peers = (("send to", dst, nbytes),)
+        if self.trace:
+            self.print_send(step, dst, nbytes)
+        return [self.comm.Isend([buf, MPI.BYTE], dst, self.tag)]
+
+    def irecv(self, step, buf, src):
+        self.step = step
+        nbytes = buf.nbytes
+        if not nbytes:
+            return []
+        self.recvd += nbytes
+        self.peers = (("receive from", src, nbytes),)
+        return [self.comm.Irecv([buf, MPI.BYTE], src, self.tag)]
+
+    def sendrecv(self, step, sendbuf, dst, recvbuf, src):
+        """Post the receive, then the send, of one step (what MPI_Sendrecv does)."""
+        self.step = step
+        ns, nr = sendbuf.nbytes, recvbuf.nbytes
+        self.peers = (("send to", dst, ns), ("receive from", src, nr))
+        reqs = []
+        if nr:
+            self.recvd += nr
+            reqs.append(self.comm.Irecv([recvbuf, MPI.BYTE], src, self.tag))
+        if ns:
+            self.sent += ns
+            if self.trace:
+                self.print_send(step, dst, ns)
+            reqs.append(self.comm.Isend([sendbuf, MPI.BYTE], dst, self.tag))
+        return reqs
+
+    def print_send(self, step, dst, nbytes):
+        w = self.g.world_ranks
+        print(f"rank {w[self.g.rank]} -> {w[dst]} | {self.name} step {step}/{self.nsteps} | "
+              f"{nbytes} B", flush=True)
+
+    # Waiting.
+
+    def wait(self, reqs):
+        """Poll until every request completed, yielding the core between polls (ranks often
+        outnumber cores, and the peer we wait for may need it), napping after a while."""
+        testall = MPI.Request.Testall
+        if testall(reqs):
+            return
+        start = time.monotonic()
+        while not testall(reqs):
+            os.sched_yield()
+            waited = time.monotonic() - start
+            if waited > _NAP_AFTER:
+                if waited > self.g.timeout:
+                    self.give_up(reqs, waited)
+                time.sleep(_NAP)
+
+    def give_up(self, reqs, waited):
+        for r in reqs:                          # leave nothing half-posted behind us
+            if r != MPI.REQUEST_NULL and not r.Test():
+                try:
+                    r.Cancel()
+                except MPI.Exception:
+                    pass
+        w = self.g.world_ranks
+        what = " and ".join(f"{verb} rank {w[peer]} ({n} B)" for verb, peer, n in self.peers)
+        raise CommTimeout(
+            f"rank {w[self.g.rank]}: {self.name} step {self.step}/{self.nsteps} gave up after "
+            f"{waited:.1f} s waiting to {what or 'complete'} (MINIPAR_COMM_TIMEOUT="
+            f"{self.g.timeout:g}); is that rank in a different call, or dead?")
+
+    def done(self):
+        _account(self.name, self.sent, self.recvd, time.perf_counter() - self.t0)
+
+
+def run(call, steps):
+    """Drive a collective generator to the end, blocking: the synchronous path."""
+    try:
+        reqs = next(steps)
+        while True:
+            call.wait(reqs)
+            reqs = steps.send(None)
+    except StopIteration as stop:
+        call.done()
+        return stop.value
+
+
+class Handle:
+    """A collective in flight. test() advances it as far as possible without blocking and
+    says whether it is finished; wait() finishes it and returns the result.
+
+    Progress happens only inside test()/wait() (and MPI calls), so call test() now and then
+    while doing other work, e.g. from a gradient hook between layers of backward.
+    """
+
+    __slots__ = ("_call", "_steps", "_reqs", "_done", "_result", "_last")
+
+    def __init__(self, call, steps):
+        self._call, self._steps = call, steps
+        self._done, self._result = False, None
+        self._reqs = []
+        self._last = time.monotonic()
+        self._advance()                         # post the first step right away
+
+    def _advance(self):
+        try:
+            self._reqs = self._steps.send(None)
+        except StopIteration as stop:
+            self._done, self._result, self._reqs = True, stop.value, []
+            self._call.done()
+        self._last = time.monotonic()
+
+    def test(self):
+        while not self._done and MPI.Request.Testall(self._reqs):
+            self._advance()
+        if not self._done:
+            waited = time.monotonic() - self._last
+            if waited > self._call.g.timeout:
+                self._call.give_up(self._reqs, waited)
+        return self._done
+
+    def wait(self):
+        while not self.test():
+            if time.monotonic() - self._last < _NAP_AFTER:
+                os.sched_yield()
+            else:
+                time.sleep(_NAP)
+        return self._result
+
+    @property
+    def done(self):
+        return self._done
+
+
+# --------------------------------------------------------------------------------------------
+# MINIPAR_DEBUG: agree on the call before making it.
+
+_DESC_BYTES = 256
+
+
+def _agree(g, what):
+    """All-gather every rank's description of the call (a ring, p-1 steps of 256 B) and
+    raise on every rank if they differ. Counted in the ledger as "debug_check"."""
+    text = f"call #{g.calls}: {what}"
+    mine = np.zeros(_DESC_BYTES, np.uint8)
+    raw = text.encode()[:_DESC_BYTES]
+    mine[:len(raw)] = np.frombuffer(raw, np.uint8)
+    p, r = g.size, g.rank
+    table = np.empty((p, _DESC_BYTES), np.uint8)
+    table[r] = mine
+    call = Call(g, "debug_check", p - 1, TAG_DEBUG)
+    right, left = (r + 1) % p, (r - 1) % p
+    for s in range(p - 1):                      # ring all-gather: pass along what came in
+        reqs = call.sendrecv(s + 1, table[(r - s) % p], right, table[(r - s - 1) % p], left)
+        call.wait(reqs)
+    call.done()
+    texts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in table]
+    if len(set(texts)) > 1:
+        w = g.world_ranks
+        lines = "\n".join(f"  rank {i} (world {w[i]}): {t}" for i, t in enumerate(texts))
+        raise CollectiveMismatch(
+            f"MINIPAR_DEBUG: the {p} ranks of group {w} disagree on collective call "
+            f"#{g.calls}:\n{lines}")
+
+
+def describe(x, **extra):
+    """The debug description of an array argument and the other arguments."""
+    parts = [f"{x.dtype}", f"shape={tuple(x.shape)}"] if x is not None else []
+    parts += [f"{k}={v}" for k, v in extra.items()]
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers shared by the algorithms.
+
+def array(x):
+    return x if type(x) is np.ndarray else np.asarray(x)
+
+
+def flat(x):
+    """x (an ndarray) as a contiguous 1-D array: a view when possible, never written to."""
+    return x.ravel()
+
+
+def reduce_op(op):
+    f = OPS.get(op) if isinstance(op, str) else None
+    if f is None:
+        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    return f
+
+
+def split_offsets(n, p):
+    """Element offsets of np.array_split(range(n), p): piece i is [off[i], off[i+1])."""
+    q, rem = divmod(n, p)
+    return [i * q + min(i, rem) for i in range(p + 1)]
+
+
+def check_rank(g, rank, what):
+    if not isinstance(rank, (int, np.integer)) or not 0 <= rank < g.size:
+        raise ValueError(f"{what} must be a rank of the group (0..{g.size - 1}), got {rank!r}")
+    return int(rank)
+
+
+# --------------------------------------------------------------------------------------------
+# Point-to-point with dtype and shape: a 128-byte header message, then the payload message.
+
+def _dtype_token(dtype):
+    if dtype.fields is not None or dtype.hasobject:
+        raise TypeError(f"minipar.comm sends plain numeric arrays, not dtype {dtype}")
+    return dtype.name if dtype.kind == "V" else dtype.str      # bfloat16 is kind 'V'
+
+
+def _token_dtype(token):
+    try:
+        return np.dtype(token)
+    except TypeError:
+        import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with NumPy)
+        return np.dtype(token)
+
+
+def encode_header(x):
+    text = f"{_dtype_token(x.dtype)}|{','.join(str(d) for d in x.shape)}".encode()
+    if len(text) > HEADER_BYTES:
+        raise ValueError(f"array header too long ({len(text)} B > {HEADER_BYTES} B): {text!r}")
+    header = np.zeros(HEADER_BYTES, np.uint8)
+    header[:len(text)] = np.frombuffer(text, np.uint8)
+    return header
+
+
+def decode_header(header):
+    token, dims = bytes(header).rstrip(b"\0").decode().split("|")
+    shape = tuple(int(d) for d in dims.split(",")) if dims else ()
+    return _token_dtype(token), shape
+
+
+def send(g, x, dst):
+    """Send array x (any dtype and shape) to group rank dst; returns when x may be reused."""
+    dst = check_rank(g, dst, "dst")
+    if dst == g.rank:
+        raise ValueError(f"rank {g.rank} cannot send to itself")
+    x = np.asarray(x)
+    header, payload = encode_header(x), flat(x)
+    call = Call(g, "send", 2, TAG_P2P)
+    call.wait(call.isend(1, header, dst) + call.isend(2, payload, dst))
+    call.done()
+
+
+def recv(g, src):
+    """Receive the next array group rank src sent with send(); returns a new array."""
+    src = check_rank(g, src, "src")
+    if src == g.rank:
+        raise ValueError(f"rank {g.rank} cannot receive from itself")
+    call = Call(g, "recv", 2, TAG_P2P)
+    header = np.empty(HEADER_BYTES, np.uint8)
+    call.wait(call.irecv(1, header, src))
+    dtype, shape = decode_header(header)
+    out = np.empty(shape, dtype)
+    call.wait(call.irecv(2, out.reshape(-1), src))
+    call.done()
+    return out

@@ -1,0 +1,39 @@
+"""Measuring speed honestly: the matmul peak that MFU is taken against.
+
+MFU (model FLOPs utilisation) = (model FLOPs per step / step time) / peak FLOP/s, where
+the peak is what this very process reaches on a large square matmul of the run's dtype,
+measured in the same run (same BLAS, same thread count, same machine load).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def matmul_peak_flops(dtype=np.float32, sizes=(512, 1024), seconds: float = 0.25) -> float:
+    """Best FLOP/s over a few square sizes of `a @ b` in `dtype`."""
+    best = 0.0
+    rng = np.random.default_rng(0)
+    for n in sizes:
+        a = rng.standard_normal((n, n)).astype(dtype)
+        b = rng.standard_normal((n, n)).astype(dtype)
+        out = np.empty((n, n), dtype=dtype)
+        np.matmul(a, b, out=out)                         # warm up
+        reps, t0 = 0, time.perf_counter()
+        while True:
+            np.matmul(a, b, out=out)
+            reps += 1
+            dt = time.perf_counter() - t0
+            if dt >= seconds:
+                break
+        best = max(best, 2.0 * n ** 3 * reps / dt)
+    return best
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
