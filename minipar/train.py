@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, default=16, help="global batch B, in sequences")
     t.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation: B is split into M")
     t.add_argument("--steps", type=int, default=600, help="the step number the run ends at (steps count from 0)")
-    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     t.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine")
     t.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
     t.add_argument("--min-lr", type=float, default=1e-4, help="cosine decays to this")
