@@ -23,7 +23,7 @@ import numpy as np
 from minipar import checkpoint, data
 from minipar.model import GPT, GPTConfig, train_flops_per_token
 from minipar.optim import AdamW, clip_grad_norm, lr_at
-from minipar.perf import human_bytes, matmul_peak_flops
+from minipar.perf import human_bytes, keep_freed_memory, matmul_peak_flops
 from minipar.tensor import no_grad
 
 MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
@@ -262,6 +262,7 @@ def run(args) -> dict:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    keep_freed_memory()
     try:
         run(args)
     except ConfigError as e:

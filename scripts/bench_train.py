@@ -1,0 +1,82 @@
+"""Benchmark full training steps (forward, backward, AdamW) in float32 on one BLAS thread.
+
+    python scripts/bench_train.py [--steps N] [--configs small,medium]
+
+For each config it prints tokens/s and MFU = model FLOPs per second / the float32 matmul
+peak that this same process measures just before (same BLAS, same thread, same load).
+Model FLOPs per token are minipar.model.train_flops_per_token: 3x the forward matmuls.
+Targets (issue 2): MFU >= 0.40 on small, >= 0.60 on medium.
+"""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")        # before numpy loads its BLAS
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from minipar.model import GPT, GPTConfig, train_flops_per_token  # noqa: E402
+from minipar.optim import AdamW  # noqa: E402
+from minipar.perf import keep_freed_memory, matmul_peak_flops  # noqa: E402
+
+CONFIGS = {  # name: (L, H, C, T, B, MFU target)
+    "small": (4, 4, 128, 64, 16, 0.40),
+    "medium": (6, 6, 384, 128, 8, 0.60),
+}
+
+
+def bench(name, steps):
+    L, H, C, T, B, target = CONFIGS[name]
+    cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=L, n_head=H, n_embd=C)
+    model = GPT(cfg, seed=0, dtype=np.float32)
+    opt = AdamW(model.parameters(), lr=1e-3)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (B, T)), rng.integers(0, 256, (B, T))
+
+    def step():
+        opt.zero_grad()
+        model(x, y).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    peak = matmul_peak_flops(np.float32)                 # measured right after, same conditions
+    flops = train_flops_per_token(cfg, T) * B * T
+    med, best = statistics.median(times), min(times)
+    return dict(name=name, cfg=f"L={L} H={H} C={C} T={T} B={B}", params=model.num_params(),
+                ms=med * 1e3, tok_s=B * T / med, mfu=flops / med / peak, mfu_best=flops / best / peak,
+                peak=peak, target=target)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per config (median reported)")
+    ap.add_argument("--configs", default="small,medium")
+    args = ap.parse_args()
+    keep_freed_memory()
+    print(f"numpy {np.__version__}, float32, OMP/OPENBLAS threads = {os.environ['OPENBLAS_NUM_THREADS']}")
+    hdr = f"{'config':8s} {'shape':28s} {'params':>9s} {'ms/step':>8s} {'tok/s':>8s} {'peak GF/s':>9s} {'MFU':>6s} {'best':>6s} {'target':>6s}"
+    print(hdr)
+    print("-" * len(hdr))
+    ok = True
+    for name in args.configs.split(","):
+        r = bench(name, args.steps)
+        met = r["mfu"] >= r["target"]
+        ok &= met
+        print(f"{r['name']:8s} {r['cfg']:28s} {r['params']:9,d} {r['ms']:8.1f} {r['tok_s']:8.0f} "
+              f"{r['peak'] / 1e9:9.1f} {r['mfu']:6.3f} {r['mfu_best']:6.3f} {r['target']:6.2f} {'ok' if met else 'MISSED'}")
+    print("MFU = 3 x forward matmul FLOPs per step / median step time / measured fp32 matmul peak")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
