@@ -55,8 +55,8 @@ def save(directory: str, model_state: dict, optim_state: dict, meta: dict):
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(directory):
+    if os.path.exists(directory):                   # only now may an older DIR.old go
+        shutil.rmtree(old, ignore_errors=True)
         os.rename(directory, old)
     os.rename(tmp, directory)
     _fsync_dir(os.path.dirname(directory))
@@ -67,7 +67,7 @@ def _read_npz(path: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except Exception as e:  # zipfile.BadZipFile, ValueError, OSError ...
         raise CheckpointError(f"checkpoint file {path} is corrupt: {type(e).__name__}: {e}") from None
@@ -89,6 +89,12 @@ def load(directory: str):
             meta = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint file {meta_path} is corrupt: {e}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or "config" not in meta:
+        raise CheckpointError(f"checkpoint file {meta_path} is corrupt: not a minipar checkpoint "
+                              f"(needs an object with 'step' and 'config')")
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint file {meta_path} has format {meta.get('format')!r}, "
+                              f"this minipar reads format {FORMAT_VERSION}")
     model_state = _read_npz(os.path.join(directory, "model.npz"))
     opt = _read_npz(os.path.join(directory, "optim.npz"))
     if "step" not in opt:

@@ -37,35 +37,34 @@ class ConfigError(ValueError):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m minipar.train",
-        description="Train a small GPT-2 on a NumPy autograd engine (single process for now).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description="Train a small GPT-2 on a NumPy autograd engine (single process for now).")
     m = p.add_argument_group("model (unset: the checkpoint's value on --resume, else the default shown)")
-    m.add_argument("--n-layer", type=int, help=f"transformer blocks L [{MODEL_DEFAULTS['n_layer']}]")
-    m.add_argument("--n-head", type=int, help=f"attention heads H [{MODEL_DEFAULTS['n_head']}]")
-    m.add_argument("--n-embd", type=int, help=f"channels C, divisible by H [{MODEL_DEFAULTS['n_embd']}]")
-    m.add_argument("--block-size", type=int, help=f"context length T [{MODEL_DEFAULTS['block_size']}]")
+    m.add_argument("--n-layer", type=int, metavar="L", help=f"transformer blocks [{MODEL_DEFAULTS['n_layer']}]")
+    m.add_argument("--n-head", type=int, metavar="H", help=f"attention heads [{MODEL_DEFAULTS['n_head']}]")
+    m.add_argument("--n-embd", type=int, metavar="C", help=f"channels, divisible by H [{MODEL_DEFAULTS['n_embd']}]")
+    m.add_argument("--block-size", type=int, metavar="T", help=f"context length [{MODEL_DEFAULTS['block_size']}]")
     m.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
     t = p.add_argument_group("training")
-    t.add_argument("--batch-size", type=int, default=16, help="global batch B, in sequences")
-    t.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation: B is split into M")
-    t.add_argument("--steps", type=int, default=600, help="the step number the run ends at (steps count from 0)")
-    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    t.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine")
-    t.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
-    t.add_argument("--min-lr", type=float, default=1e-4, help="cosine decays to this")
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm; 0 disables")
-    t.add_argument("--seed", type=int, default=0, help="seeds init and data sampling")
-    t.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    t.add_argument("--batch-size", type=int, metavar="B", default=16, help="global batch B, in sequences [%(default)s]")
+    t.add_argument("--micro-batches", type=int, metavar="M", default=1, help="gradient accumulation: B is split into M [%(default)s]")
+    t.add_argument("--steps", type=int, metavar="S", default=600, help="the step number the run ends at (steps count from 0) [%(default)s]")
+    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate [%(default)s]")
+    t.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine", help="[%(default)s]")
+    t.add_argument("--warmup", type=int, default=20, help="linear warm-up steps [%(default)s]")
+    t.add_argument("--min-lr", type=float, default=1e-4, help="cosine decays to this [%(default)s]")
+    t.add_argument("--weight-decay", type=float, default=0.1, help="[%(default)s]")
+    t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm; 0 disables [%(default)s]")
+    t.add_argument("--seed", type=int, help="seeds init and data sampling [0; on --resume the checkpoint's]")
+    t.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="[%(default)s]")
     io = p.add_argument_group("data, checkpoints, output")
     io.add_argument("--data", metavar="FILE", help="UTF-8 text to train on (default: the built-in corpus)")
     io.add_argument("--save", metavar="DIR", help="write a checkpoint here at the end (and every --save-every)")
-    io.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps")
+    io.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps [%(default)s]")
     io.add_argument("--resume", metavar="DIR", help="continue exactly from this checkpoint")
     io.add_argument("--log", metavar="FILE.jsonl", help="one JSON object per step, then a summary object")
     io.add_argument("--log-every", type=int, default=0, metavar="N",
                     help="progress line every N steps (0: about 20 lines per run)")
-    io.add_argument("--sample", type=int, default=200, metavar="N", help="bytes of text to generate at the end")
+    io.add_argument("--sample", type=int, default=200, metavar="N", help="bytes of text to generate at the end [%(default)s]")
     return p
 
 
@@ -98,8 +97,11 @@ def validate(args, cfg: GPTConfig):
         raise ConfigError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     if args.batch_size % args.micro_batches:
         raise ConfigError(f"--batch-size {args.batch_size} is not divisible by --micro-batches {args.micro_batches}")
-    if args.lr <= 0 or args.min_lr < 0 or args.grad_clip < 0 or args.warmup < 0 or args.save_every < 0:
-        raise ConfigError("--lr must be > 0 and --min-lr, --grad-clip, --warmup, --save-every >= 0")
+    if args.lr <= 0:
+        raise ConfigError(f"--lr must be > 0, got {args.lr}")
+    for flag in ("min_lr", "grad_clip", "warmup", "save_every", "weight_decay", "seed", "log_every", "sample"):
+        if getattr(args, flag) < 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
 
 
 def memory_report(model: GPT, opt: AdamW) -> dict:
@@ -164,6 +166,10 @@ def run(args) -> dict:
         except checkpoint.CheckpointError as e:
             raise ConfigError(str(e)) from None
     cfg = resolve_model(args, meta)
+    if args.seed is None:
+        args.seed = int(meta.get("seed", 0)) if meta is not None else 0
+    elif meta is not None and args.seed != meta.get("seed", args.seed):
+        raise ConfigError(f"--seed {args.seed} does not match the checkpoint {args.resume} (seed {meta['seed']})")
     validate(args, cfg)
     dtype = DTYPES[args.dtype]
     if meta is not None and meta.get("dtype", args.dtype) != args.dtype:
@@ -172,6 +178,11 @@ def run(args) -> dict:
         tokens = data.load_tokens(args.data, cfg.block_size)
     except data.DataError as e:
         raise ConfigError(str(e)) from None
+    if meta is not None:
+        want = meta.get("data", {})
+        if want.get("sha256_16") not in (None, tokens_digest(tokens)):
+            raise ConfigError(f"data {args.data or data.BUILTIN_NAME!r} ({len(tokens):,} tokens) is not the data of the "
+                              f"checkpoint {args.resume} ({want.get('source')!r}, {want.get('tokens'):,} tokens)")
     start = 0 if meta is None else int(meta["step"])
     if start >= args.steps:
         raise ConfigError(f"--steps {args.steps} is not beyond the checkpoint's step {start}: nothing to train")
@@ -187,7 +198,10 @@ def run(args) -> dict:
     flops_step = train_flops_per_token(cfg, T) * B * T
     peak = matmul_peak_flops(dtype, seconds=0.1)
     log_every = args.log_every or max(1, (args.steps - start) // 20)
-    logf = open(args.log, "w") if args.log else None
+    try:
+        logf = open(args.log, "w") if args.log else None
+    except OSError as e:
+        raise ConfigError(f"--log {args.log}: {e.strerror}") from None
     source = args.data or f"{data.BUILTIN_NAME} corpus"
     say(f"minipar: GPT L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={T} V={cfg.vocab_size} "
         f"({'tied' if cfg.tie_embeddings else 'untied'}), {model.num_params():,} params, {args.dtype}")
