@@ -17,13 +17,16 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from minipar import checkpoint, data
+from minipar import checkpoint, comm, data
 from minipar.model import GPT, GPTConfig, train_flops_per_token
 from minipar.optim import AdamW, clip_grad_norm, lr_at
 from minipar.perf import human_bytes, keep_freed_memory, matmul_peak_flops
+from minipar.parallel import data_parallel
+from minipar.parallel.grid import LayoutError, ProcessGrid, check_layout
 from minipar.tensor import no_grad
 
 MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
@@ -31,13 +34,27 @@ DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
 class ConfigError(ValueError):
-    """Bad flags: reported as one line, exit code 2."""
+    """Bad flags: reported as one line, exit code 2. quiet: another rank reports it."""
+
+    def __init__(self, msg, quiet=False):
+        super().__init__(msg)
+        self.quiet = quiet
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m minipar.train",
-        description="Train a small GPT-2 on a NumPy autograd engine (single process for now).")
+        description="Train a small GPT-2 on a NumPy autograd engine, on one process or across "
+                    "MPI ranks: mpirun -n 4 python -m minipar.train")
+    g = p.add_argument_group("layout (world = dp * tp * pp)")
+    g.add_argument("--dp", type=int, metavar="D", help="data-parallel replicas [world / (tp*pp)]")
+    g.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel ranks [%(default)s]")
+    g.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline stages [%(default)s]")
+    g.add_argument("--dp-mode", choices=("bucketed", "naive"), default="bucketed",
+                   help="gradient all-reduce: per bucket during backward, or per parameter after [%(default)s]")
+    g.add_argument("--bucket-mb", type=float, default=1.0, metavar="X", help="bucket size in MiB [%(default)s]")
+    g.add_argument("--verify", action="store_true",
+                   help="re-run the same steps on one process and compare (exit 1 beyond tolerance)")
     m = p.add_argument_group("model (unset: the checkpoint's value on --resume, else the default shown)")
     m.add_argument("--n-layer", type=int, metavar="L", help=f"transformer blocks [{MODEL_DEFAULTS['n_layer']}]")
     m.add_argument("--n-head", type=int, metavar="H", help=f"attention heads [{MODEL_DEFAULTS['n_head']}]")
@@ -121,12 +138,13 @@ def tokens_digest(tokens: np.ndarray) -> str:
     return hashlib.sha256(tokens.tobytes()).hexdigest()[:16]
 
 
-def save_checkpoint(path, model: GPT, opt: AdamW, cfg: GPTConfig, args, next_step: int, tokens):
+def save_checkpoint(path, model: GPT, opt: AdamW, cfg: GPTConfig, args, next_step: int, tokens, grid=None):
     names = [n for n, _ in model.named_parameters()]
     checkpoint.save(path, model.state_dict(),
                     {"step": opt.step_count, "m": dict(zip(names, opt.m)), "v": dict(zip(names, opt.v))},
                     {"config": cfg.to_dict(), "step": next_step, "dtype": args.dtype,
-                     "layout": {"dp": 1, "tp": 1, "pp": 1, "zero": 0},
+                     "layout": {"dp": grid.dp_size if grid else 1, "tp": grid.tp_size if grid else 1,
+                                "pp": grid.pp_size if grid else 1, "zero": 0},
                      "data": {"source": args.data or data.BUILTIN_NAME, "tokens": int(len(tokens)),
                               "sha256_16": tokens_digest(tokens), "position": next_step},
                      "seed": args.seed, "batch_size": args.batch_size})
@@ -157,9 +175,24 @@ class Printer:
             print(*a, **k, flush=True)
 
 
-def run(args) -> dict:
-    say = Printer()
-    meta = None
+@dataclass
+class Plan:
+    """Everything a run needs, decided on every rank before the first message."""
+    cfg: GPTConfig
+    dtype: type
+    tokens: np.ndarray
+    start: int
+    meta: dict | None
+    state: dict | None
+    ostate: dict | None
+    dp: int
+    tp: int
+    pp: int
+
+
+def prepare(args, world: int) -> Plan:
+    """Validate flags, layout, checkpoint and data. Raises ConfigError; sends nothing."""
+    meta = state = ostate = None
     if args.resume:
         try:
             state, ostate, meta = checkpoint.load(args.resume)
@@ -171,7 +204,18 @@ def run(args) -> dict:
     elif meta is not None and args.seed != meta.get("seed", args.seed):
         raise ConfigError(f"--seed {args.seed} does not match the checkpoint {args.resume} (seed {meta['seed']})")
     validate(args, cfg)
-    dtype = DTYPES[args.dtype]
+    try:
+        dp, tp, pp = check_layout(world, args.dp, args.tp, args.pp)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    if tp > 1 or pp > 1:
+        raise ConfigError(f"--tp {tp} --pp {pp}: tensor and pipeline parallelism are not in this "
+                          f"version yet; run with tp = pp = 1 (dp = world size)")
+    if args.batch_size % (dp * args.micro_batches):
+        raise ConfigError(f"--batch-size {args.batch_size} is not divisible by dp*micro-batches = "
+                          f"{dp}*{args.micro_batches} = {dp * args.micro_batches}")
+    if args.bucket_mb <= 0:
+        raise ConfigError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
     if meta is not None and meta.get("dtype", args.dtype) != args.dtype:
         raise ConfigError(f"--dtype {args.dtype} does not match the checkpoint {args.resume} ({meta['dtype']})")
     try:
@@ -186,87 +230,225 @@ def run(args) -> dict:
     start = 0 if meta is None else int(meta["step"])
     if start >= args.steps:
         raise ConfigError(f"--steps {args.steps} is not beyond the checkpoint's step {start}: nothing to train")
+    return Plan(cfg, DTYPES[args.dtype], tokens, start, meta, state, ostate, dp, tp, pp)
 
-    sampler = data.Sampler(tokens, cfg.block_size, args.batch_size, args.seed)
-    model = GPT(cfg, seed=args.seed, dtype=dtype)
-    opt = AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    if meta is not None:
-        restore(model, opt, state, ostate, args.resume)
 
-    B, T, M = args.batch_size, cfg.block_size, args.micro_batches
-    mb = B // M
-    flops_step = train_flops_per_token(cfg, T) * B * T
-    peak = matmul_peak_flops(dtype, seconds=0.1)
-    log_every = args.log_every or max(1, (args.steps - start) // 20)
-    try:
-        logf = open(args.log, "w") if args.log else None
-    except OSError as e:
-        raise ConfigError(f"--log {args.log}: {e.strerror}") from None
-    source = args.data or f"{data.BUILTIN_NAME} corpus"
-    say(f"minipar: GPT L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={T} V={cfg.vocab_size} "
-        f"({'tied' if cfg.tie_embeddings else 'untied'}), {model.num_params():,} params, {args.dtype}")
-    say(f"  layout: 1 process (dp=1 tp=1 pp=1); batch {B} x {T} tokens, {M} micro-batch(es) of {mb}")
-    say(f"  data: {source}, {len(tokens):,} tokens; steps {start}..{args.steps - 1}; "
-        f"lr {args.lr:g} {args.lr_schedule}, warm-up {args.warmup}"
-        + (f"; resumed from {args.resume}" if meta is not None else ""))
+def agree_on_errors(world_comm, err: ConfigError | None):
+    """Every rank validated on its own; now all learn whether any failed, so that all exit 2
+    together instead of the healthy ones waiting for the failed one. The lowest failing
+    rank's message is the one printed."""
+    g = comm.Group(world_comm)
+    mine = np.array([g.rank if err is not None else g.size], dtype=np.int64)
+    first = int(comm.all_reduce(g, mine, op="min")[0])
+    if first == g.size:
+        return g
+    if err is not None and first == g.rank:
+        raise err
+    raise ConfigError(f"rank {first} rejected the configuration", quiet=True)
 
-    first_loss = None
-    t_run = time.perf_counter()
-    tok_total = 0
-    for step in range(start, args.steps):
+
+def build_optimizer(model: GPT, args) -> AdamW:
+    return AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+
+def init_model(plan: Plan, args):
+    model = GPT(plan.cfg, seed=args.seed, dtype=plan.dtype)
+    opt = build_optimizer(model, args)
+    if plan.meta is not None:
+        restore(model, opt, plan.state, plan.ostate, args.resume)
+    return model, opt
+
+
+def train_steps(model: GPT, opt: AdamW, sampler, args, start: int, stop: int, rows, dp=None, group=None):
+    """The training loop, one step per yield: {step, loss, lr, grad_norm, ...}.
+
+    rows = (lo, hi): this rank's rows of the global batch, cut into --micro-batches.
+    Each micro-batch loss is divided by the global token count, so the gradients summed
+    over micro-batches (autograd's +=) and over dp ranks (dp.finish) are those of the mean
+    loss over the global batch. dp=None is the single-process twin."""
+    B, T, M = args.batch_size, model.cfg.block_size, args.micro_batches
+    lo, hi = rows
+    mb = (hi - lo) // M
+    params = model.parameters()
+    for step in range(start, stop):
         t0 = time.perf_counter()
+        sent0 = comm_sent()
         lr = lr_at(step, args.lr, args.lr_schedule, args.warmup, args.steps, args.min_lr)
         opt.lr = lr
-        opt.zero_grad()
-        loss_sum = 0.0
+        if dp is None:
+            opt.zero_grad()
+        else:
+            dp.zero_grad()
+            dp.start_step()
+        loss_local = 0.0
         for k in range(M):
-            x, y = sampler.batch(step, k * mb, (k + 1) * mb)          # (B/M, T)
+            if dp is not None:
+                dp.sync_now(k == M - 1)                      # only the last micro-batch talks
+            x, y = sampler.batch(step, lo + k * mb, lo + (k + 1) * mb)      # (B/(dp*M), T)
             loss = model(x, y, loss_denom=B * T)
             loss.backward()
-            loss_sum += loss.item()
-        norm = clip_grad_norm(model.parameters(), args.grad_clip)
+            loss_local += loss.item()
+        if dp is not None:
+            dp.finish()
+        grad_bytes = comm_sent() - sent0
+        loss_sum = loss_local if group is None else float(comm.all_reduce(group, np.array([loss_local]))[0])
+        norm = clip_grad_norm(params, args.grad_clip)   # grads are identical on every dp rank
         opt.step()
         dt = time.perf_counter() - t0
-        tok_total += B * T
-        first_loss = loss_sum if first_loss is None else first_loss
-        row = {"step": step, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens_per_s": B * T / dt,
-               "comm_bytes": 0, "mfu": flops_step / dt / peak, "step_time": dt}
+        yield {"step": step, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens_per_s": B * T / dt,
+               "comm_bytes": comm_sent() - sent0, "grad_sync_bytes": grad_bytes,
+               "exposed_comm_s": 0.0 if dp is None else dp.exposed_seconds, "step_time": dt}
+
+
+def comm_sent() -> int:
+    return sum(v["bytes_sent"] for v in comm.traffic().values())
+
+
+def run_twin(plan: Plan, args, start: int, stop: int):
+    """--verify: the same steps on one process, from the same weights and data."""
+    model, opt = init_model(plan, args)
+    sampler = data.Sampler(plan.tokens, plan.cfg.block_size, args.batch_size, args.seed)
+    losses = [r["loss"] for r in train_steps(model, opt, sampler, args, start, stop, (0, args.batch_size))]
+    return losses, model.state_dict()
+
+
+def compare(losses, ref_losses, state, ref_state) -> dict:
+    """Largest absolute and relative differences; relative = |a - b| / |b| for losses and
+    max|a - b| / max|b| per parameter tensor (biases start at 0: no elementwise ratio)."""
+    la, lb = np.array(losses), np.array(ref_losses)
+    loss_abs = float(np.max(np.abs(la - lb)))
+    loss_rel = float(np.max(np.abs(la - lb) / np.maximum(np.abs(lb), 1e-300)))
+    p_abs = p_rel = 0.0
+    worst = None
+    for name, ref in ref_state.items():
+        d = float(np.max(np.abs(state[name].astype(np.float64) - ref))) if ref.size else 0.0
+        r = d / max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-300)
+        if r > p_rel:
+            worst = name
+        p_abs, p_rel = max(p_abs, d), max(p_rel, r)
+    return {"loss_abs": loss_abs, "loss_rel": loss_rel, "param_abs": p_abs, "param_rel": p_rel,
+            "worst_param": worst}
+
+
+def run(args) -> dict:
+    from mpi4py import MPI                                   # noqa: PLC0415 - keep import light
+    world_comm = MPI.COMM_WORLD
+    world, rank = world_comm.Get_size(), world_comm.Get_rank()
+    err, plan = None, None
+    try:
+        plan = prepare(args, world)
+    except ConfigError as e:
+        err = e
+    if world == 1:
+        if err is not None:
+            raise err
+    else:
+        agree_on_errors(world_comm, err)
+    say = Printer(rank == 0)
+    cfg, tokens, start = plan.cfg, plan.tokens, plan.start
+    grid = ProcessGrid(world_comm, plan.dp, plan.tp, plan.pp)
+    dp_size, dp_rank = grid.dp_size, grid.dp_rank
+
+    sampler = data.Sampler(tokens, cfg.block_size, args.batch_size, args.seed)
+    model, opt = init_model(plan, args)
+    ddp = data_parallel.make(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb) if dp_size > 1 else None
+    B, T, M = args.batch_size, cfg.block_size, args.micro_batches
+    rows = (dp_rank * B // dp_size, (dp_rank + 1) * B // dp_size)
+    flops_step = train_flops_per_token(cfg, T) * B * T
+    peak = matmul_peak_flops(plan.dtype, seconds=0.1) * world  # aggregate peak of all ranks
+    log_every = args.log_every or max(1, (args.steps - start) // 20)
+    logf = None
+    if rank == 0 and args.log:
+        try:
+            logf = open(args.log, "w")
+        except OSError as e:
+            raise ConfigError(f"--log {args.log}: {e.strerror}") from None
+    source = args.data or f"{data.BUILTIN_NAME} corpus"
+    mode = "" if ddp is None else (f", {args.dp_mode} gradient all-reduce" + (
+        f" in {len(ddp.buckets)} bucket(s) of <= {args.bucket_mb:g} MiB" if args.dp_mode == "bucketed" else ""))
+    say(f"minipar: GPT L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={T} V={cfg.vocab_size} "
+        f"({'tied' if cfg.tie_embeddings else 'untied'}), {model.num_params():,} params, {args.dtype}")
+    say(f"  layout: {world} process(es), {grid.describe()}{mode}")
+    say(f"  batch: {B} x {T} tokens; each dp rank {B // dp_size} sequences in {M} micro-batch(es) of {B // dp_size // M}")
+    say(f"  data: {source}, {len(tokens):,} tokens; steps {start}..{args.steps - 1}; "
+        f"lr {args.lr:g} {args.lr_schedule}, warm-up {args.warmup}"
+        + (f"; resumed from {args.resume}" if plan.meta is not None else ""))
+
+    rows_log, losses = [], []
+    t_run = time.perf_counter()
+    for row in train_steps(model, opt, sampler, args, start, args.steps, rows, ddp,
+                           grid.dp_group if dp_size > 1 else None):
+        step = row["step"]
+        row["mfu"] = flops_step / row["step_time"] / peak
+        losses.append(row["loss"])
+        rows_log.append(row)
         if logf:
             logf.write(json.dumps(row) + "\n")
         if (step - start) % log_every == 0 or step == args.steps - 1:
-            say(f"step {step:5d} | loss {loss_sum:.4f} | lr {lr:.2e} | norm {norm:7.3f} | "
-                f"{row['tokens_per_s']:8.0f} tok/s | MFU {row['mfu']:5.1%} | comm 0 B")
+            say(f"step {step:5d} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | norm {row['grad_norm']:7.3f} | "
+                f"{row['tokens_per_s']:8.0f} tok/s | MFU {row['mfu']:5.1%} | comm {human_bytes(row['comm_bytes'])}")
         if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            save_checkpoint(args.save, model, opt, cfg, args, step + 1, tokens)
+            if rank == 0:
+                save_checkpoint(args.save, model, opt, cfg, args, step + 1, tokens, grid)
     elapsed = time.perf_counter() - t_run
+    steps_run = args.steps - start
 
-    if args.save:
-        save_checkpoint(args.save, model, opt, cfg, args, args.steps, tokens)
+    digest = data_parallel.check_replicas(model.parameters(), grid.dp_group) if dp_size > 1 else None
+    if args.save and rank == 0:
+        save_checkpoint(args.save, model, opt, cfg, args, args.steps, tokens, grid)
     val = data.Sampler(tokens, T, B, args.seed, split="val")
     with no_grad():
         val_loss = float(np.mean([model(*val.batch(s)).item() for s in range(4)]))
     mem = memory_report(model, opt)
-    summary = {"summary": True, "params_count": model.num_params(), "steps": args.steps - start,
-               "first_loss": first_loss, "final_loss": loss_sum, "val_loss": val_loss,
+    P_bytes = sum(p.data.nbytes for p in model.parameters())
+    grad_sync = float(np.mean([r["grad_sync_bytes"] for r in rows_log]))
+    theory = 2 * (dp_size - 1) / dp_size * P_bytes
+    exposed = float(np.mean([r["exposed_comm_s"] for r in rows_log]))
+    step_time = float(np.mean([r["step_time"] for r in rows_log]))
+    summary = {"summary": True, "params_count": model.num_params(), "steps": steps_run,
+               "first_loss": losses[0], "final_loss": losses[-1], "val_loss": val_loss,
                "unigram_entropy": data.unigram_entropy(tokens),
-               "tokens_per_s": tok_total / elapsed, "mfu": flops_step * (args.steps - start) / elapsed / peak,
+               "tokens_per_s": B * T * steps_run / elapsed, "mfu": flops_step * steps_run / elapsed / peak,
                "peak_flops": peak, "seconds": elapsed, "memory": mem,
-               "layout": {"dp": 1, "tp": 1, "pp": 1, "zero": 0}}
-    if logf:
-        logf.write(json.dumps(summary) + "\n")
-        logf.close()
-
+               "layout": {"dp": dp_size, "tp": grid.tp_size, "pp": grid.pp_size, "zero": 0},
+               "data_parallel": {"mode": args.dp_mode if ddp else None,
+                                 "buckets": len(ddp.buckets) if ddp is not None and args.dp_mode == "bucketed" else 0,
+                                 "grad_sync_bytes_per_step": grad_sync, "theory_bytes_per_step": theory,
+                                 "exposed_comm_s_per_step": exposed, "step_time_s": step_time,
+                                 "replicas_sha256_16": digest}}
     f = mem["formula"]
-    say(f"summary: {summary['steps']} steps in {elapsed:.1f} s, {summary['tokens_per_s']:,.0f} tok/s, "
-        f"MFU {summary['mfu']:.1%} of a {peak / 1e9:.0f} GFLOP/s {args.dtype} matmul peak")
-    say(f"  loss {first_loss:.3f} -> {loss_sum:.3f} (val {val_loss:.3f}); a model that ignores context "
+    say(f"summary: {steps_run} steps in {elapsed:.1f} s, {summary['tokens_per_s']:,.0f} tok/s, "
+        f"MFU {summary['mfu']:.1%} of {world} x {peak / world / 1e9:.0f} GFLOP/s {args.dtype} matmul peak")
+    say(f"  loss {losses[0]:.3f} -> {losses[-1]:.3f} (val {val_loss:.3f}); a model that ignores context "
         f"scores {summary['unigram_entropy']:.3f} nats (the unigram entropy of the data)")
     say(f"  memory per rank: params {human_bytes(mem['params'])}, grads {human_bytes(mem['grads'])}, "
         f"optimizer {human_bytes(mem['optimizer'])}; formula {f['text']} = "
         f"{human_bytes(f['params'])} + {human_bytes(f['grads'])} + {human_bytes(f['optimizer'])}")
+    if ddp is not None:
+        ratio = grad_sync / theory if theory else float("nan")
+        say(f"  data parallel: gradient all-reduce sent {human_bytes(grad_sync)}/step per rank; theory "
+            f"2(p-1)/p x {human_bytes(P_bytes)} = {human_bytes(theory)} (ratio {ratio:.3f}); exposed comm "
+            f"{exposed * 1e3:.1f} ms/step ({exposed / step_time:.0%} of the step)")
+        say(f"  replicas identical across {dp_size} dp ranks (weights sha256 {digest})")
     if args.save:
         say(f"  checkpoint: {args.save} (step {args.steps})")
-    if args.sample > 0:
+
+    if args.verify:
+        state = model.state_dict()
+        if rank == 0:
+            say(f"verify: re-running steps {start}..{args.steps - 1} on one process ...")
+            ref_losses, ref_state = run_twin(plan, args, start, args.steps)
+            d = compare(losses, ref_losses, state, ref_state)
+            tol = VERIFY_RTOL[args.dtype]
+            d["tolerance"], d["ok"] = tol, d["loss_rel"] <= tol and d["param_rel"] <= tol
+            summary["verify"] = d
+            say(f"verify: {grid.describe()} vs 1 process over {steps_run} steps: loss max |diff| {d['loss_abs']:.3e} "
+                f"(rel {d['loss_rel']:.3e}), parameters max |diff| {d['param_abs']:.3e} (rel {d['param_rel']:.3e}, "
+                f"{d['worst_param']}); tolerance {tol:g} relative -> {'OK' if d['ok'] else 'FAILED'}")
+    if logf:
+        logf.write(json.dumps(summary) + "\n")
+        logf.close()
+    if args.sample > 0 and rank == 0:
         prompt = "The pipeline"
         out = model.generate(data.encode(prompt)[None].astype(np.int64), args.sample,
                              rng=np.random.default_rng(args.seed))
@@ -274,14 +456,20 @@ def run(args) -> dict:
     return summary
 
 
+VERIFY_RTOL = {"float64": 1e-10, "float32": 1e-4}
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     keep_freed_memory()
     try:
-        run(args)
+        summary = run(args)
     except ConfigError as e:
-        print(f"minipar.train: error: {e}", file=sys.stderr, flush=True)
+        if not e.quiet:
+            print(f"minipar.train: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    if "verify" in summary and not summary["verify"]["ok"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -77,8 +77,8 @@ def run_until_killed(monkeypatch, at: int, *flags):
     """Run with --save-every `at` and die just after that checkpoint is written."""
     real = train.save_checkpoint
 
-    def save_then_die(path, model, opt, cfg, args, next_step, tokens):
-        real(path, model, opt, cfg, args, next_step, tokens)
+    def save_then_die(path, model, opt, cfg, args, next_step, tokens, *layout):
+        real(path, model, opt, cfg, args, next_step, tokens, *layout)
         if next_step == at:
             raise Interrupted
 

@@ -1,0 +1,163 @@
+"""Data parallelism: every dp rank holds the whole model, runs its own slice of the global
+batch, and the ranks sum their gradients before the (identical) optimizer step.
+
+What is split:       the global batch of B sequences: dp rank r takes rows
+                     [r*B/dp, (r+1)*B/dp), then cuts them into M micro-batches.
+What is sent:        every gradient, once per step, summed over the dp group (all-reduce).
+                     Each micro-batch loss is divided by the *global* token count B*T, so
+                     the sum over ranks and micro-batches is the single-process mean.
+How many bytes:      a ring all-reduce of n bytes sends 2(p-1)/p * n per rank, so one step
+                     sends 2(p-1)/p * 4P bytes for P float32 parameters.
+When:                naive: one blocking all-reduce per parameter after backward ends.
+                     bucketed: parameters are grouped, in reverse order, into buckets of
+                     about --bucket-mb; a bucket's all-reduce starts from the gradient hook
+                     of its last parameter, while backward goes on with earlier layers,
+                     and is awaited before the optimizer step. Only the time spent waiting
+                     after backward ends ("exposed" communication) costs step time.
+
+Both modes give the same numbers: the same sums, just issued at different times.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+
+from minipar import comm
+
+
+class DataParallelNaive:
+    """The lesson: after backward, all-reduce each parameter's gradient, one at a time."""
+
+    def __init__(self, params, group: comm.Group):
+        self.params, self.group = list(params), group
+        self.exposed_seconds = 0.0
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def start_step(self):
+        pass
+
+    def sync_now(self, on: bool):  # only the last micro-batch's backward matters here
+        pass
+
+    def finish(self):
+        """After the last backward: sum every gradient over the dp group."""
+        t0 = time.perf_counter()
+        for p in self.params:
+            p.grad = comm.all_reduce(self.group, p.grad)
+        self.exposed_seconds = time.perf_counter() - t0
+
+
+class Bucket:
+    """A group of parameters whose gradients live in one flat buffer (p.grad are views)."""
+
+    def __init__(self, params, dtype):
+        self.params = params
+        self.flat = np.zeros(sum(p.size for p in params), dtype=dtype)     # (n,)
+        self.views, off = [], 0
+        for p in params:
+            self.views.append(self.flat[off:off + p.size].reshape(p.shape))
+            off += p.size
+        self.pending = len(params)
+        self.handle = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+
+class DataParallelBucketed:
+    """Gradient buckets all-reduced asynchronously while backward runs (PyTorch DDP's idea).
+
+    Gradients accumulate straight into the buckets' flat buffers (each p.grad is a view),
+    so a finished bucket is sent as it is, with no packing copy. A gradient hook on every
+    parameter counts down its bucket; at zero the bucket's all-reduce starts, and every
+    hook also pushes the buckets already in flight (MPI makes progress only inside calls).
+    """
+
+    def __init__(self, params, group: comm.Group, bucket_mb: float = 1.0):
+        self.params, self.group = list(params), group
+        limit = max(1, int(bucket_mb * 1024 * 1024))
+        dtype = self.params[0].data.dtype
+        self.buckets, cur, size = [], [], 0
+        for p in reversed(self.params):          # backward produces the last layers first
+            cur.append(p)
+            size += p.data.nbytes
+            if size >= limit:
+                self.buckets.append(Bucket(cur, dtype))
+                cur, size = [], 0
+        if cur:
+            self.buckets.append(Bucket(cur, dtype))
+        self.bucket_of = {}
+        for b in self.buckets:
+            for p, view in zip(b.params, b.views):
+                self.bucket_of[id(p)] = b
+                p.grad = view
+                p.register_grad_hook(self._on_grad_ready)
+        self.sync = True
+        self.exposed_seconds = 0.0
+
+    def zero_grad(self):
+        for b in self.buckets:
+            b.flat[...] = 0
+            for p, view in zip(b.params, b.views):
+                p.grad = view                    # the result of the last step replaced it
+
+    def sync_now(self, on: bool):
+        """Communicate during the coming backward? Only for the last micro-batch."""
+        self.sync = on
+
+    def start_step(self):
+        for b in self.buckets:
+            b.pending, b.handle = len(b.params), None
+
+    def _on_grad_ready(self, p):
+        if not self.sync:
+            return
+        b = self.bucket_of[id(p)]
+        b.pending -= 1
+        if b.pending == 0:
+            b.handle = comm.all_reduce_async(self.group, b.flat)
+        for other in self.buckets:               # push every bucket in flight a little further
+            if other.handle is not None and not other.handle.done:
+                other.handle.test()
+
+    def finish(self):
+        """After the last backward: wait for every bucket, then point p.grad at the sums."""
+        t0 = time.perf_counter()
+        for b in self.buckets:
+            if b.handle is None:                 # a parameter that got no gradient this step
+                raise RuntimeError(f"bucket of {len(b.params)} parameters never became ready: "
+                                   f"{b.pending} gradient(s) missing")
+            summed = b.handle.wait()
+            np.copyto(b.flat, summed)
+        self.exposed_seconds = time.perf_counter() - t0
+
+
+def make(params, group: comm.Group, mode: str = "bucketed", bucket_mb: float = 1.0):
+    if mode == "naive":
+        return DataParallelNaive(params, group)
+    if mode == "bucketed":
+        return DataParallelBucketed(params, group, bucket_mb)
+    raise ValueError(f"unknown data-parallel mode {mode!r} (bucketed, naive)")
+
+
+def weights_digest(params) -> np.ndarray:
+    """sha256 of every parameter's bytes, as 32 uint8 (for the replica check)."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(np.ascontiguousarray(p.data).tobytes())
+    return np.frombuffer(h.digest(), dtype=np.uint8).copy()
+
+
+def check_replicas(params, group: comm.Group):
+    """Raise on every rank if the dp replicas' weights are not bit-identical."""
+    digests = comm.all_gather(group, weights_digest(params)).reshape(group.size, -1)
+    differ = [r for r in range(group.size) if not np.array_equal(digests[r], digests[0])]
+    if differ:
+        raise RuntimeError(f"data-parallel replicas diverged: dp ranks {differ} differ from dp rank 0")
+    return digests[0].tobytes().hex()[:16]
