@@ -105,7 +105,7 @@ class DataParallelBucketed:
         for b in self.buckets:
             b.flat[...] = 0
             for p, view in zip(b.params, b.views):
-                p.grad = view                    # the result of the last step replaced it
+                p.grad = view                    # naive use or clipping may have rebound it
 
     def sync_now(self, on: bool):
         """Communicate during the coming backward? Only for the last micro-batch."""
