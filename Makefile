@@ -17,9 +17,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[mpich,test]'
 	touch $@
 
-# Single process until data parallelism lands (issue 4).
+# 4 ranks of data parallelism on the built-in corpus (NP=1 for one process).
 run: install
-	$(PY) -m minipar.train
+	$(MPIRUN) -n $(NP) $(PY) -m minipar.train
 
 test: test-serial test-mpi
 

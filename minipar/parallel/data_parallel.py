@@ -105,7 +105,7 @@ class DataParallelBucketed:
         for b in self.buckets:
             b.flat[...] = 0
             for p, view in zip(b.params, b.views):
-                p.grad = view                    # naive use or clipping may have rebound it
+                p.grad = view                    # finish() pointed it at the sum
 
     def sync_now(self, on: bool):
         """Communicate during the coming backward? Only for the last micro-batch."""
@@ -127,14 +127,17 @@ class DataParallelBucketed:
                 other.handle.test()
 
     def finish(self):
-        """After the last backward: wait for every bucket, then point p.grad at the sums."""
+        """After the last backward: wait for every bucket; p.grad then holds the sum."""
         t0 = time.perf_counter()
         for b in self.buckets:
             if b.handle is None:                 # a parameter that got no gradient this step
                 raise RuntimeError(f"bucket of {len(b.params)} parameters never became ready: "
                                    f"{b.pending} gradient(s) missing")
-            summed = b.handle.wait()
-            np.copyto(b.flat, summed)
+            summed = b.handle.wait()             # a new (n,) array: point the grads at it
+            off = 0                              # instead of copying it back into b.flat
+            for p in b.params:
+                p.grad = summed[off:off + p.size].reshape(p.shape)
+                off += p.size
         self.exposed_seconds = time.perf_counter() - t0
 
 
