@@ -27,7 +27,7 @@ rotated into rank order at the end, one local copy.
 """
 import numpy as np
 
-from .group import array, describe, reduce_op, run, split_offsets
+from .group import array, describe, reduce_op, result, run, split_offsets
 from .ring import describe_gather, gather_layout
 
 
@@ -36,17 +36,19 @@ def all_reduce_steps(p):
     return q.bit_length() - 1 + (2 if p > q else 0)
 
 
-def _all_reduce(c, x, op, shape):
-    """Generator: recursive-doubling all-reduce of flat x into a new array of this shape."""
+def _all_reduce(c, x, op, res):
+    """Generator: recursive-doubling all-reduce of flat x into res (may be x itself)."""
     p, r = c.g.size, c.g.rank
     if p == 1 or x.size == 0:
-        return x.reshape(shape).copy()
+        res[...] = x.reshape(res.shape)
+        return res
     q = 1 << (p.bit_length() - 1)               # largest power of two <= p
     extra = p - q
-    out = np.empty_like(x)
+    out = res if res.ndim == 1 else res.reshape(-1)
     if r >= q:                                  # extra rank: hand x over, get the result back
-        yield c.isend(1, x, r - q) + c.irecv(c.nsteps, out, r - q)
-        return out.reshape(shape)
+        yield c.isend(1, x, r - q)
+        yield c.irecv(c.nsteps, out, r - q)
+        return res
     tmp = np.empty_like(x)
     mine = x                                    # my partial result so far (x itself: no copy)
     step = 0
@@ -65,43 +67,47 @@ def _all_reduce(c, x, op, shape):
         mask <<= 1
     if r < extra:                               # fix-up: hand the result back
         yield c.isend(step + 1, out, r + q)
-    return out.reshape(shape)
+    return res
 
 
-def start_all_reduce(g, x, op):
+def start_all_reduce(g, x, op, out=None):
     f = reduce_op(op)
     x = array(x)
+    res = result(out, x.shape, x.dtype, "all_reduce")
     c = g.begin("all_reduce", all_reduce_steps(g.size), describe(x, op=op) if g.debug else None)
-    return c, _all_reduce(c, x.ravel(), f, x.shape)
+    return c, _all_reduce(c, x.ravel(), f, res)
 
 
-def all_reduce(g, x, op="sum"):
+def all_reduce(g, x, op="sum", *, out=None):
     """Recursive-doubling all-reduce: every rank gets op over all ranks' x."""
-    return run(*start_all_reduce(g, x, op))
+    return run(*start_all_reduce(g, x, op, out))
 
 
-def _reduce_scatter(c, x, op):
+def _reduce_scatter(c, x, op, res):
     off = split_offsets(x.size, c.g.size)
     r = c.g.rank
-    full = yield from _all_reduce(c, x, op, x.shape)
-    return full[off[r]:off[r + 1]].copy()
+    full = yield from _all_reduce(c, x, op, np.empty_like(x))
+    res[...] = full[off[r]:off[r + 1]]
+    return res
 
 
-def start_reduce_scatter(g, x, op):
+def start_reduce_scatter(g, x, op, out=None):
     f = reduce_op(op)
     x = array(x)
+    off = split_offsets(x.size, g.size)
+    res = result(out, (off[g.rank + 1] - off[g.rank],), x.dtype, "reduce_scatter")
     c = g.begin("reduce_scatter", all_reduce_steps(g.size),
                 describe(x, op=op) if g.debug else None)
-    return c, _reduce_scatter(c, x.ravel(), f)
+    return c, _reduce_scatter(c, x.ravel(), f, res)
 
 
-def reduce_scatter(g, x, op="sum"):
+def reduce_scatter(g, x, op="sum", *, out=None):
     """Reduce-scatter as a doubling all-reduce that keeps piece r (small messages)."""
-    return run(*start_reduce_scatter(g, x, op))
+    return run(*start_reduce_scatter(g, x, op, out))
 
 
-def _all_gather(c, x, off):
-    """Generator: Bruck all-gather; piece i (rank i's x) goes to out[off[i]:off[i+1]]."""
+def _all_gather(c, x, off, res):
+    """Generator: Bruck all-gather; piece i (rank i's x) goes to res[off[i]:off[i+1]]."""
     p, r = c.g.size, c.g.rank
     n = off[-1]
     # rot holds pieces r, r+1, ..., r+p-1 (mod p) back to back; rot_off[k] is where the
@@ -121,21 +127,21 @@ def _all_gather(c, x, off):
         yield c.sendrecv(step, rot[:rot_off[count]], (r - have) % p,
                          rot[rot_off[have]:rot_off[have + count]], (r + have) % p)
         have += count
-    out = np.empty(n, x.dtype)                  # un-rotate: pieces r..p-1 come first in rot
-    head = n - off[r]
-    out[off[r]:] = rot[:head]
-    out[:off[r]] = rot[head:]
-    return out
+    head = n - off[r]                           # un-rotate: pieces r..p-1 come first in rot
+    res[off[r]:] = rot[:head]
+    res[:off[r]] = rot[head:]
+    return res
 
 
-def start_all_gather(g, x, sizes):
+def start_all_gather(g, x, sizes, out=None):
     x = array(x)
     off = gather_layout(g, x.size, sizes)
+    res = result(out, (off[-1],), x.dtype, "all_gather")
     c = g.begin("all_gather", (g.size - 1).bit_length(),
                 describe_gather(x, sizes) if g.debug else None)
-    return c, _all_gather(c, x.ravel(), off)
+    return c, _all_gather(c, x.ravel(), off, res)
 
 
-def all_gather(g, x, sizes=None):
+def all_gather(g, x, sizes=None, *, out=None):
     """Bruck all-gather: the concatenation of every rank's x.ravel() (small messages)."""
-    return run(*start_all_gather(g, x, sizes))
+    return run(*start_all_gather(g, x, sizes, out))

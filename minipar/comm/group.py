@@ -4,15 +4,17 @@ Everything in `minipar.comm` is built from the pieces in this file:
 
 - `Group(mpi_comm)` wraps a communicator (world or a sub-group, any size, 1 included). It
   duplicates it, so minipar's messages can never be confused with anyone else's.
-- A collective is a Python *generator*: it posts a few Isend/Irecv for one step, `yield`s
-  the requests, and is resumed once they have completed. Written this way the ring in
-  `ring.py` reads like blocking code, and the same generator runs either to the end at once
-  (`run`, the blocking call) or a step at a time while other work goes on (`Handle`, what
+- A collective is a Python *generator*: it posts the Isend/Irecv of one step, `yield`s the
+  requests, and is resumed once they have completed. Written this way the ring in `ring.py`
+  reads like blocking code, and the same generator runs either to the end at once (`run`,
+  the blocking call) or a step at a time while other work goes on (`Handle`, what
   `all_reduce_async` returns: each `handle.test()` advances it as far as it can).
-- Waiting is polling: `Testall` in a loop, first busy (lowest latency), then yielding the core
-  (ranks often outnumber cores), then sleeping. No wait blocks inside MPI, so every wait can
-  give up after `MINIPAR_COMM_TIMEOUT` seconds (default 600) with an error that names the
-  operation, the step and the peer.
+- Waiting is polling: `Testall`, and while it says no, give the core away (sched_yield) and
+  test again; after 50 ms of waiting, nap 0.5 ms between tests. With more ranks than cores
+  (4 on 2 here) the rank we wait for often needs our core: measured, any busy spinning
+  before yielding made every message size slower. No wait blocks inside MPI, so every wait
+  gives up after `MINIPAR_COMM_TIMEOUT` seconds (default 600) without progress, with an
+  error that names the operation, the step, and the peer of each message still pending.
 - Every message is counted in a per-process ledger under the name of the top-level call
   (`traffic()`, `reset_traffic()`), and printed when `MINIPAR_TRACE=1`:
   `rank 1 -> 2 | all_reduce step 3/6 | 4096 B` (world ranks, printed by the sender).
@@ -33,6 +35,7 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
+BYTE = MPI.BYTE
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 # Tags: collective call k of a group uses tag k % _TAG_CYCLE (so overlapping async calls never
@@ -128,7 +131,7 @@ class Group:
     """
 
     def __init__(self, comm, *, debug=None, trace=None, timeout=None):
-        self.comm = comm.Dup()          # our own message space; Dup is allowed (not a collective op)
+        self.comm = comm.Dup()          # a message space of our own (creating one is allowed)
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         mine, world = self.comm.Get_group(), MPI.COMM_WORLD.Get_group()
@@ -159,57 +162,61 @@ class Group:
 
 
 class Call:
-    """One collective call in flight: its tag, step counter, byte counts, and the wait loop."""
+    """One collective call in flight: its tag, step counter, byte counts, and the wait loop.
 
-    __slots__ = ("g", "name", "tag", "nsteps", "step", "sent", "recvd", "t0", "peers", "comm",
-                 "trace")
+    The posting methods are on every message's critical path, so they are kept lean; what a
+    timeout message needs (the step, and the peer and size of each message of the step) is
+    just remembered in `posted`, in the order the requests are posted.
+    """
+
+    __slots__ = ("g", "name", "tag", "nsteps", "step", "sent", "recvd", "t0", "comm", "trace",
+                 "posted")
 
     def __init__(self, g, name, nsteps, tag):
         self.g, self.name, self.nsteps, self.tag = g, name, nsteps, tag
         self.comm, self.trace = g.comm, g.trace
-        self.step = 0
-        self.sent = self.recvd = 0
-        self.peers = ()                 # (verb, peer, nbytes) of this step, for error messages
+        self.step = self.sent = self.recvd = 0
+        self.posted = []
         self.t0 = time.perf_counter()
 
     # Posting messages. Buffers are contiguous 1-D ndarrays of any dtype, sent as raw bytes;
     # empty ones are skipped (both sides always know the sizes). Each returns a request list.
 
     def isend(self, step, buf, dst):
-        self.step = step
-        nbytes = buf.nbytes
-        if not nbytes:
+        if step != self.step:
+            self.step, self.posted = step, []
+        n = buf.nbytes
+        if not n:
             return []
-        self.sent += nbytes
-        self.peers = (("send to", dst, nbytes),)
+        self.sent += n
+        self.posted.append(("send to", dst, n))
         if self.trace:
-            self.print_send(step, dst, nbytes)
-        return [self.comm.Isend([buf, MPI.BYTE], dst, self.tag)]
+            self.print_send(step, dst, n)
+        return [self.comm.Isend([buf, BYTE], dst, self.tag)]
 
     def irecv(self, step, buf, src):
-        self.step = step
-        nbytes = buf.nbytes
-        if not nbytes:
+        if step != self.step:
+            self.step, self.posted = step, []
+        n = buf.nbytes
+        if not n:
             return []
-        self.recvd += nbytes
-        self.peers = (("receive from", src, nbytes),)
-        return [self.comm.Irecv([buf, MPI.BYTE], src, self.tag)]
+        self.recvd += n
+        self.posted.append(("receive from", src, n))
+        return [self.comm.Irecv([buf, BYTE], src, self.tag)]
 
     def sendrecv(self, step, sendbuf, dst, recvbuf, src):
-        """Post the receive, then the send, of one step (what MPI_Sendrecv does)."""
-        self.step = step
+        """Send to dst and receive from src in one step (what MPI_Sendrecv does)."""
         ns, nr = sendbuf.nbytes, recvbuf.nbytes
-        self.peers = (("send to", dst, ns), ("receive from", src, nr))
-        reqs = []
-        if nr:
-            self.recvd += nr
-            reqs.append(self.comm.Irecv([recvbuf, MPI.BYTE], src, self.tag))
-        if ns:
+        if ns and nr:
+            self.step = step
+            self.posted = [("send to", dst, ns), ("receive from", src, nr)]
             self.sent += ns
+            self.recvd += nr
             if self.trace:
                 self.print_send(step, dst, ns)
-            reqs.append(self.comm.Isend([sendbuf, MPI.BYTE], dst, self.tag))
-        return reqs
+            return [self.comm.Isend([sendbuf, BYTE], dst, self.tag),
+                    self.comm.Irecv([recvbuf, BYTE], src, self.tag)]
+        return self.isend(step, sendbuf, dst) + self.irecv(step, recvbuf, src)
 
     def print_send(self, step, dst, nbytes):
         w = self.g.world_ranks
@@ -234,14 +241,19 @@ class Call:
                 time.sleep(_NAP)
 
     def give_up(self, reqs, waited):
+        done_before = []
         for r in reqs:                          # leave nothing half-posted behind us
-            if r != MPI.REQUEST_NULL and not r.Test():
+            done_before.append(r == MPI.REQUEST_NULL or r.Test())
+            if not done_before[-1]:
                 try:
                     r.Cancel()
                 except MPI.Exception:
                     pass
         w = self.g.world_ranks
-        what = " and ".join(f"{verb} rank {w[peer]} ({n} B)" for verb, peer, n in self.peers)
+        posted = self.posted
+        if len(posted) == len(reqs):                # name only the messages still pending
+            posted = [d for d, done in zip(posted, done_before) if not done]
+        what = " and ".join(f"{verb} rank {w[peer]} ({n} B)" for verb, peer, n in posted)
         raise CommTimeout(
             f"rank {w[self.g.rank]}: {self.name} step {self.step}/{self.nsteps} gave up after "
             f"{waited:.1f} s waiting to {what or 'complete'} (MINIPAR_COMM_TIMEOUT="
@@ -253,10 +265,12 @@ class Call:
 
 def run(call, steps):
     """Drive a collective generator to the end, blocking: the synchronous path."""
+    testall = MPI.Request.Testall
     try:
         reqs = next(steps)
         while True:
-            call.wait(reqs)
+            if not testall(reqs):
+                call.wait(reqs)
             reqs = steps.send(None)
     except StopIteration as stop:
         call.done()
@@ -268,7 +282,9 @@ class Handle:
     says whether it is finished; wait() finishes it and returns the result.
 
     Progress happens only inside test()/wait() (and MPI calls), so call test() now and then
-    while doing other work, e.g. from a gradient hook between layers of backward.
+    while doing other work, e.g. from a gradient hook between layers of backward. Finish
+    every handle (wait(), or test() until True): its buffers are in flight until then, and
+    the other ranks are waiting for its messages.
     """
 
     __slots__ = ("_call", "_steps", "_reqs", "_done", "_result", "_last")
@@ -358,6 +374,18 @@ def array(x):
 def flat(x):
     """x (an ndarray) as a contiguous 1-D array: a view when possible, never written to."""
     return x.ravel()
+
+
+def result(out, shape, dtype, what):
+    """The array a collective writes into: a new one, or the caller's `out` once checked."""
+    if out is None:
+        return np.empty(shape, dtype)
+    if not (type(out) is np.ndarray and out.shape == tuple(shape) and out.dtype == dtype
+            and out.flags.c_contiguous and out.flags.writeable):
+        got = (f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__)
+        raise ValueError(f"{what}: out must be a writeable C-contiguous {np.dtype(dtype)} array "
+                         f"of shape {tuple(shape)}, got {got}")
+    return out
 
 
 def reduce_op(op):

@@ -20,7 +20,10 @@ all-reduce = reduce-scatter, then all-gather of the reduced pieces (2(p-1) steps
                                                     + (p-1)/p * b * gamma
 (alpha: per-message latency, beta: seconds per byte on the wire, gamma: per byte reduced).
 The volume term is optimal, which is why rings win for large messages; the 2(p-1) alpha
-term is why they lose for small ones (see doubling.py).
+term is why they lose for small ones (see doubling.py). Each step waits for the previous one,
+so on one machine the direct exchange of direct.py, same bytes in one round, is faster; the
+ring is what scales to many ranks, talking only to two neighbours (minipar uses it above
+direct.DIRECT_MAX_RANKS ranks).
 
 No extra copies: the reduction writes op(received, own piece) straight into the result
 (all_reduce) or into the buffer that is sent on next (reduce_scatter); all-gather receives
@@ -29,15 +32,16 @@ because every piece is reduced once, on one rank, and then copied.
 """
 import numpy as np
 
-from .group import array, describe, reduce_op, run, split_offsets
+from .group import array, describe, reduce_op, result, run, split_offsets
 
 
-def _reduce_scatter(c, x, op):
-    """Generator: the ring reduce-scatter of flat x; returns this rank's reduced piece."""
+def _reduce_scatter(c, x, op, res):
+    """Generator: ring reduce-scatter of flat x; this rank's reduced piece goes into res."""
     p, r = c.g.size, c.g.rank
-    off = split_offsets(x.size, p)
     if p == 1:
-        return x.copy()
+        res[...] = x
+        return res
+    off = split_offsets(x.size, p)
     right, left = (r + 1) % p, (r - 1) % p
     longest = off[1] - off[0]
     bufs = (np.empty(longest, x.dtype), np.empty(longest, x.dtype))   # receive / send in turn
@@ -47,9 +51,10 @@ def _reduce_scatter(c, x, op):
         i = (r - s - 2) % p                                           # piece received now
         recv = bufs[s % 2][:off[i + 1] - off[i]]
         yield c.sendrecv(s + 1, send, right, recv, left)
-        op(recv, x[off[i]:off[i + 1]], out=recv)
+        last = s == p - 2                                             # then i == r
+        op(recv, x[off[i]:off[i + 1]], out=res if last else recv)
         send = recv
-    return send                                                       # piece r, complete
+    return res
 
 
 def _all_gather(c, out, off, first_step=1):
@@ -63,15 +68,16 @@ def _all_gather(c, out, off, first_step=1):
     return out
 
 
-def _all_reduce(c, x, op, shape):
-    """Generator: ring all-reduce of flat x into a new array of the given shape."""
+def _all_reduce(c, x, op, res):
+    """Generator: ring all-reduce of flat x into res (any shape; may be x itself)."""
     p, r = c.g.size, c.g.rank
     n = x.size
     if p == 1 or n == 0:
-        return x.reshape(shape).copy()
+        res[...] = x.reshape(res.shape)
+        return res
+    out = res if res.ndim == 1 else res.reshape(-1)
     off = split_offsets(n, p)
     right, left = (r + 1) % p, (r - 1) % p
-    out = np.empty_like(x)
     tmp = np.empty(off[1] - off[0], x.dtype)
     j = (r - 1) % p
     send = x[off[j]:off[j + 1]]                                       # own copy of piece r-1
@@ -83,7 +89,7 @@ def _all_reduce(c, x, op, shape):
         op(recv, x[off[i]:off[i + 1]], out=piece)
         send = piece
     yield from _all_gather(c, out, off, first_step=p)                 # all-gather
-    return out.reshape(shape)
+    return res
 
 
 def gather_layout(g, n, sizes):
@@ -102,46 +108,42 @@ def gather_layout(g, n, sizes):
     return off
 
 
-def _all_gather_new(c, x, off):
-    """Generator: ring all-gather of flat x into a new array laid out by off."""
+def _all_gather_into(c, x, off, res):
+    """Generator: ring all-gather of flat x into res, laid out by off."""
     r = c.g.rank
-    out = np.empty(off[-1], x.dtype)
-    out[off[r]:off[r + 1]] = x
-    return (yield from _all_gather(c, out, off))
+    res[off[r]:off[r + 1]] = x
+    return (yield from _all_gather(c, res, off))
 
 
 # Public functions: start the call (call number, debug agreement), then run the generator
-# to the end (blocking) or hand it to a Handle (non-blocking).
+# to the end (blocking) or hand it to a Handle (non-blocking). `out`, if given, receives the
+# result (for all_reduce it may be x itself: in place).
 
-def start_all_reduce(g, x, op):
+def start_all_reduce(g, x, op, out=None):
     f = reduce_op(op)
     x = array(x)
+    res = result(out, x.shape, x.dtype, "all_reduce")
     c = g.begin("all_reduce", 2 * (g.size - 1), describe(x, op=op) if g.debug else None)
-    return c, _all_reduce(c, x.ravel(), f, x.shape)
+    return c, _all_reduce(c, x.ravel(), f, res)
 
 
-def all_reduce(g, x, op="sum"):
+def all_reduce(g, x, op="sum", *, out=None):
     """Ring all-reduce: every rank gets op over all ranks' x (same shape as x)."""
-    return run(*start_all_reduce(g, x, op))
+    return run(*start_all_reduce(g, x, op, out))
 
 
-def start_reduce_scatter(g, x, op):
+def start_reduce_scatter(g, x, op, out=None):
     f = reduce_op(op)
     x = array(x)
+    off = split_offsets(x.size, g.size)
+    res = result(out, (off[g.rank + 1] - off[g.rank],), x.dtype, "reduce_scatter")
     c = g.begin("reduce_scatter", g.size - 1, describe(x, op=op) if g.debug else None)
-    return c, _reduce_scatter(c, x.ravel(), f)
+    return c, _reduce_scatter(c, x.ravel(), f, res)
 
 
-def reduce_scatter(g, x, op="sum"):
+def reduce_scatter(g, x, op="sum", *, out=None):
     """Ring reduce-scatter: rank r gets piece r of np.array_split(op over ranks of x, p)."""
-    return run(*start_reduce_scatter(g, x, op))
-
-
-def start_all_gather(g, x, sizes):
-    x = array(x)
-    off = gather_layout(g, x.size, sizes)
-    c = g.begin("all_gather", g.size - 1, describe_gather(x, sizes) if g.debug else None)
-    return c, _all_gather_new(c, x.ravel(), off)
+    return run(*start_reduce_scatter(g, x, op, out))
 
 
 def describe_gather(x, sizes):
@@ -149,10 +151,18 @@ def describe_gather(x, sizes):
                     **({} if sizes is not None else {"n": x.size}))
 
 
-def all_gather(g, x, sizes=None):
+def start_all_gather(g, x, sizes, out=None):
+    x = array(x)
+    off = gather_layout(g, x.size, sizes)
+    res = result(out, (off[-1],), x.dtype, "all_gather")
+    c = g.begin("all_gather", g.size - 1, describe_gather(x, sizes) if g.debug else None)
+    return c, _all_gather_into(c, x.ravel(), off, res)
+
+
+def all_gather(g, x, sizes=None, *, out=None):
     """Ring all-gather: the concatenation of every rank's x.ravel(), in rank order.
 
     sizes: element count of each rank's x when they differ (for example the pieces a
     reduce_scatter returned); None means every rank's x has as many elements as this one's.
     """
-    return run(*start_all_gather(g, x, sizes))
+    return run(*start_all_gather(g, x, sizes, out))

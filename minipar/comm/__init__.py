@@ -1,0 +1,108 @@
+"""minipar.comm: collectives written by hand on MPI point-to-point messages (DESIGN 2.5).
+
+    g = Group(MPI.COMM_WORLD)                 # or any sub-communicator, of any size
+    y = all_reduce(g, x, op="sum")            # op: sum, max, min; out=y to reuse a buffer
+    piece = reduce_scatter(g, x)              # rank r: piece r of np.array_split(sum, p)
+    whole = all_gather(g, piece, sizes=...)   # concatenation in rank order
+    broadcast(g, x, root)  reduce(g, x, root, op)  scatter(g, x, root)  gather(g, x, root)
+    send(g, x, dst)  recv(g, src)             # dtype and shape travel with the data
+    h = all_reduce_async(g, x); ... h.test() ...; y = h.wait()
+    traffic(); reset_traffic()                # bytes and seconds per operation, this process
+
+Which algorithm runs depends on the group size p and the message size; the constants below
+were measured with scripts/bench_collectives.py --crossover (docs/collectives.md):
+
+    all_reduce      recursive doubling (doubling.py)   up to ALL_REDUCE_DOUBLING_MAX_BYTES,
+                    then direct exchange (direct.py)   p <= direct.DIRECT_MAX_RANKS, else ring
+    reduce_scatter  direct exchange (one round)        p <= direct.DIRECT_MAX_RANKS, else ring
+    all_gather      Bruck (doubling.py)                p >= 4, up to ALL_GATHER_BRUCK_MAX_BYTES,
+                    then direct exchange or ring       as for all_reduce
+    broadcast, reduce  binomial tree (tree.py) up to tree.BROADCAST_TREE_MAX_BYTES and
+                       tree.REDUCE_TREE_MAX_BYTES, then a pipelined chain (p > 2)
+    scatter, gather    binomial tree
+
+Every algorithm is also callable on its own, whatever the size: ring.all_reduce,
+doubling.all_reduce, direct.all_reduce, ... (the tests run each of them).
+"""
+from . import direct, doubling, ring, tree
+from .group import (CollectiveMismatch, CommError, CommTimeout, Group, Handle, abort_on_error,
+                    array, recv, reset_traffic, run, send, traffic)
+from .tree import broadcast, gather, reduce, scatter
+
+# Measured crossovers (bytes of x, or of the result for all_gather): up to and including
+# them the latency-optimal algorithm runs. Measured: doubling beats direct exchange up to
+# 64 KiB at p = 4, 128 KiB at p = 3, 256 KiB at p = 2; the smallest is kept for every p.
+# Bruck beats direct exchange up to 8 KiB at p = 4 (for p <= 3 it has no fewer steps).
+ALL_REDUCE_DOUBLING_MAX_BYTES = 64 * 1024
+ALL_GATHER_BRUCK_MAX_BYTES = 8 * 1024           # p >= 4
+
+__all__ = [
+    "Group", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "scatter",
+    "gather", "send", "recv", "traffic", "reset_traffic", "all_reduce_async",
+    "reduce_scatter_async", "all_gather_async", "Handle", "CommError", "CommTimeout",
+    "CollectiveMismatch", "abort_on_error",
+]
+
+
+def _large(g):
+    """The bandwidth algorithm for this group: one round of direct exchange, or the ring."""
+    return direct if g.size <= direct.DIRECT_MAX_RANKS else ring
+
+
+def _all_reduce_algorithm(g, x):
+    return doubling if x.nbytes <= ALL_REDUCE_DOUBLING_MAX_BYTES else _large(g)
+
+
+def all_reduce(g, x, op="sum", *, out=None):
+    """Every rank gets op (sum, max, min) over all ranks' x: same shape and dtype as x.
+
+    out: write the result there instead of into a new array (same shape and dtype, C-order;
+    x itself is allowed: an in-place all-reduce)."""
+    x = array(x)
+    return run(*_all_reduce_algorithm(g, x).start_all_reduce(g, x, op, out))
+
+
+def all_reduce_async(g, x, op="sum", *, out=None):
+    """Start an all_reduce and return a Handle: handle.test() makes progress and says whether
+    it is done, handle.wait() finishes it and returns the result. Leave x (and out) alone
+    until then."""
+    x = array(x)
+    return Handle(*_all_reduce_algorithm(g, x).start_all_reduce(g, x, op, out))
+
+
+def _reduce_scatter_algorithm(g, x):
+    return _large(g)            # direct exchange is one round: no faster small-message path
+
+
+def reduce_scatter(g, x, op="sum", *, out=None):
+    """Rank r gets piece r of np.array_split(op over all ranks' x.ravel(), p) (1-D)."""
+    x = array(x)
+    return run(*_reduce_scatter_algorithm(g, x).start_reduce_scatter(g, x, op, out))
+
+
+def reduce_scatter_async(g, x, op="sum", *, out=None):
+    x = array(x)
+    return Handle(*_reduce_scatter_algorithm(g, x).start_reduce_scatter(g, x, op, out))
+
+
+def _all_gather_algorithm(g, x, sizes):
+    if g.size >= 4:
+        total = x.size * g.size if sizes is None else sum(int(s) for s in sizes)
+        if total * x.itemsize <= ALL_GATHER_BRUCK_MAX_BYTES:
+            return doubling
+    return _large(g)
+
+
+def all_gather(g, x, sizes=None, *, out=None):
+    """The concatenation of every rank's x.ravel(), in rank order (1-D).
+
+    sizes: each rank's element count when they differ (e.g. reduce_scatter pieces);
+    None means every rank's x has as many elements as this one's.
+    """
+    x = array(x)
+    return run(*_all_gather_algorithm(g, x, sizes).start_all_gather(g, x, sizes, out))
+
+
+def all_gather_async(g, x, sizes=None, *, out=None):
+    x = array(x)
+    return Handle(*_all_gather_algorithm(g, x, sizes).start_all_gather(g, x, sizes, out))
