@@ -118,13 +118,14 @@ def test_grad_sync_bytes_equal_the_ring_formula():
     """One bucket holding every gradient, with p | n: the ledger shows exactly 2(p-1)/p * n
     bytes sent per rank per step (the loss all-reduce is counted separately)."""
     sub = split(4)
-    args = flags()
-    model = GPT(CFG, dtype=np.float64)
+    args = flags("--n-embd", "32")
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32)   # 273 KB: the ring's size
+    model = GPT(cfg, dtype=np.float64)
     n_bytes = sum(p.data.nbytes for p in model.parameters())
-    assert (n_bytes // 8) % 4 == 0, "pick a config whose parameter count divides by 4"
+    assert (n_bytes // 8) % 4 == 0 and n_bytes > 4 * comm.ALL_REDUCE_DOUBLING_MAX_BYTES, n_bytes
     grid = ProcessGrid(sub, dp=4)
     ddp = data_parallel.make(model.parameters(), grid.dp_group, "bucketed", 1e3)
-    sampler = data.Sampler(tokens(), CFG.block_size, args.batch_size, args.seed)
+    sampler = data.Sampler(tokens(), cfg.block_size, args.batch_size, args.seed)
     rows = (grid.dp_rank * 2, grid.dp_rank * 2 + 2)
     opt = train.build_optimizer(model, args)
     for row in train.train_steps(model, opt, sampler, args, 0, 2, rows, ddp, grid.dp_group):
