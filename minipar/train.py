@@ -385,8 +385,10 @@ def run(args) -> dict:
         if logf:
             logf.write(json.dumps(row) + "\n")
         if (step - start) % log_every == 0 or step == args.steps - 1:
+            exposed = f" (exposed {row['exposed_comm_s'] * 1e3:.1f} ms)" if ddp is not None else ""
             say(f"step {step:5d} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | norm {row['grad_norm']:7.3f} | "
-                f"{row['tokens_per_s']:8.0f} tok/s | MFU {row['mfu']:5.1%} | comm {human_bytes(row['comm_bytes'])}")
+                f"{row['tokens_per_s']:8.0f} tok/s | MFU {row['mfu']:5.1%} | comm {human_bytes(row['comm_bytes'])}"
+                + exposed)
         if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
             if rank == 0:
                 save_checkpoint(args.save, model, opt, cfg, args, step + 1, tokens, grid)

@@ -1,0 +1,68 @@
+"""The trainer under mpirun, as a user runs it: --verify, layout errors, exit codes.
+
+Each test launches `mpirun -n N python -m minipar.train` with a timeout, one BLAS thread
+per rank, on a tiny model.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minipar import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--batch-size", "8", "--steps", "4", "--sample", "0"]
+
+
+def mpirun(n, *flags, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MINIPAR_COMM_TIMEOUT="60")
+    return subprocess.run([MPIRUN, "-n", str(n), sys.executable, "-m", "minipar.train", *TINY, *flags],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("mode", ["bucketed", "naive"])
+def test_verify_dp2_float64_passes(mode):
+    p = mpirun(2, "--dtype", "float64", "--verify", "--dp-mode", mode, "--micro-batches", "2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    verify = [line for line in p.stdout.splitlines() if line.startswith("verify: dp=2")]
+    assert len(verify) == 1 and verify[0].endswith("-> OK"), p.stdout
+    assert "replicas identical across 2 dp ranks" in p.stdout, p.stdout
+    assert "(ratio 1.000)" in p.stdout or mode == "naive", p.stdout   # naive: small per-parameter all-reduces
+
+
+@pytest.mark.parametrize("n,flags,message", [
+    (3, ["--dp", "2"], "world size 3 != dp*tp*pp = 2*1*1 = 2"),
+    (2, ["--batch-size", "6", "--micro-batches", "2"], "--batch-size 6 is not divisible by dp*micro-batches = 2*2 = 4"),
+    (2, ["--tp", "2"], "--tp 2 --pp 1: tensor and pipeline parallelism are not in this version yet"),
+    (2, ["--data", "/nonexistent/corpus.txt"], "data file '/nonexistent/corpus.txt' not found"),
+])
+def test_bad_layout_exits_2_on_every_rank_with_one_line(n, flags, message):
+    p = mpirun(n, *flags)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert p.stderr.count("minipar.train: error:") == 1 and message in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == "", (p.stdout, p.stderr)
+
+
+def test_verify_fails_with_exit_1_beyond_tolerance(monkeypatch, capsys):
+    """A twin that disagrees by 1e-9 relative in float64 fails --verify (tolerance 1e-10)."""
+    real = train.run_twin
+
+    def off_twin(*a, **k):
+        losses, state = real(*a, **k)
+        return [x * (1 + 1e-9) for x in losses], state
+
+    monkeypatch.setattr(train, "run_twin", off_twin)
+    with pytest.raises(SystemExit) as e:
+        train.main(TINY + ["--dtype", "float64", "--verify"])
+    assert e.value.code == 1
+    assert "-> FAILED" in capsys.readouterr().out
+
+
+def test_verify_single_process_passes_exactly(capsys):
+    s = train.run(train.build_parser().parse_args(TINY + ["--dtype", "float64", "--verify"]))
+    assert s["verify"]["ok"] and s["verify"]["loss_abs"] == 0.0 and s["verify"]["param_abs"] == 0.0, s["verify"]
+    assert np.isfinite(s["final_loss"])
