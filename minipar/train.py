@@ -25,7 +25,7 @@ from minipar import checkpoint, comm, data
 from minipar.model import GPT, GPTConfig, train_flops_per_token
 from minipar.optim import AdamW, clip_grad_norm, lr_at
 from minipar.perf import human_bytes, keep_freed_memory, matmul_peak_flops
-from minipar.parallel import data_parallel
+from minipar.parallel import data_parallel, tensor_parallel
 from minipar.parallel.grid import LayoutError, ProcessGrid, check_layout
 from minipar.tensor import no_grad
 
@@ -121,10 +121,13 @@ def validate(args, cfg: GPTConfig):
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
 
 
-def memory_report(model: GPT, opt: AdamW) -> dict:
+def memory_report(model, opt: AdamW) -> dict:
     """Bytes this process holds for model states, beside the formula (fp32/fp64: Adam keeps
-    m and v, so params + grads + optimizer = s*P + s*P + 2s*P for an s-byte dtype)."""
-    P, s = model.num_params(), model.dtype.itemsize
+    m and v, so params + grads + optimizer = s*P + s*P + 2s*P for an s-byte dtype, with P
+    the parameters this rank holds: all of them, or tensor_parallel.local_param_count)."""
+    tp = getattr(model, "tp_size", 1)
+    P = model.num_params() if tp == 1 else tensor_parallel.local_param_count(model.cfg, tp)
+    s = model.dtype.itemsize
     return {
         "params": sum(p.data.nbytes for p in model.parameters()),
         "grads": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
@@ -138,10 +141,15 @@ def tokens_digest(tokens: np.ndarray) -> str:
     return hashlib.sha256(tokens.tobytes()).hexdigest()[:16]
 
 
-def save_checkpoint(path, model: GPT, opt: AdamW, cfg: GPTConfig, args, next_step: int, tokens, grid=None):
+def save_checkpoint(path, model, opt: AdamW, cfg: GPTConfig, args, next_step: int, tokens, grid=None):
+    """Called on every rank: consolidating tensor-parallel shards is collective. Rank 0 writes."""
     names = [n for n, _ in model.named_parameters()]
-    checkpoint.save(path, model.state_dict(),
-                    {"step": opt.step_count, "m": dict(zip(names, opt.m)), "v": dict(zip(names, opt.v))},
+    state, m, v = model.state_dict(), dict(zip(names, opt.m)), dict(zip(names, opt.v))
+    if hasattr(model, "consolidate"):                       # canonical full tensors, whatever tp is
+        m, v = model.consolidate(m), model.consolidate(v)
+    if grid is not None and grid.rank != 0:
+        return
+    checkpoint.save(path, state, {"step": opt.step_count, "m": m, "v": v},
                     {"config": cfg.to_dict(), "step": next_step, "dtype": args.dtype,
                      "layout": {"dp": grid.dp_size if grid else 1, "tp": grid.tp_size if grid else 1,
                                 "pp": grid.pp_size if grid else 1, "zero": 0},
@@ -150,7 +158,7 @@ def save_checkpoint(path, model: GPT, opt: AdamW, cfg: GPTConfig, args, next_ste
                      "seed": args.seed, "batch_size": args.batch_size})
 
 
-def restore(model: GPT, opt: AdamW, state, ostate, path):
+def restore(model, opt: AdamW, state, ostate, path):
     try:
         model.load_state_dict(state)
     except ValueError as e:
@@ -159,9 +167,10 @@ def restore(model: GPT, opt: AdamW, state, ostate, path):
     missing = [n for n in names if n not in ostate["m"] or n not in ostate["v"]]
     if missing:
         raise ConfigError(f"checkpoint {path}/optim.npz lacks state for {missing[:3]}")
+    shard = getattr(model, "shard", lambda name, full: full)   # this rank's slice (tensor parallel)
     opt.step_count = ostate["step"]
     for n, m, v in zip(names, opt.m, opt.v):
-        m[...], v[...] = ostate["m"][n], ostate["v"][n]
+        m[...], v[...] = shard(n, ostate["m"][n]), shard(n, ostate["v"][n])
 
 
 class Printer:
@@ -208,9 +217,11 @@ def prepare(args, world: int) -> Plan:
         dp, tp, pp = check_layout(world, args.dp, args.tp, args.pp)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-    if tp > 1 or pp > 1:
-        raise ConfigError(f"--tp {tp} --pp {pp}: tensor and pipeline parallelism are not in this "
-                          f"version yet; run with tp = pp = 1 (dp = world size)")
+    if pp > 1:
+        raise ConfigError(f"--pp {pp}: pipeline parallelism is not in this version yet; run with pp = 1")
+    if cfg.n_head % tp:
+        raise ConfigError(f"--n-head {cfg.n_head} is not divisible by --tp {tp}: each tensor-parallel "
+                          f"rank needs whole heads")
     if args.batch_size % (dp * args.micro_batches):
         raise ConfigError(f"--batch-size {args.batch_size} is not divisible by dp*micro-batches = "
                           f"{dp}*{args.micro_batches} = {dp * args.micro_batches}")
@@ -251,8 +262,12 @@ def build_optimizer(model: GPT, args) -> AdamW:
     return AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
 
-def init_model(plan: Plan, args):
-    model = GPT(plan.cfg, seed=args.seed, dtype=plan.dtype)
+def init_model(plan: Plan, args, tp_group=None):
+    """The model for this rank: GPT, or its tensor-parallel shards when tp_group has > 1 rank."""
+    if tp_group is not None and tp_group.size > 1:
+        model = tensor_parallel.TensorParallelGPT(plan.cfg, tp_group, seed=args.seed, dtype=plan.dtype)
+    else:
+        model = GPT(plan.cfg, seed=args.seed, dtype=plan.dtype)
     opt = build_optimizer(model, args)
     if plan.meta is not None:
         restore(model, opt, plan.state, plan.ostate, args.resume)
@@ -269,10 +284,9 @@ def train_steps(model: GPT, opt: AdamW, sampler, args, start: int, stop: int, ro
     B, T, M = args.batch_size, model.cfg.block_size, args.micro_batches
     lo, hi = rows
     mb = (hi - lo) // M
-    params = model.parameters()
     for step in range(start, stop):
         t0 = time.perf_counter()
-        sent0 = comm_sent()
+        sent0, tp0 = comm_sent(), tp_sent()
         lr = lr_at(step, args.lr, args.lr_schedule, args.warmup, args.steps, args.min_lr)
         opt.lr = lr
         if dp is None:
@@ -290,18 +304,29 @@ def train_steps(model: GPT, opt: AdamW, sampler, args, start: int, stop: int, ro
             loss_local += loss.item()
         if dp is not None:
             dp.finish()
-        grad_bytes = comm_sent() - sent0
+        grad_bytes = (comm_sent() - sent0) - (tp_sent() - tp0)   # dp's share of what was sent
         loss_sum = loss_local if group is None else float(comm.all_reduce(group, np.array([loss_local]))[0])
-        norm = clip_grad_norm(params, args.grad_clip)   # grads are identical on every dp rank
+        norm = clip_grads(model, args.grad_clip)        # grads are identical on every dp rank
         opt.step()
         dt = time.perf_counter() - t0
         yield {"step": step, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens_per_s": B * T / dt,
-               "comm_bytes": comm_sent() - sent0, "grad_sync_bytes": grad_bytes,
+               "comm_bytes": comm_sent() - sent0, "grad_sync_bytes": grad_bytes, "tp_bytes": tp_sent() - tp0,
                "exposed_comm_s": 0.0 if dp is None else dp.exposed_seconds, "step_time": dt}
 
 
 def comm_sent() -> int:
     return sum(v["bytes_sent"] for v in comm.traffic().values())
+
+
+def tp_sent() -> int:
+    return sum(v["bytes_sent"] for v in tensor_parallel.traffic().values())
+
+
+def clip_grads(model, max_norm: float) -> float:
+    """Global-norm clipping; a tensor-parallel model counts each parameter once across tp."""
+    if hasattr(model, "grad_norm_sq"):
+        return tensor_parallel.clip_grad_norm(model, max_norm)
+    return clip_grad_norm(model.parameters(), max_norm)
 
 
 def run_twin(plan: Plan, args, start: int, stop: int):
@@ -350,7 +375,7 @@ def run(args) -> dict:
     dp_size, dp_rank = grid.dp_size, grid.dp_rank
 
     sampler = data.Sampler(tokens, cfg.block_size, args.batch_size, args.seed)
-    model, opt = init_model(plan, args)
+    model, opt = init_model(plan, args, grid.tp_group)
     ddp = data_parallel.make(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb) if dp_size > 1 else None
     B, T, M = args.batch_size, cfg.block_size, args.micro_batches
     rows = (dp_rank * B // dp_size, (dp_rank + 1) * B // dp_size)
@@ -369,6 +394,11 @@ def run(args) -> dict:
     say(f"minipar: GPT L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={T} V={cfg.vocab_size} "
         f"({'tied' if cfg.tie_embeddings else 'untied'}), {model.num_params():,} params, {args.dtype}")
     say(f"  layout: {world} process(es), {grid.describe()}{mode}")
+    if grid.tp_size > 1:
+        say(f"  tensor parallel: each tp rank holds {cfg.n_head // grid.tp_size} of {cfg.n_head} heads, "
+            f"1/{grid.tp_size} of every MLP, {model.vocab_per_rank} of {model.vocab_padded} vocabulary rows "
+            f"(V={cfg.vocab_size}{' padded' if model.vocab_padded != cfg.vocab_size else ''}); "
+            f"{model.num_local_params():,} of {model.num_params():,} parameters")
     say(f"  batch: {B} x {T} tokens; each dp rank {B // dp_size} sequences in {M} micro-batch(es) of {B // dp_size // M}")
     say(f"  data: {source}, {len(tokens):,} tokens; steps {start}..{args.steps - 1}; "
         f"lr {args.lr:g} {args.lr_schedule}, warm-up {args.warmup}"
@@ -390,13 +420,13 @@ def run(args) -> dict:
                 f"{row['tokens_per_s']:8.0f} tok/s | MFU {row['mfu']:5.1%} | comm {human_bytes(row['comm_bytes'])}"
                 + exposed)
         if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            if rank == 0:
-                save_checkpoint(args.save, model, opt, cfg, args, step + 1, tokens, grid)
+            save_checkpoint(args.save, model, opt, cfg, args, step + 1, tokens, grid)
     elapsed = time.perf_counter() - t_run
     steps_run = args.steps - start
+    tp_ledger = tensor_parallel.traffic()                # the training steps' only (not validation)
 
     digest = data_parallel.check_replicas(model.parameters(), grid.dp_group) if dp_size > 1 else None
-    if args.save and rank == 0:
+    if args.save:
         save_checkpoint(args.save, model, opt, cfg, args, args.steps, tokens, grid)
     val = data.Sampler(tokens, T, B, args.seed, split="val")
     with no_grad():
@@ -432,6 +462,17 @@ def run(args) -> dict:
             f"2(p-1)/p x {human_bytes(P_bytes)} = {human_bytes(theory)} (ratio {ratio:.3f}); exposed comm "
             f"{exposed * 1e3:.1f} ms/step ({exposed / step_time:.0%} of the step)")
         say(f"  replicas identical across {dp_size} dp ranks (weights sha256 {digest})")
+    if grid.tp_size > 1:
+        calls, elems = tensor_parallel.megatron_count(cfg, B // dp_size // M, T)
+        tp_calls = sum(v["calls"] for k, v in tp_ledger.items() if k != "grad_norm")
+        tp_elems = sum(v["elements"] for k, v in tp_ledger.items() if k != "grad_norm")
+        tp_bytes = float(np.mean([r["tp_bytes"] for r in rows_log]))
+        summary["tensor_parallel"] = {"tp": grid.tp_size, "all_reduces_per_step": tp_calls / steps_run,
+                                      "elements_per_step": tp_elems / steps_run, "bytes_per_step": tp_bytes,
+                                      "megatron_all_reduces_per_step": calls * M, "megatron_elements_per_step": elems * M}
+        say(f"  tensor parallel: {tp_calls / steps_run:.0f} all-reduces/step of {tp_elems / steps_run:,.0f} elements "
+            f"(Megatron: (4L+5) x {M} micro-batch(es) = {calls * M}, {elems * M:,} elements), "
+            f"{human_bytes(tp_bytes)}/step sent per rank, + 1 for the global grad norm")
     if args.save:
         say(f"  checkpoint: {args.save} (step {args.steps})")
 
@@ -450,6 +491,10 @@ def run(args) -> dict:
     if logf:
         logf.write(json.dumps(summary) + "\n")
         logf.close()
+    if args.sample > 0 and grid.tp_size > 1:               # sample from the consolidated model
+        full = model.state_dict()                         # (collective over tp)
+        model = GPT(cfg, seed=args.seed, dtype=plan.dtype)
+        model.load_state_dict(full)
     if args.sample > 0 and rank == 0:
         prompt = "The pipeline"
         out = model.generate(data.encode(prompt)[None].astype(np.int64), args.sample,

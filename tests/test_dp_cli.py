@@ -3,7 +3,9 @@
 Each test launches `mpirun -n N python -m minipar.train` with a timeout, one BLAS thread
 per rank, on a tiny model.
 """
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -37,7 +39,8 @@ def test_verify_dp2_float64_passes(mode):
 @pytest.mark.parametrize("n,flags,message", [
     (3, ["--dp", "2"], "world size 3 != dp*tp*pp = 2*1*1 = 2"),
     (2, ["--batch-size", "6", "--micro-batches", "2"], "--batch-size 6 is not divisible by dp*micro-batches = 2*2 = 4"),
-    (2, ["--tp", "2"], "--tp 2 --pp 1: tensor and pipeline parallelism are not in this version yet"),
+    (2, ["--pp", "2"], "--pp 2: pipeline parallelism is not in this version yet"),
+    (4, ["--tp", "4"], "--n-head 2 is not divisible by --tp 4"),
     (2, ["--data", "/nonexistent/corpus.txt"], "data file '/nonexistent/corpus.txt' not found"),
 ])
 def test_bad_layout_exits_2_on_every_rank_with_one_line(n, flags, message):
@@ -66,3 +69,35 @@ def test_verify_single_process_passes_exactly(capsys):
     s = train.run(train.build_parser().parse_args(TINY + ["--dtype", "float64", "--verify"]))
     assert s["verify"]["ok"] and s["verify"]["loss_abs"] == 0.0 and s["verify"]["param_abs"] == 0.0, s["verify"]
     assert np.isfinite(s["final_loss"])
+
+
+@pytest.mark.parametrize("n,flags", [
+    (4, ["--dp", "2", "--tp", "2", "--untied", "--micro-batches", "2"]),
+    (3, ["--tp", "3", "--n-head", "3", "--n-embd", "24"]),          # V = 256 padded to 258
+    (4, ["--tp", "4", "--n-head", "4"]),
+])
+def test_verify_tensor_parallel_float64_passes(n, flags):
+    p = mpirun(n, "--dtype", "float64", "--verify", *flags)
+    assert p.returncode == 0, p.stdout + p.stderr
+    verify = [line for line in p.stdout.splitlines() if line.startswith("verify: ")]
+    assert verify and verify[-1].endswith("-> OK"), p.stdout
+    tp_line = [line for line in p.stdout.splitlines() if line.strip().startswith("tensor parallel: ") and "all-reduces/step" in line]
+    assert len(tp_line) == 1, p.stdout
+    # the ledger's count equals Megatron's: "N all-reduces/step of E elements (Megatron: ... = N, E elements)"
+    m = re.search(r"(\d+) all-reduces/step of ([\d,]+) elements \(Megatron: .* = (\d+), ([\d,]+) elements\)", tp_line[0])
+    assert m and m.group(1) == m.group(3) and m.group(2) == m.group(4), tp_line[0]
+
+
+def test_checkpoint_reshards_from_dp2_tp2_to_tp4(tmp_path):
+    """Save on dp2 x tp2, resume on tp4: the resumed steps equal an uninterrupted tp4 run."""
+    d, a, b = str(tmp_path / "ck"), str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
+    base = ["--dtype", "float64", "--n-head", "4", "--lr-schedule", "constant", "--warmup", "0"]
+    p = mpirun(4, *base, "--dp", "2", "--tp", "2", "--steps", "3", "--save", d)
+    assert p.returncode == 0, p.stderr
+    p = mpirun(4, *base, "--tp", "4", "--steps", "6", "--resume", d, "--log", b)
+    assert p.returncode == 0, p.stderr
+    p = mpirun(4, *base, "--tp", "4", "--steps", "6", "--log", a)
+    assert p.returncode == 0, p.stderr
+    la = [json.loads(x)["loss"] for x in open(a) if '"summary"' not in x][3:]
+    lb = [json.loads(x)["loss"] for x in open(b) if '"summary"' not in x]
+    np.testing.assert_allclose(lb, la, rtol=1e-12, err_msg="resumed on tp4 from a dp2 x tp2 checkpoint")
