@@ -21,10 +21,11 @@ were measured with scripts/bench_collectives.py --crossover (docs/collectives.md
                        tree.REDUCE_TREE_MAX_BYTES, then a pipelined chain (p > 2)
     scatter, gather    binomial tree
 
-Every algorithm is also callable on its own, whatever the size: ring.all_reduce,
+Blocking calls of at most SMALL_MAX_BYTES run the same algorithms without the generator
+machinery (small.py). Every algorithm is also callable on its own, whatever the size: ring.all_reduce,
 doubling.all_reduce, direct.all_reduce, ... (the tests run each of them).
 """
-from . import direct, doubling, ring, tree
+from . import direct, doubling, ring, small, tree
 from .group import (CollectiveMismatch, CommError, CommTimeout, Group, Handle, abort_on_error,
                     array, recv, reset_traffic, run, send, traffic)
 from .tree import broadcast, gather, reduce, scatter
@@ -35,6 +36,9 @@ from .tree import broadcast, gather, reduce, scatter
 # Bruck beats direct exchange up to 8 KiB at p = 4 (for p <= 3 it has no fewer steps).
 ALL_REDUCE_DOUBLING_MAX_BYTES = 64 * 1024
 ALL_GATHER_BRUCK_MAX_BYTES = 8 * 1024           # p >= 4
+# Blocking calls up to this size (bytes of x; of the result for all_gather) take the
+# generator-free fast path of small.py: the same algorithms and messages, less Python.
+SMALL_MAX_BYTES = 64 * 1024
 
 __all__ = [
     "Group", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "scatter",
@@ -59,7 +63,10 @@ def all_reduce(g, x, op="sum", *, out=None):
     out: write the result there instead of into a new array (same shape and dtype, C-order;
     x itself is allowed: an in-place all-reduce)."""
     x = array(x)
-    return run(*_all_reduce_algorithm(g, x).start_all_reduce(g, x, op, out))
+    algorithm = _all_reduce_algorithm(g, x)
+    if algorithm is doubling and x.nbytes <= SMALL_MAX_BYTES:
+        return small.all_reduce_into(g, x, op, out)
+    return run(*algorithm.start_all_reduce(g, x, op, out))
 
 
 def all_reduce_async(g, x, op="sum", *, out=None):
@@ -77,7 +84,10 @@ def _reduce_scatter_algorithm(g, x):
 def reduce_scatter(g, x, op="sum", *, out=None):
     """Rank r gets piece r of np.array_split(op over all ranks' x.ravel(), p) (1-D)."""
     x = array(x)
-    return run(*_reduce_scatter_algorithm(g, x).start_reduce_scatter(g, x, op, out))
+    algorithm = _reduce_scatter_algorithm(g, x)
+    if algorithm is direct and x.nbytes <= SMALL_MAX_BYTES:
+        return small.reduce_scatter_into(g, x, op, out)
+    return run(*algorithm.start_reduce_scatter(g, x, op, out))
 
 
 def reduce_scatter_async(g, x, op="sum", *, out=None):
@@ -85,11 +95,13 @@ def reduce_scatter_async(g, x, op="sum", *, out=None):
     return Handle(*_reduce_scatter_algorithm(g, x).start_reduce_scatter(g, x, op, out))
 
 
+def _gathered_bytes(g, x, sizes):
+    return (x.size * g.size if sizes is None else sum(int(s) for s in sizes)) * x.itemsize
+
+
 def _all_gather_algorithm(g, x, sizes):
-    if g.size >= 4:
-        total = x.size * g.size if sizes is None else sum(int(s) for s in sizes)
-        if total * x.itemsize <= ALL_GATHER_BRUCK_MAX_BYTES:
-            return doubling
+    if g.size >= 4 and _gathered_bytes(g, x, sizes) <= ALL_GATHER_BRUCK_MAX_BYTES:
+        return doubling
     return _large(g)
 
 
@@ -100,7 +112,10 @@ def all_gather(g, x, sizes=None, *, out=None):
     None means every rank's x has as many elements as this one's.
     """
     x = array(x)
-    return run(*_all_gather_algorithm(g, x, sizes).start_all_gather(g, x, sizes, out))
+    algorithm = _all_gather_algorithm(g, x, sizes)
+    if algorithm is not ring and _gathered_bytes(g, x, sizes) <= SMALL_MAX_BYTES:
+        return small.all_gather_into(g, x, sizes, out, bruck=algorithm is doubling)
+    return run(*algorithm.start_all_gather(g, x, sizes, out))
 
 
 def all_gather_async(g, x, sizes=None, *, out=None):

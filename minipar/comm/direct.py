@@ -38,7 +38,7 @@ def _reduce_scatter(c, x, op, res, off, step=1):
     if p == 1:
         res[...] = mine
         return res
-    got = np.empty((p, mine.size), x.dtype)     # got[j]: rank j's copy of piece r
+    got = c.buffer(0, (p, mine.size), x.dtype)  # got[j]: rank j's copy of piece r
     reqs = []
     for k in range(1, p):                       # receive from r-1, r-2, ...; send to r+1, ...
         src, dst = (r - k) % p, (r + k) % p

@@ -49,7 +49,7 @@ def _all_reduce(c, x, op, res):
         yield c.isend(1, x, r - q)
         yield c.irecv(c.nsteps, out, r - q)
         return res
-    tmp = np.empty_like(x)
+    tmp = c.buffer(1, (x.size,), x.dtype)
     mine = x                                    # my partial result so far (x itself: no copy)
     step = 0
     if r < extra:                               # fix-up: fold in rank r + q's x
@@ -86,7 +86,7 @@ def all_reduce(g, x, op="sum", *, out=None):
 def _reduce_scatter(c, x, op, res):
     off = split_offsets(x.size, c.g.size)
     r = c.g.rank
-    full = yield from _all_reduce(c, x, op, np.empty_like(x))
+    full = yield from _all_reduce(c, x, op, c.buffer(0, (x.size,), x.dtype))
     res[...] = full[off[r]:off[r + 1]]
     return res
 
@@ -116,7 +116,7 @@ def _all_gather(c, x, off, res):
     for k in range(p):
         i = (r + k) % p
         rot_off.append(rot_off[-1] + off[i + 1] - off[i])
-    rot = np.empty(n, x.dtype)
+    rot = c.buffer(0, (n,), x.dtype)
     rot[:x.size] = x
     have, step = 1, 0
     while have < p:

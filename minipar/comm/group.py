@@ -27,6 +27,7 @@ Everything in `minipar.comm` is built from the pieces in this file:
 Bytes go on the wire as raw bytes (MPI.BYTE), so any NumPy dtype works, float16 and
 ml_dtypes' bfloat16 included; reductions are NumPy ufuncs applied in place.
 """
+import functools
 import os
 import sys
 import time
@@ -69,12 +70,13 @@ def _env_flag(name):
 # --------------------------------------------------------------------------------------------
 # The ledger: {op: {"calls", "bytes_sent", "bytes_recv", "seconds"}} for this process.
 
-_LEDGER = {}
+_LEDGER = {}        # op -> [calls, bytes_sent, bytes_recv, seconds]: one list update per call
+_FIELDS = ("calls", "bytes_sent", "bytes_recv", "seconds")
 
 
 def traffic():
     """What this process sent and received, per top-level operation (a copy)."""
-    return {name: dict(entry) for name, entry in _LEDGER.items()}
+    return {name: dict(zip(_FIELDS, entry)) for name, entry in _LEDGER.items()}
 
 
 def reset_traffic():
@@ -84,11 +86,12 @@ def reset_traffic():
 def _account(name, sent, recvd, seconds):
     e = _LEDGER.get(name)
     if e is None:
-        e = _LEDGER[name] = {"calls": 0, "bytes_sent": 0, "bytes_recv": 0, "seconds": 0.0}
-    e["calls"] += 1
-    e["bytes_sent"] += sent
-    e["bytes_recv"] += recvd
-    e["seconds"] += seconds
+        _LEDGER[name] = [1, sent, recvd, seconds]
+    else:
+        e[0] += 1
+        e[1] += sent
+        e[2] += recvd
+        e[3] += seconds
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,6 +147,8 @@ class Group:
         self.timeout = float(os.environ.get("MINIPAR_COMM_TIMEOUT", "600")) if timeout is None \
             else float(timeout)
         self.calls = 0                  # collective calls so far: tag and debug call number
+        self._scratch = [None, None]    # receive buffers reused by blocking calls: scratch()
+        self._views = {}                # (slot, shape, dtype) -> view of a scratch buffer
         if MPI.COMM_WORLD.Get_size() > 1:
             abort_on_error()
 
@@ -160,6 +165,33 @@ class Group:
             _agree(self, f"{name}({describe or ''})")
         return Call(self, name, nsteps, self.calls % _TAG_CYCLE)
 
+    def scratch(self, slot, shape, dtype):
+        """Buffer `slot` (0 or 1) viewed as an array of `shape` and `dtype`, reused from call to
+        call: what blocking collectives receive into before reducing.
+
+        A fresh np.empty per call is cheap for small messages but, for large ones, is
+        page-faulted in again on every call once it is above glibc's mmap threshold (e.g. the
+        64 MiB receive buffer of a reduce-scatter of 64 MiB): about a tenth of the call. Each
+        slot grows to the largest size asked for and is kept for the life of the Group. Only
+        blocking calls use it (one at a time); a Handle's buffers are its own, since several
+        may be in flight at once.
+        """
+        key = (slot, shape, dtype)
+        view = self._views.get(key)             # the same shapes come back call after call
+        if view is None:
+            dtype = np.dtype(dtype)
+            n = dtype.itemsize
+            for d in shape:
+                n *= d
+            buf = self._scratch[slot]
+            if buf is None or buf.nbytes < n:
+                buf = self._scratch[slot] = np.empty(max(n, 64), np.uint8)
+                self._views.clear()             # views of the old, smaller buffer
+            if len(self._views) > 64:
+                self._views.clear()
+            view = self._views[key] = buf[:n].view(dtype).reshape(shape)
+        return view
+
 
 class Call:
     """One collective call in flight: its tag, step counter, byte counts, and the wait loop.
@@ -170,14 +202,22 @@ class Call:
     """
 
     __slots__ = ("g", "name", "tag", "nsteps", "step", "sent", "recvd", "t0", "comm", "trace",
-                 "posted")
+                 "posted", "blocking")
 
     def __init__(self, g, name, nsteps, tag):
         self.g, self.name, self.nsteps, self.tag = g, name, nsteps, tag
         self.comm, self.trace = g.comm, g.trace
         self.step = self.sent = self.recvd = 0
         self.posted = []
+        self.blocking = False           # set by run(): may receive into the group's scratch
         self.t0 = time.perf_counter()
+
+    def buffer(self, slot, shape, dtype):
+        """A receive buffer: the group's reused scratch slot when the call is blocking, else
+        (a Handle's call) a new array."""
+        if self.blocking:
+            return self.g.scratch(slot, shape, dtype)
+        return np.empty(shape, dtype)
 
     # Posting messages. Buffers are contiguous 1-D ndarrays of any dtype, sent as raw bytes;
     # empty ones are skipped (both sides always know the sizes). Each returns a request list.
@@ -266,6 +306,7 @@ class Call:
 def run(call, steps):
     """Drive a collective generator to the end, blocking: the synchronous path."""
     testall = MPI.Request.Testall
+    call.blocking = True
     try:
         reqs = next(steps)
         while True:
@@ -380,6 +421,10 @@ def result(out, shape, dtype, what):
     """The array a collective writes into: a new one, or the caller's `out` once checked."""
     if out is None:
         return np.empty(shape, dtype)
+    if type(out) is np.ndarray and out.shape == shape and out.dtype == dtype:
+        flags = out.flags
+        if flags.c_contiguous and flags.writeable:
+            return out
     if not (type(out) is np.ndarray and out.shape == tuple(shape) and out.dtype == dtype
             and out.flags.c_contiguous and out.flags.writeable):
         got = (f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__)
@@ -395,10 +440,14 @@ def reduce_op(op):
     return f
 
 
+@functools.lru_cache(maxsize=256)
 def split_offsets(n, p):
-    """Element offsets of np.array_split(range(n), p): piece i is [off[i], off[i+1])."""
+    """Element offsets of np.array_split(range(n), p): piece i is [off[i], off[i+1]).
+
+    A tuple, cached per (n, p): the same bucket sizes come back every training step, and
+    building the list cost more than a small message's whole posting."""
     q, rem = divmod(n, p)
-    return [i * q + min(i, rem) for i in range(p + 1)]
+    return tuple(i * q + min(i, rem) for i in range(p + 1))
 
 
 def check_rank(g, rank, what):

@@ -44,7 +44,7 @@ def _reduce_scatter(c, x, op, res):
     off = split_offsets(x.size, p)
     right, left = (r + 1) % p, (r - 1) % p
     longest = off[1] - off[0]
-    bufs = (np.empty(longest, x.dtype), np.empty(longest, x.dtype))   # receive / send in turn
+    bufs = c.buffer(0, (2, longest), x.dtype)                         # receive / send in turn
     j = (r - 1) % p
     send = x[off[j]:off[j + 1]]                                       # own copy of piece r-1
     for s in range(p - 1):
@@ -78,7 +78,7 @@ def _all_reduce(c, x, op, res):
     out = res if res.ndim == 1 else res.reshape(-1)
     off = split_offsets(n, p)
     right, left = (r + 1) % p, (r - 1) % p
-    tmp = np.empty(off[1] - off[0], x.dtype)
+    tmp = c.buffer(0, (off[1] - off[0],), x.dtype)
     j = (r - 1) % p
     send = x[off[j]:off[j + 1]]                                       # own copy of piece r-1
     for s in range(p - 1):                                            # reduce-scatter

@@ -448,3 +448,71 @@ def test_bad_arguments_raise_before_any_message(groups):
         comm.send(g, x, g.rank)
     assert comm.traffic() == {}
     np.testing.assert_array_equal(comm.all_reduce(g, x), np.full(4, g.size))  # still in step
+
+
+# ---------------------------------------------------------------------------- small fast path
+
+def test_small_fast_path_matches_the_general_path(groups, capfd):
+    """Blocking calls on small messages run small.py instead of the generators: the same
+    results bit for bit, the same ledger volumes and the same trace lines; receive buffers
+    reused across calls of other sizes and dtypes (Group.scratch) never leak into results."""
+    from minipar.comm import small
+    base = world(groups)
+    g = comm.Group(base.comm, trace=True)
+    p, r = g.size, g.rank
+    rng = rng_for(7)
+    cases = [rng.standard_normal(n).astype(dt) for n, dt in
+             [(1000, np.float32), (7, np.float64), (p * 300, np.float16), (1, np.int64),
+              (5000, np.float64), (1000, np.float32)]]
+    for x in cases:
+        assert x.nbytes <= comm.SMALL_MAX_BYTES
+        pieces = [len(a) for a in np.array_split(np.arange(x.size), p)]
+        mine = np.array_split(x, p)[r].copy()
+        runs = {}
+        for label, calls in [
+                ("small", [lambda: small.all_reduce_into(g, x, "sum", None),
+                           lambda: small.reduce_scatter_into(g, x, "max", None),
+                           lambda: small.all_gather_into(g, mine, pieces, None),
+                           lambda: small.all_gather_into(g, mine, pieces, None, bruck=True)]),
+                ("general", [lambda: doubling.all_reduce(g, x, "sum"),
+                             lambda: direct.reduce_scatter(g, x, "max"),
+                             lambda: direct.all_gather(g, mine, pieces),
+                             lambda: doubling.all_gather(g, mine, pieces)])]:
+            comm.reset_traffic()
+            capfd.readouterr()
+            results = [f() for f in calls]
+            lines = [ln for ln in capfd.readouterr().out.splitlines() if ln.startswith("rank ")]
+            runs[label] = (results, comm.traffic(), lines)
+        (res_s, led_s, tr_s), (res_g, led_g, tr_g) = runs["small"], runs["general"]
+        for a, b in zip(res_s, res_g):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert a.tobytes() == b.tobytes()
+        for name in led_g:
+            for field in ("calls", "bytes_sent", "bytes_recv"):
+                assert led_s[name][field] == led_g[name][field], (name, field)
+        assert tr_s == tr_g
+        every = g.comm.allgather(res_s[0].tobytes())
+        assert all(b == every[0] for b in every)
+
+
+def test_small_fast_path_is_what_blocking_calls_use(groups):
+    """comm.all_reduce & co. on a small message go through small.py (and the async calls do
+    not): checked by counting calls into it."""
+    from minipar.comm import small
+    g = world(groups)
+    x = np.ones(64, np.float32)
+    seen = []
+    originals = {name: getattr(small, name) for name in
+                 ("all_reduce_into", "reduce_scatter_into", "all_gather_into")}
+    try:
+        for name, f in originals.items():
+            setattr(small, name, (lambda f, name: lambda *a, **k: (seen.append(name), f(*a, **k))[1])(f, name))
+        comm.all_reduce(g, x)
+        comm.reduce_scatter(g, x)
+        comm.all_gather(g, x)
+        assert seen == list(originals)
+        comm.all_reduce_async(g, x).wait()
+        assert seen == list(originals)
+    finally:
+        for name, f in originals.items():
+            setattr(small, name, f)

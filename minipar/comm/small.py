@@ -1,0 +1,142 @@
+"""The small-message fast path: blocking all_reduce, reduce_scatter and all_gather without
+the generator machinery.
+
+For a message of a few KiB the wire time is a microsecond or two, and what a call costs is
+the Python around it. The general path (doubling.py, direct.py, ring.py) writes each
+algorithm as a generator so that the same code runs blocking (`run`) or a step at a time
+(`Handle`); resuming it, catching its StopIteration, building request lists step by step
+costs a few microseconds per call, as much as MPICH's whole collective at 4 KiB. With 4
+ranks on 2 cores each microsecond of CPU is paid about twice, since the rank we wait for
+needs our core.
+
+So the blocking calls the user makes on small messages (minipar/comm/__init__.py:
+SMALL_MAX_BYTES) run these plain functions instead. They are the same algorithms as the
+general path, message for message (same peers, sizes, steps, tags, ledger entries and trace
+lines), written straight-line: post one step's Isend/Irecv, `c.wait` for them, reduce,
+next step. Timeouts, MINIPAR_TRACE and MINIPAR_DEBUG work the same, since they live in
+`Call`. Receive buffers are the group's reused scratch (Group.scratch). The non-blocking
+calls (all_reduce_async, ...) always take the general path.
+
+    all_reduce       recursive doubling (doubling.py), fix-up steps when p is not a power of 2
+    reduce_scatter   direct exchange (direct.py): one round of p-1 messages each way
+    all_gather       direct exchange, or Bruck (doubling.py) when bruck=True
+"""
+from .group import describe, reduce_op, result, split_offsets
+from .doubling import all_reduce_steps
+from .ring import describe_gather, gather_layout
+
+
+def all_reduce_into(g, x, op, out):
+    """Recursive-doubling all-reduce (as doubling.all_reduce) into out, or a new array."""
+    f = reduce_op(op)
+    res = result(out, x.shape, x.dtype, "all_reduce")
+    p, r = g.size, g.rank
+    c = g.begin("all_reduce", all_reduce_steps(p), describe(x, op=op) if g.debug else None)
+    xf = x.ravel()
+    flat = res if res.ndim == 1 else res.reshape(-1)
+    if p == 1 or xf.size == 0:
+        flat[...] = xf
+        c.done()
+        return res
+    q = 1 << (p.bit_length() - 1)               # largest power of two <= p
+    extra = p - q
+    wait = c.wait
+    if r >= q:                                  # extra rank: hand x over, get the result back
+        wait(c.isend(1, xf, r - q))
+        wait(c.irecv(c.nsteps, flat, r - q))
+        c.done()
+        return res
+    tmp = g.scratch(1, (xf.size,), xf.dtype)
+    mine, step = xf, 0
+    if r < extra:                               # fix-up: fold in rank r + q's x
+        step = 1
+        wait(c.irecv(step, tmp, r + q))
+        f(mine, tmp, out=flat)
+        mine = flat
+    mask = 1
+    while mask < q:                             # recursive doubling among the q ranks
+        step += 1
+        partner = r ^ mask
+        wait(c.sendrecv(step, mine, partner, tmp, partner))
+        f(mine, tmp, out=flat)
+        mine = flat
+        mask <<= 1
+    if r < extra:                               # fix-up: hand the result back
+        wait(c.isend(step + 1, flat, r + q))
+    c.done()
+    return res
+
+
+def reduce_scatter_into(g, x, op, out):
+    """Direct-exchange reduce-scatter (as direct.reduce_scatter): rank r sends piece j of x
+    to rank j and reduces the p-1 copies of piece r it receives, in rank order."""
+    f = reduce_op(op)
+    p, r = g.size, g.rank
+    xf = x.ravel()
+    off = split_offsets(xf.size, p)
+    lo, hi = off[r], off[r + 1]
+    res = result(out, (hi - lo,), x.dtype, "reduce_scatter")
+    c = g.begin("reduce_scatter", 1, describe(x, op=op) if g.debug else None)
+    mine = xf[lo:hi]
+    if p == 1:
+        res[...] = mine
+        c.done()
+        return res
+    got = g.scratch(0, (p, hi - lo), xf.dtype)  # got[j]: rank j's copy of piece r
+    reqs = []
+    for k in range(1, p):                       # receive from r-1, r-2, ...; send to r+1, ...
+        src, dst = (r - k) % p, (r + k) % p
+        reqs += c.irecv(1, got[src], src)
+        reqs += c.isend(1, xf[off[dst]:off[dst + 1]], dst)
+    c.wait(reqs)
+    for j in range(p):                          # reduce in rank order, starting from mine
+        if j != r:
+            f(mine, got[j], out=res)
+            mine = res
+    c.done()
+    return res
+
+
+def all_gather_into(g, x, sizes, out, bruck=False):
+    """Direct-exchange all-gather (as direct.all_gather), or Bruck's (as doubling.all_gather)."""
+    xf = x.ravel()
+    off = gather_layout(g, xf.size, sizes)
+    res = result(out, (off[-1],), x.dtype, "all_gather")
+    p, r = g.size, g.rank
+    c = g.begin("all_gather", (p - 1).bit_length() if bruck else 1,
+                describe_gather(x, sizes) if g.debug else None)
+    if bruck:
+        _bruck(c, xf, off, res)
+    else:
+        reqs = []
+        for k in range(1, p):
+            src, dst = (r - k) % p, (r + k) % p
+            reqs += c.irecv(1, res[off[src]:off[src + 1]], src)
+            reqs += c.isend(1, xf, dst)
+        res[off[r]:off[r + 1]] = xf             # the local copy, while the messages travel
+        if reqs:
+            c.wait(reqs)
+    c.done()
+    return res
+
+
+def _bruck(c, x, off, res):
+    """Bruck all-gather, blocking: see doubling._all_gather for the layout."""
+    p, r = c.g.size, c.g.rank
+    n = off[-1]
+    rot_off = [0]
+    for k in range(p):
+        i = (r + k) % p
+        rot_off.append(rot_off[-1] + off[i + 1] - off[i])
+    rot = c.g.scratch(0, (n,), x.dtype)
+    rot[:x.size] = x
+    have, step = 1, 0
+    while have < p:
+        step += 1
+        count = min(have, p - have)
+        c.wait(c.sendrecv(step, rot[:rot_off[count]], (r - have) % p,
+                          rot[rot_off[have]:rot_off[have + count]], (r + have) % p))
+        have += count
+    head = n - off[r]
+    res[off[r]:] = rot[:head]
+    res[:off[r]] = rot[head:]
