@@ -48,11 +48,12 @@ def is_grad_enabled() -> bool:
 class Tensor:
     """An ndarray with an optional gradient and a link to the Function that produced it."""
 
-    __slots__ = ("data", "grad", "requires_grad", "name", "_ctx", "_hooks", "__weakref__")
+    __slots__ = ("data", "grad", "requires_grad", "name", "grad_stale", "_ctx", "_hooks", "__weakref__")
 
     def __init__(self, data, requires_grad: bool = False, name: str | None = None):
         self.data = data if isinstance(data, np.ndarray) else np.asarray(data)
         self.grad = None                 # ndarray like data, accumulated with +=
+        self.grad_stale = False          # True: the next backward overwrites .grad in place
         self.requires_grad = requires_grad
         self.name = name
         self._ctx = None                 # the Function node that made this tensor (None: a leaf)
@@ -205,8 +206,11 @@ def _finish_leaf(leaf: Tensor, g):
     if g is not None:
         if leaf.grad is None:
             leaf.grad = np.array(g, dtype=leaf.data.dtype, copy=True)  # own it: g may alias
+        elif leaf.grad_stale:            # a preallocated buffer (a DP bucket): write, don't zero + add
+            np.copyto(leaf.grad, g)
         else:
             leaf.grad += g
+        leaf.grad_stale = False
     for hook in leaf._hooks:
         hook(leaf)
 

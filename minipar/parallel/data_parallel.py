@@ -102,10 +102,10 @@ class DataParallelBucketed:
         self.exposed_seconds = 0.0
 
     def zero_grad(self):
-        for b in self.buckets:
-            b.flat[...] = 0
-            for p, view in zip(b.params, b.views):
+        for b in self.buckets:                   # no memset: the next backward writes each
+            for p, view in zip(b.params, b.views):   # gradient into its view (grad_stale)
                 p.grad = view                    # finish() pointed it at the sum
+                p.grad_stale = True
 
     def sync_now(self, on: bool):
         """Communicate during the coming backward? Only for the last micro-batch."""

@@ -40,7 +40,7 @@ import numpy as np
 
 from minipar import comm, ops
 from minipar.model import GPTConfig, init_param, param_specs
-from minipar.optim import clip_coef
+from minipar.optim import clip_coef, sum_of_squares
 from minipar.tensor import Function, Tensor
 
 # --- the ledger: what this module sent, by kind --------------------------------------------
@@ -418,8 +418,7 @@ class TensorParallelGPT:
         for name, p in self.params.items():
             if p.grad is None or (self.tp_rank != 0 and self.is_replicated(name)):
                 continue
-            g64 = p.grad.ravel().astype(np.float64, copy=False)
-            local += float(g64 @ g64)
+            local += sum_of_squares(p.grad)
         return float(_all_reduce(self.group, np.array([local]), "sum", "grad_norm")[0])
 
     # --- forward, in pieces a pipeline stage can run ----------------------------------------
