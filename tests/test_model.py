@@ -3,6 +3,7 @@ finite-difference check, loss conventions, state dicts, config errors, generate,
 import math
 
 import numpy as np
+from canonical import design_shapes
 import pytest
 
 from gradcheck import EPS, fd_summary, record, rel_err  # noqa: F401 - fd_summary is a fixture
@@ -23,20 +24,7 @@ def batch(seed, B=2, t=5, V=11):
 
 
 def expected_shapes(V, T, L, C, tied):
-    """DESIGN 2.2, typed in from the table."""
-    s = {"wte.weight": (V, C), "wpe.weight": (T, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
-    for i in range(L):
-        s.update({
-            f"h.{i}.ln_1.weight": (C,), f"h.{i}.ln_1.bias": (C,),
-            f"h.{i}.attn.c_attn.weight": (C, 3 * C), f"h.{i}.attn.c_attn.bias": (3 * C,),
-            f"h.{i}.attn.c_proj.weight": (C, C), f"h.{i}.attn.c_proj.bias": (C,),
-            f"h.{i}.ln_2.weight": (C,), f"h.{i}.ln_2.bias": (C,),
-            f"h.{i}.mlp.c_fc.weight": (C, 4 * C), f"h.{i}.mlp.c_fc.bias": (4 * C,),
-            f"h.{i}.mlp.c_proj.weight": (4 * C, C), f"h.{i}.mlp.c_proj.bias": (C,),
-        })
-    if not tied:
-        s["lm_head.weight"] = (V, C)
-    return s
+    return design_shapes(V, T, L, C, tied)
 
 
 # --- names, shapes, counts -----------------------------------------------------------------------

@@ -106,16 +106,21 @@ def reduce_scatter(g, x, op="sum", *, out=None):
     return run(*start_reduce_scatter(g, x, op, out))
 
 
-def _all_gather(c, x, off, res):
-    """Generator: Bruck all-gather; piece i (rank i's x) goes to res[off[i]:off[i+1]]."""
-    p, r = c.g.size, c.g.rank
-    n = off[-1]
-    # rot holds pieces r, r+1, ..., r+p-1 (mod p) back to back; rot_off[k] is where the
-    # k-th of them starts.
+def bruck_offsets(off, p, r):
+    """Bruck's rotated layout: pieces r, r+1, ..., r+p-1 (mod p) back to back; entry k is
+    where the k-th of them starts (off: where each rank's piece starts in the result)."""
     rot_off = [0]
     for k in range(p):
         i = (r + k) % p
         rot_off.append(rot_off[-1] + off[i + 1] - off[i])
+    return rot_off
+
+
+def _all_gather(c, x, off, res):
+    """Generator: Bruck all-gather; piece i (rank i's x) goes to res[off[i]:off[i+1]]."""
+    p, r = c.g.size, c.g.rank
+    n = off[-1]
+    rot_off = bruck_offsets(off, p, r)
     rot = c.buffer(0, (n,), x.dtype)
     rot[:x.size] = x
     have, step = 1, 0

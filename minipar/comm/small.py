@@ -22,7 +22,7 @@ calls (all_reduce_async, ...) always take the general path.
     all_gather       direct exchange, or Bruck (doubling.py) when bruck=True
 """
 from .group import describe, reduce_op, result, split_offsets
-from .doubling import all_reduce_steps
+from .doubling import all_reduce_steps, bruck_offsets
 from .ring import describe_gather, gather_layout
 
 
@@ -124,10 +124,7 @@ def _bruck(c, x, off, res):
     """Bruck all-gather, blocking: see doubling._all_gather for the layout."""
     p, r = c.g.size, c.g.rank
     n = off[-1]
-    rot_off = [0]
-    for k in range(p):
-        i = (r + k) % p
-        rot_off.append(rot_off[-1] + off[i + 1] - off[i])
+    rot_off = bruck_offsets(off, p, r)
     rot = c.g.scratch(0, (n,), x.dtype)
     rot[:x.size] = x
     have, step = 1, 0

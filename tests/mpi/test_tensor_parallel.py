@@ -7,6 +7,7 @@ steps with global-norm clipping active. tp = 3 pads V = 256 to 258 (the last ran
 padded rows). With the `groups` fixture, a world of 4 cut into blocks of 3 leaves rank 3
 alone: it runs tp = 1 in that test (still a valid twin).
 """
+import canonical
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -283,20 +284,7 @@ def test_n_head_not_divisible_by_tp_raises(groups):
 
 
 def design_shapes(tied):
-    """DESIGN 2.2, typed in from the table."""
-    s = {"wte.weight": (V, C), "wpe.weight": (T, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
-    for i in range(L):
-        s.update({
-            f"h.{i}.ln_1.weight": (C,), f"h.{i}.ln_1.bias": (C,),
-            f"h.{i}.attn.c_attn.weight": (C, 3 * C), f"h.{i}.attn.c_attn.bias": (3 * C,),
-            f"h.{i}.attn.c_proj.weight": (C, C), f"h.{i}.attn.c_proj.bias": (C,),
-            f"h.{i}.ln_2.weight": (C,), f"h.{i}.ln_2.bias": (C,),
-            f"h.{i}.mlp.c_fc.weight": (C, 4 * C), f"h.{i}.mlp.c_fc.bias": (4 * C,),
-            f"h.{i}.mlp.c_proj.weight": (4 * C, C), f"h.{i}.mlp.c_proj.bias": (C,),
-        })
-    if not tied:
-        s["lm_head.weight"] = (V, C)
-    return s
+    return canonical.design_shapes(V, T, L, C, tied)
 
 
 @pytest.mark.mpi(min_size=4)
