@@ -1,10 +1,11 @@
 """The trainer: python -m minipar.train [flags]   (see --help, and DESIGN 2.7)
 
-One process for now: the model, AdamW, the step-indexed sampler, gradient accumulation
-over micro-batches, checkpoints, a JSONL log, a progress line and a closing summary.
-Parallel layouts plug into the same loop as they land.
+The model, AdamW, the step-indexed sampler, gradient accumulation over micro-batches,
+checkpoints, a JSONL log, a progress line and a closing summary, on one process or on a
+dp x tp x pp grid of MPI ranks (parallel/).
 
 Each step:  for each micro-batch: loss = model(x, y, loss_denom=B*T); loss.backward()
+            (with --pp: the stage's schedule runs the micro-batches, parallel/pipeline.py)
             grad_norm = clip(grads); lr = schedule(step); AdamW step
 Dividing every micro-batch loss by the global token count B*T (not by its own size) makes
 the accumulated gradient exactly the gradient of the mean loss over the global batch.
@@ -25,7 +26,7 @@ from minipar import checkpoint, comm, data
 from minipar.model import GPT, GPTConfig, train_flops_per_token
 from minipar.optim import AdamW, clip_grad_norm, lr_at
 from minipar.perf import human_bytes, keep_freed_memory, matmul_peak_flops
-from minipar.parallel import data_parallel, tensor_parallel
+from minipar.parallel import data_parallel, pipeline, schedules, tensor_parallel
 from minipar.parallel.grid import LayoutError, ProcessGrid, check_layout
 from minipar.tensor import no_grad
 
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dp-mode", choices=("bucketed", "naive"), default="bucketed",
                    help="gradient all-reduce: per bucket during backward, or per parameter after [%(default)s]")
     g.add_argument("--bucket-mb", type=float, default=1.0, metavar="X", help="bucket size in MiB [%(default)s]")
+    g.add_argument("--schedule", choices=tuple(schedules.SCHEDULES), default="1f1b",
+                   help="pipeline schedule with --pp > 1 [%(default)s]")
     g.add_argument("--verify", action="store_true",
                    help="re-run the same steps on one process and compare (exit 1 beyond tolerance)")
     m = p.add_argument_group("model (unset: the checkpoint's value on --resume, else the default shown)")
@@ -79,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps [%(default)s]")
     io.add_argument("--resume", metavar="DIR", help="continue exactly from this checkpoint")
     io.add_argument("--log", metavar="FILE.jsonl", help="one JSON object per step, then a summary object")
+    io.add_argument("--timeline", metavar="FILE.svg", help="with --pp: draw the last step's pipeline timeline")
     io.add_argument("--log-every", type=int, default=0, metavar="N",
                     help="progress line every N steps (0: about 20 lines per run)")
     io.add_argument("--sample", type=int, default=200, metavar="N", help="bytes of text to generate at the end [%(default)s]")
@@ -126,7 +130,10 @@ def memory_report(model, opt: AdamW) -> dict:
     m and v, so params + grads + optimizer = s*P + s*P + 2s*P for an s-byte dtype, with P
     the parameters this rank holds: all of them, or tensor_parallel.local_param_count)."""
     tp = getattr(model, "tp_size", 1)
-    P = model.num_params() if tp == 1 else tensor_parallel.local_param_count(model.cfg, tp)
+    if isinstance(model, pipeline.PipelineStage):
+        P = pipeline.local_param_count(model.cfg, model.stage, model.n_stages, tp)
+    else:
+        P = model.num_params() if tp == 1 else tensor_parallel.local_param_count(model.cfg, tp)
     s = model.dtype.itemsize
     return {
         "params": sum(p.data.nbytes for p in model.parameters()),
@@ -142,7 +149,8 @@ def tokens_digest(tokens: np.ndarray) -> str:
 
 
 def save_checkpoint(path, model, opt: AdamW, cfg: GPTConfig, args, next_step: int, tokens, grid=None):
-    """Called on every rank: consolidating tensor-parallel shards is collective. Rank 0 writes."""
+    """Called on every rank: consolidating tensor-parallel shards and gathering pipeline
+    stages are collective. Rank 0 writes."""
     names = [n for n, _ in model.named_parameters()]
     state, m, v = model.state_dict(), dict(zip(names, opt.m)), dict(zip(names, opt.v))
     if hasattr(model, "consolidate"):                       # canonical full tensors, whatever tp is
@@ -217,8 +225,11 @@ def prepare(args, world: int) -> Plan:
         dp, tp, pp = check_layout(world, args.dp, args.tp, args.pp)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-    if pp > 1:
-        raise ConfigError(f"--pp {pp}: pipeline parallelism is not in this version yet; run with pp = 1")
+    if pp > cfg.n_layer:
+        raise ConfigError(f"--pp {pp} is more than --n-layer {cfg.n_layer}: every pipeline stage needs "
+                          f"at least one layer")
+    if args.timeline and pp == 1:
+        raise ConfigError(f"--timeline {args.timeline} draws a pipeline: it needs --pp > 1")
     if cfg.n_head % tp:
         raise ConfigError(f"--n-head {cfg.n_head} is not divisible by --tp {tp}: each tensor-parallel "
                           f"rank needs whole heads")
@@ -262,31 +273,37 @@ def build_optimizer(model: GPT, args) -> AdamW:
     return AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
 
-def init_model(plan: Plan, args, tp_group=None):
-    """The model for this rank: GPT, or its tensor-parallel shards when tp_group has > 1 rank."""
+def init_model(plan: Plan, args, tp_group=None, grid=None):
+    """The model for this rank: GPT, or its tensor-parallel shards when tp_group has > 1 rank;
+    with a grid of pp > 1, only this rank's pipeline stage of it."""
     if tp_group is not None and tp_group.size > 1:
         model = tensor_parallel.TensorParallelGPT(plan.cfg, tp_group, seed=args.seed, dtype=plan.dtype)
     else:
         model = GPT(plan.cfg, seed=args.seed, dtype=plan.dtype)
+    if grid is not None and grid.pp_size > 1:
+        model = pipeline.PipelineStage(model, grid.pp_rank, grid.pp_size, grid.pp_group)
     opt = build_optimizer(model, args)
     if plan.meta is not None:
         restore(model, opt, plan.state, plan.ostate, args.resume)
     return model, opt
 
 
-def train_steps(model: GPT, opt: AdamW, sampler, args, start: int, stop: int, rows, dp=None, group=None):
+def train_steps(model: GPT, opt: AdamW, sampler, args, start: int, stop: int, rows, dp=None, group=None,
+                pipe=None):
     """The training loop, one step per yield: {step, loss, lr, grad_norm, ...}.
 
     rows = (lo, hi): this rank's rows of the global batch, cut into --micro-batches.
     Each micro-batch loss is divided by the global token count, so the gradients summed
     over micro-batches (autograd's +=) and over dp ranks (dp.finish) are those of the mean
-    loss over the global batch. dp=None is the single-process twin."""
+    loss over the global batch. dp=None is the single-process twin. pipe: a
+    pipeline.PipelineEngine that runs the micro-batches through the stages instead (and
+    calls dp.finish itself, after its schedule)."""
     B, T, M = args.batch_size, model.cfg.block_size, args.micro_batches
     lo, hi = rows
     mb = (hi - lo) // M
     for step in range(start, stop):
         t0 = time.perf_counter()
-        sent0, tp0 = comm_sent(), tp_sent()
+        sent0, tp0, pp0 = comm_sent(), tp_sent(), pp_sent()
         lr = lr_at(step, args.lr, args.lr_schedule, args.warmup, args.steps, args.min_lr)
         opt.lr = lr
         if dp is None:
@@ -295,22 +312,28 @@ def train_steps(model: GPT, opt: AdamW, sampler, args, start: int, stop: int, ro
             dp.zero_grad()
             dp.start_step()
         loss_local = 0.0
-        for k in range(M):
+        if pipe is not None:                                 # the stage's schedule, then dp's sync
+            batches = [sampler.batch(step, lo + k * mb, lo + (k + 1) * mb) for k in range(M)]
+            loss_local = pipe.train_step(batches, B * T, dp)
+        else:
+            for k in range(M):
+                if dp is not None:
+                    dp.sync_now(k == M - 1)                  # only the last micro-batch talks
+                x, y = sampler.batch(step, lo + k * mb, lo + (k + 1) * mb)      # (B/(dp*M), T)
+                loss = model(x, y, loss_denom=B * T)
+                loss.backward()
+                loss_local += loss.item()
             if dp is not None:
-                dp.sync_now(k == M - 1)                      # only the last micro-batch talks
-            x, y = sampler.batch(step, lo + k * mb, lo + (k + 1) * mb)      # (B/(dp*M), T)
-            loss = model(x, y, loss_denom=B * T)
-            loss.backward()
-            loss_local += loss.item()
-        if dp is not None:
-            dp.finish()
-        grad_bytes = (comm_sent() - sent0) - (tp_sent() - tp0)   # dp's share of what was sent
+                dp.finish()
+        pp_bytes = pp_sent() - pp0
+        grad_bytes = (comm_sent() - sent0) - (tp_sent() - tp0) - pp_bytes   # dp's share of what was sent
         loss_sum = loss_local if group is None else float(comm.all_reduce(group, np.array([loss_local]))[0])
         norm = clip_grads(model, args.grad_clip)        # grads are identical on every dp rank
         opt.step()
         dt = time.perf_counter() - t0
         yield {"step": step, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens_per_s": B * T / dt,
                "comm_bytes": comm_sent() - sent0, "grad_sync_bytes": grad_bytes, "tp_bytes": tp_sent() - tp0,
+               "pp_bytes": pp_bytes,
                "exposed_comm_s": 0.0 if dp is None else dp.exposed_seconds, "step_time": dt}
 
 
@@ -320,6 +343,13 @@ def comm_sent() -> int:
 
 def tp_sent() -> int:
     return sum(v["bytes_sent"] for v in tensor_parallel.traffic().values())
+
+
+def pp_sent() -> int:
+    """Bytes of the pipeline's messages: only it sends point-to-point ("send": activations,
+    gradients, the tied wte gradient) and broadcasts (the step's loss) during a step."""
+    t = comm.traffic()
+    return sum(t.get(op, {}).get("bytes_sent", 0) for op in ("send", "broadcast"))
 
 
 def clip_grads(model, max_norm: float) -> float:
@@ -375,9 +405,11 @@ def run(args) -> dict:
     dp_size, dp_rank = grid.dp_size, grid.dp_rank
 
     sampler = data.Sampler(tokens, cfg.block_size, args.batch_size, args.seed)
-    model, opt = init_model(plan, args, grid.tp_group)
+    model, opt = init_model(plan, args, grid.tp_group, grid)
     ddp = data_parallel.make(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb) if dp_size > 1 else None
     B, T, M = args.batch_size, cfg.block_size, args.micro_batches
+    pp = grid.pp_size
+    pipe = pipeline.PipelineEngine(model, args.schedule, M) if pp > 1 else None
     rows = (dp_rank * B // dp_size, (dp_rank + 1) * B // dp_size)
     flops_step = train_flops_per_token(cfg, T) * B * T
     peak = matmul_peak_flops(plan.dtype, seconds=0.1) * world  # aggregate peak of all ranks
@@ -399,6 +431,12 @@ def run(args) -> dict:
             f"1/{grid.tp_size} of every MLP, {model.vocab_per_rank} of {model.vocab_padded} vocabulary rows "
             f"(V={cfg.vocab_size}{' padded' if model.vocab_padded != cfg.vocab_size else ''}); "
             f"{model.num_local_params():,} of {model.num_params():,} parameters")
+    if pipe is not None:
+        parts = schedules.partition(cfg.n_layer, pp)
+        say(f"  pipeline: {pp} stages, layers " + ", ".join(f"{r.start}..{r.stop - 1}" for r in parts)
+            + f" (stage 0 + wte/wpe, stage {pp - 1} + ln_f/head"
+            + (", tied wte copied to the last stage" if cfg.tie_embeddings else "")
+            + f"); {args.schedule} schedule over {M} micro-batch(es), bubble in theory {pipe.bubble_theory:.3f}")
     say(f"  batch: {B} x {T} tokens; each dp rank {B // dp_size} sequences in {M} micro-batch(es) of {B // dp_size // M}")
     say(f"  data: {source}, {len(tokens):,} tokens; steps {start}..{args.steps - 1}; "
         f"lr {args.lr:g} {args.lr_schedule}, warm-up {args.warmup}"
@@ -407,7 +445,7 @@ def run(args) -> dict:
     rows_log, losses = [], []
     t_run = time.perf_counter()
     for row in train_steps(model, opt, sampler, args, start, args.steps, rows, ddp,
-                           grid.dp_group if dp_size > 1 else None):
+                           grid.dp_group if dp_size > 1 else None, pipe):
         step = row["step"]
         row["mfu"] = flops_step / row["step_time"] / peak
         losses.append(row["loss"])
@@ -429,8 +467,10 @@ def run(args) -> dict:
     if args.save:
         save_checkpoint(args.save, model, opt, cfg, args, args.steps, tokens, grid)
     val = data.Sampler(tokens, T, B, args.seed, split="val")
+    evaluate = getattr(model, "evaluate", lambda x, y: model(x, y).item())   # a pipeline: collective
     with no_grad():
-        val_loss = float(np.mean([model(*val.batch(s)).item() for s in range(4)]))
+        val_loss = float(np.mean([evaluate(*val.batch(s)) for s in range(4)]))
+    stages = pipe.gather_stats() if pipe is not None else None        # collective over pp
     mem = memory_report(model, opt)
     P_bytes = sum(p.data.nbytes for p in model.parameters())
     grad_sync = float(np.mean([r["grad_sync_bytes"] for r in rows_log]))
@@ -462,8 +502,30 @@ def run(args) -> dict:
             f"2(p-1)/p x {human_bytes(P_bytes)} = {human_bytes(theory)} (ratio {ratio:.3f}); exposed comm "
             f"{exposed * 1e3:.1f} ms/step ({exposed / step_time:.0%} of the step)")
         say(f"  replicas identical across {dp_size} dp ranks (weights sha256 {digest})")
+    if stages is not None:                                # pp rank 0 (world rank 0 among them)
+        summary["pipeline"] = pipeline_summary(args, pipe, stages, rows_log)
+        pl = summary["pipeline"]
+        say(f"  pipeline: {args.schedule}, p={pp}, m={M}: bubble measured {pl['bubble_measured']:.3f} (mean over "
+            f"stages; per stage " + " ".join(f"{b:.3f}" for b in pl["bubble_per_stage"])
+            + f"), theory {pl['bubble_theory']:.3f}; sent {human_bytes(pl['bytes_sent_per_step'])}/step by stage 0")
+        say("  saved activations at peak per stage: " + ", ".join(
+            f"{human_bytes(b)} ({b / max(u, 1):.1f} micro-batches)" for b, u in
+            zip(pl["peak_activation_bytes"], pl["microbatch_activation_bytes"])))
+        if rank == 0:
+            timeline = [r for st in stages for r in st["timeline"]]
+            say(f"  last step's timeline ({pl['step_time_s'][0] * 1e3:.1f} ms on stage 0; F forward, "
+                f"B backward, digits the micro-batch, '.' idle):")
+            say("\n".join("    " + line for line in schedules.ascii_gantt(timeline, pp, width=100).splitlines()))
+            if args.timeline:
+                with open(args.timeline, "w") as f:
+                    f.write(pipeline.timeline_svg(
+                        timeline, pp, f"{args.schedule} p={pp} m={M}: bubble {pl['bubble_measured']:.3f} "
+                                      f"(theory {pl['bubble_theory']:.3f})"))
+                say(f"  timeline drawn in {args.timeline}")
     if grid.tp_size > 1:
         calls, elems = tensor_parallel.megatron_count(cfg, B // dp_size // M, T)
+        if pp > 1:                                       # stage 0's layers (rank 0 prints)
+            calls, elems = pipeline.megatron_count_stage(cfg, grid.pp_rank, pp, B // dp_size // M, T)
         tp_calls = sum(v["calls"] for k, v in tp_ledger.items() if k != "grad_norm")
         tp_elems = sum(v["elements"] for k, v in tp_ledger.items() if k != "grad_norm")
         tp_bytes = float(np.mean([r["tp_bytes"] for r in rows_log]))
@@ -471,7 +533,8 @@ def run(args) -> dict:
                                       "elements_per_step": tp_elems / steps_run, "bytes_per_step": tp_bytes,
                                       "megatron_all_reduces_per_step": calls * M, "megatron_elements_per_step": elems * M}
         say(f"  tensor parallel: {tp_calls / steps_run:.0f} all-reduces/step of {tp_elems / steps_run:,.0f} elements "
-            f"(Megatron: (4L+5) x {M} micro-batch(es) = {calls * M}, {elems * M:,} elements), "
+            f"(Megatron: {'(4L+5)' if pp == 1 else 'stage 0, 4 x its layers + 1'} x {M} micro-batch(es) = "
+            f"{calls * M}, {elems * M:,} elements), "
             f"{human_bytes(tp_bytes)}/step sent per rank, + 1 for the global grad norm")
     if args.save:
         say(f"  checkpoint: {args.save} (step {args.steps})")
@@ -491,10 +554,11 @@ def run(args) -> dict:
     if logf:
         logf.write(json.dumps(summary) + "\n")
         logf.close()
-    if args.sample > 0 and grid.tp_size > 1:               # sample from the consolidated model
-        full = model.state_dict()                         # (collective over tp)
-        model = GPT(cfg, seed=args.seed, dtype=plan.dtype)
-        model.load_state_dict(full)
+    if args.sample > 0 and (grid.tp_size > 1 or pp > 1):  # sample from the consolidated model
+        full = model.state_dict()                         # (collective over tp and pp; whole on rank 0)
+        if rank == 0:
+            model = GPT(cfg, seed=args.seed, dtype=plan.dtype)
+            model.load_state_dict(full)
     if args.sample > 0 and rank == 0:
         prompt = "The pipeline"
         out = model.generate(data.encode(prompt)[None].astype(np.int64), args.sample,
@@ -504,6 +568,22 @@ def run(args) -> dict:
 
 
 VERIFY_RTOL = {"float64": 1e-10, "float32": 1e-4}
+
+
+def pipeline_summary(args, pipe, stages, rows_log) -> dict:
+    """DESIGN 2.7's `pipeline` figures from every stage's stats (gathered on pp rank 0).
+    bubble_measured: 1 - sum of busy time / (p * makespan), the mean over stages of each
+    stage's idle fraction of the step's longest stage span, averaged over the steps after
+    the first (the first pays for warming caches); pipeline.py's docstring."""
+    return {"schedule": args.schedule, "stages": pipe.model.n_stages, "micro_batches": args.micro_batches,
+            "bubble_measured": float(np.mean([st["bubble_mean"] for st in stages])),
+            "bubble_per_stage": [st["bubble_mean"] for st in stages],
+            "bubble_theory": pipe.bubble_theory,
+            "peak_activation_bytes": [st["peak_activation_bytes"] for st in stages],
+            "microbatch_activation_bytes": [st["microbatch_activation_bytes"] for st in stages],
+            "step_time_s": [st["step_time"] for st in stages],
+            "bytes_sent_per_step": float(np.mean([r["pp_bytes"] for r in rows_log])),
+            "last_step_timeline": [list(r) for st in stages for r in st["timeline"]]}
 
 
 def main(argv=None):

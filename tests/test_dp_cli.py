@@ -39,7 +39,7 @@ def test_verify_dp2_float64_passes(mode):
 @pytest.mark.parametrize("n,flags,message", [
     (3, ["--dp", "2"], "world size 3 != dp*tp*pp = 2*1*1 = 2"),
     (2, ["--batch-size", "6", "--micro-batches", "2"], "--batch-size 6 is not divisible by dp*micro-batches = 2*2 = 4"),
-    (2, ["--pp", "2"], "--pp 2: pipeline parallelism is not in this version yet"),
+    (2, ["--pp", "2"], "--pp 2 is more than --n-layer 1: every pipeline stage needs at least one layer"),
     (4, ["--tp", "4"], "--n-head 2 is not divisible by --tp 4"),
     (2, ["--data", "/nonexistent/corpus.txt"], "data file '/nonexistent/corpus.txt' not found"),
 ])

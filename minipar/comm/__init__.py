@@ -6,6 +6,8 @@
     whole = all_gather(g, piece, sizes=...)   # concatenation in rank order
     broadcast(g, x, root)  reduce(g, x, root, op)  scatter(g, x, root)  gather(g, x, root)
     send(g, x, dst)  recv(g, src)             # dtype and shape travel with the data
+    h = send_async(g, x, dst); h.wait()       # non-blocking point-to-point (pipelines);
+    h = recv_async(g, src); x = h.wait()      # ledger names "send" and "recv"
     h = all_reduce_async(g, x); ... h.test() ...; y = h.wait()
     traffic(); reset_traffic()                # bytes and seconds per operation, this process
 
@@ -27,7 +29,7 @@ doubling.all_reduce, direct.all_reduce, ... (the tests run each of them).
 """
 from . import direct, doubling, ring, small, tree
 from .group import (CollectiveMismatch, CommError, CommTimeout, Group, Handle, abort_on_error,
-                    array, recv, reset_traffic, run, send, traffic)
+                    array, recv, recv_async, reset_traffic, run, send, send_async, traffic)
 from .tree import broadcast, gather, reduce, scatter
 
 # Measured crossovers (bytes of x, or of the result for all_gather): up to and including
@@ -42,7 +44,7 @@ SMALL_MAX_BYTES = 64 * 1024
 
 __all__ = [
     "Group", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "scatter",
-    "gather", "send", "recv", "traffic", "reset_traffic", "all_reduce_async",
+    "gather", "send", "recv", "send_async", "recv_async", "traffic", "reset_traffic", "all_reduce_async",
     "reduce_scatter_async", "all_gather_async", "Handle", "CommError", "CommTimeout",
     "CollectiveMismatch", "abort_on_error",
 ]

@@ -22,7 +22,8 @@ Everything in `minipar.comm` is built from the pieces in this file:
   call (operation, dtype, shape, root, op, call number) and every rank raises
   `CollectiveMismatch` listing what each rank called if they differ.
 - `send(g, x, dst)` / `recv(g, src)` carry dtype and shape in a 128-byte header message
-  followed by the payload message; both are counted in the ledger.
+  followed by the payload message; both are counted in the ledger. `send_async` and
+  `recv_async` post the same messages and return a Handle (a pipeline's sends must not block).
 
 Bytes go on the wire as raw bytes (MPI.BYTE), so any NumPy dtype works, float16 and
 ml_dtypes' bfloat16 included; reductions are NumPy ufuncs applied in place.
@@ -149,6 +150,7 @@ class Group:
         self.calls = 0                  # collective calls so far: tag and debug call number
         self._scratch = [None, None]    # receive buffers reused by blocking calls: scratch()
         self._views = {}                # (slot, shape, dtype) -> view of a scratch buffer
+        self.receiving = set()          # sources with a recv_async in flight (one at a time)
         if MPI.COMM_WORLD.Get_size() > 1:
             abort_on_error()
 
@@ -505,6 +507,7 @@ def recv(g, src):
     src = check_rank(g, src, "src")
     if src == g.rank:
         raise ValueError(f"rank {g.rank} cannot receive from itself")
+    _check_not_receiving(g, src)
     call = Call(g, "recv", 2, TAG_P2P)
     header = np.empty(HEADER_BYTES, np.uint8)
     call.wait(call.irecv(1, header, src))
@@ -513,3 +516,62 @@ def recv(g, src):
     call.wait(call.irecv(2, out.reshape(-1), src))
     call.done()
     return out
+
+
+# Non-blocking point-to-point: the same two messages, posted at once and finished later.
+# A pipeline needs them: in 1F1B's steady state neighbouring stages send to each other at
+# the same moment (activation down, gradient up), and two blocking sends of large arrays
+# (rendezvous) wait for each other forever. Messages between two ranks of a group arrive in
+# the order they were posted, so send_async/recv_async mix freely with send/recv.
+
+def _send_steps(call, header, payload, dst):
+    yield call.isend(1, header, dst) + call.isend(2, payload, dst)
+
+
+def send_async(g, x, dst):
+    """Start sending array x to group rank dst; returns a Handle (wait() returns None).
+    Counted and traced as "send". Leave x alone until the handle is done: its memory is
+    on the wire until then."""
+    dst = check_rank(g, dst, "dst")
+    if dst == g.rank:
+        raise ValueError(f"rank {g.rank} cannot send to itself")
+    x = np.asarray(x)
+    header = encode_header(x)
+    payload = flat(x)
+    return _p2p_handle(g, "send", lambda call: _send_steps(call, header, payload, dst))
+
+
+def _recv_steps(call, src):
+    try:
+        header = np.empty(HEADER_BYTES, np.uint8)
+        yield call.irecv(1, header, src)
+        dtype, shape = decode_header(header)
+        out = np.empty(shape, dtype)
+        yield call.irecv(2, out.reshape(-1), src)
+    finally:
+        call.g.receiving.discard(src)
+    return out
+
+
+def _check_not_receiving(g, src):
+    if src in g.receiving:
+        raise CommError(f"rank {g.world_ranks[g.rank]}: a recv_async from rank {g.world_ranks[src]} "
+                        f"is still pending; finish it first (its payload receive is posted only "
+                        f"once its header has arrived, so a second receive would take that payload)")
+
+
+def recv_async(g, src):
+    """Start receiving the next array group rank src sends; returns a Handle whose wait()
+    returns the new array. Counted as "recv". One at a time per source: until it is done,
+    another recv or recv_async from src raises CommError."""
+    src = check_rank(g, src, "src")
+    if src == g.rank:
+        raise ValueError(f"rank {g.rank} cannot receive from itself")
+    _check_not_receiving(g, src)
+    g.receiving.add(src)
+    return _p2p_handle(g, "recv", lambda call: _recv_steps(call, src))
+
+
+def _p2p_handle(g, name, steps):
+    call = Call(g, name, 2, TAG_P2P)
+    return Handle(call, steps(call))

@@ -516,3 +516,81 @@ def test_small_fast_path_is_what_blocking_calls_use(groups):
     finally:
         for name, f in originals.items():
             setattr(small, name, f)
+
+
+# ---------------------------------------------------------------------------- non-blocking point-to-point
+
+def test_send_async_crossing_large_sends_do_not_deadlock(groups):
+    """Two ranks send each other 4 MB at the same moment (1F1B's steady state): with blocking
+    sends above the eager limit both would wait for the other's receive. send_async posts and
+    returns; the ledger counts header + payload under "send", as send() does."""
+    g = group(groups, 2)
+    if g.size < 2:
+        pytest.skip("a group of one")
+    other = 1 - g.rank
+    x = np.arange(500_000, dtype=np.float64) + 10 * g.rank          # 4 MB
+    comm.reset_traffic()
+    h = comm.send_async(g, x, other)
+    got = comm.recv(g, other)
+    assert h.wait() is None and h.done
+    np.testing.assert_array_equal(got, np.arange(500_000) + 10 * other)
+    t = comm.traffic()
+    assert (t["send"]["calls"], t["send"]["bytes_sent"]) == (1, x.nbytes + HEADER_BYTES), t["send"]
+    assert (t["recv"]["calls"], t["recv"]["bytes_recv"]) == (1, x.nbytes + HEADER_BYTES), t["recv"]
+
+
+def test_recv_async_and_send_async_keep_message_order(groups):
+    """Mixed blocking and non-blocking sends arrive in the order they were posted, with
+    dtype and shape (0-d, empty, 3-D, int) intact; recv_async can be posted before the send."""
+    g = group(groups, 2)
+    if g.size < 2:
+        pytest.skip("a group of one")
+    msgs = [np.float64(3.5) * np.ones(()), np.zeros((0, 4), np.float32),
+            np.arange(24, dtype=np.int32).reshape(2, 3, 4), np.linspace(0, 1, 70_000)]
+    if g.rank == 1:
+        h = comm.recv_async(g, 0)                                    # posted before anything is sent
+        with pytest.raises(comm.CommError, match="still pending"):   # one at a time per source
+            comm.recv_async(g, 0)
+        with pytest.raises(comm.CommError, match="still pending"):
+            comm.recv(g, 0)
+        comm.send(g, np.ones(1), 0)                                  # tell rank 0 to go on
+        got = [h.wait(), comm.recv_async(g, 0).wait(), comm.recv(g, 0), comm.recv_async(g, 0).wait()]
+        for a, b in zip(got, msgs):
+            assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+            np.testing.assert_array_equal(a, b)
+    elif g.rank == 0:
+        comm.recv(g, 1)
+        handles = [comm.send_async(g, msgs[0], 1), comm.send_async(g, msgs[1], 1)]
+        comm.send(g, msgs[2], 1)
+        handles.append(comm.send_async(g, msgs[3], 1))
+        for h in handles:
+            h.wait()
+
+
+def test_send_async_is_traced_and_point_to_point_only(groups, capfd):
+    g = comm.Group(group(groups, 2).comm, trace=True)
+    if g.size < 2:
+        pytest.skip("a group of one")
+    g.comm = PointToPointOnly(g.comm)
+    x = np.ones(512, np.float64)
+    capfd.readouterr()
+    if g.rank == 0:
+        comm.send_async(g, x, 1).wait()
+    else:
+        np.testing.assert_array_equal(comm.recv_async(g, 0).wait(), x)
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("rank ")]
+    w = g.world_ranks
+    if g.rank == 0:
+        assert lines == [f"rank {w[0]} -> {w[1]} | send step 1/2 | {HEADER_BYTES} B",
+                         f"rank {w[0]} -> {w[1]} | send step 2/2 | 4096 B"], lines
+    assert g.comm.used <= {"Isend", "Irecv"} and g.comm.used
+
+
+def test_send_async_bad_arguments(groups):
+    g = world(groups)
+    with pytest.raises(ValueError, match="cannot send to itself"):
+        comm.send_async(g, np.ones(2), g.rank)
+    with pytest.raises(ValueError, match="dst must be a rank"):
+        comm.send_async(g, np.ones(2), g.size)
+    with pytest.raises(ValueError, match="cannot receive from itself"):
+        comm.recv_async(g, g.rank)
