@@ -12,7 +12,7 @@
     traffic(); reset_traffic()                # bytes and seconds per operation, this process
 
 Which algorithm runs depends on the group size p and the message size; the constants below
-were measured with scripts/bench_collectives.py --crossover (docs/collectives.md):
+were measured with scripts/bench_collectives.py --crossover (README, "Collectives by hand"):
 
     all_reduce      recursive doubling (doubling.py)   up to ALL_REDUCE_DOUBLING_MAX_BYTES,
                     then direct exchange (direct.py)   p <= direct.DIRECT_MAX_RANKS, else ring

@@ -24,7 +24,7 @@ What is communicated, and when (all-reduces over the tp group, s bytes per eleme
 
 How many bytes: an all-reduce of n bytes on p ranks sends 2(p-1)/p * n per rank (ring or
 direct exchange), or log2(p) * n with recursive doubling for messages up to 64 KiB
-(docs/collectives.md); at tp = 2 both are n. traffic() below counts calls, elements and
+(README, "Collectives by hand"); at tp = 2 both are n. traffic() below counts calls, elements and
 bytes sent of this module's all-reduces, by kind (f, g, cross_entropy).
 
 Every all-reduce in minipar.comm gives bit-identical results on all ranks, so the
