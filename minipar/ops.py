@@ -5,6 +5,13 @@ N = B*T rows. Every op keeps its input dtype (float32 or float64): constants are
 floats, which NumPy never lets upcast an array. Backward formulas are checked against
 central finite differences in tests/test_ops.py.
 
+Mixed precision (minipar/precision.py): with float16 or bfloat16 inputs an op computes in
+float32 and rounds its outputs and input gradients back to the input's 2-byte dtype:
+`compute(...)` widens the inputs (float32 and float64 pass through as the same objects),
+`store(y, dtype)` rounds. Pure data movement (reshape, slice, concat, the embedding
+lookup) and elementwise add and mul stay in the storage dtype, which rounds each result once.
+The loss is the exception: cross_entropy returns it in float32 (as autocast does).
+
 The functions at the bottom (`linear`, `layer_norm`, ...) are the public entry points.
 """
 from __future__ import annotations
@@ -13,6 +20,7 @@ import math
 
 import numpy as np
 
+from minipar.precision import compute, store
 from minipar.tensor import Function, Tensor
 
 
@@ -22,7 +30,9 @@ def _unbroadcast(g: np.ndarray, shape) -> np.ndarray:
         return g
     extra = g.ndim - len(shape)
     axes = tuple(range(extra)) + tuple(i + extra for i, n in enumerate(shape) if n == 1 and g.shape[i + extra] != 1)
-    return g.sum(axis=axes, keepdims=True).reshape(shape) if axes else g.reshape(shape)
+    if not axes:
+        return g.reshape(shape)
+    return store(compute(g).sum(axis=axes, keepdims=True).reshape(shape), g.dtype)   # sum in fp32
 
 
 def _as_tensor(x, like: Tensor) -> Tensor:
@@ -99,7 +109,7 @@ class Concat(Function):
 class Sum(Function):
     def forward(self, x, axis, keepdims):
         self.in_shape, self.axis, self.keepdims = x.shape, axis, keepdims
-        return np.asarray(x.sum(axis=axis, keepdims=keepdims))
+        return store(np.asarray(compute(x).sum(axis=axis, keepdims=keepdims)), x.dtype)
 
     def backward(self, g):
         if not self.keepdims and self.axis is not None:
@@ -114,13 +124,18 @@ class MatMul(Function):
     its gradient is one GEMM over all rows, a.reshape(N, K).T @ g.reshape(N, M)."""
 
     def forward(self, a, b):
-        self.save(a, b)
+        self.save(a, b)                                    # in the storage dtype
+        dtype, (a, b) = a.dtype, compute(a, b)             # fp16/bf16: multiply in fp32
         if b.ndim == 2 and a.ndim > 2:                     # one GEMM over all rows
-            return (a.reshape(-1, a.shape[-1]) @ b).reshape(*a.shape[:-1], b.shape[1])
-        return a @ b
+            return store((a.reshape(-1, a.shape[-1]) @ b).reshape(*a.shape[:-1], b.shape[1]), dtype)
+        return store(a @ b, dtype)
 
     def backward(self, g):
         a, b = self.saved
+        da, db = self._backward(compute(g), *compute(a, b))
+        return store(da, a.dtype), store(db, b.dtype)
+
+    def _backward(self, g, a, b):
         da = db = None
         if self.needs_input_grad[0] and b.ndim == 2 and a.ndim > 2:
             da = (g.reshape(-1, g.shape[-1]) @ b.T).reshape(a.shape)
@@ -140,20 +155,21 @@ class Linear(Function):
 
     def forward(self, x, w, b=None):
         x2 = x.reshape(-1, x.shape[-1])                    # (N, Cin)
-        self.save(x2, w)
-        y = x2 @ w                                         # (N, Cout)
+        self.save(x2, w)                                   # in the storage dtype
+        y = np.matmul(*compute(x2, w))                     # (N, Cout), fp32 for fp16/bf16
         if b is not None:
-            y += b
-        return y.reshape(*x.shape[:-1], w.shape[1])
+            y += compute(b)
+        return store(y, x.dtype).reshape(*x.shape[:-1], w.shape[1])
 
     def backward(self, g):
-        x2, w = self.saved
-        g2 = g.reshape(-1, g.shape[-1])                    # (N, Cout)
+        dtype = self.saved[0].dtype
+        x2, w = compute(*self.saved)
+        g2 = compute(g).reshape(-1, g.shape[-1])           # (N, Cout)
         dx = (g2 @ w.T).reshape(*g.shape[:-1], w.shape[0]) if self.needs_input_grad[0] else None
         dw = (x2.T @ g2) if self.needs_input_grad[1] else None
         if len(self.needs_input_grad) == 2:                # called without a bias
-            return dx, dw
-        return dx, dw, (g2.sum(0) if self.needs_input_grad[2] else None)
+            return store(dx, dtype), store(dw, dtype)
+        return store(dx, dtype), store(dw, dtype), (store(g2.sum(0), dtype) if self.needs_input_grad[2] else None)
 
 
 class Embedding(Function):
@@ -167,9 +183,10 @@ class Embedding(Function):
 
     def backward(self, g):
         (idx,) = self.saved
-        dw = np.zeros(self.w_shape, dtype=g.dtype)
-        np.add.at(dw, idx.reshape(-1), g.reshape(-1, self.w_shape[1]))
-        return None, dw
+        g32 = compute(g)                                   # repeated ids sum in fp32
+        dw = np.zeros(self.w_shape, dtype=g32.dtype)
+        np.add.at(dw, idx.reshape(-1), g32.reshape(-1, self.w_shape[1]))
+        return None, store(dw, g.dtype)
 
 
 # --- normalisation and nonlinearity ---------------------------------------------------------
@@ -186,6 +203,7 @@ class LayerNorm(Function):
     """(x - mean) / sqrt(var + eps) * w + b over the last axis, biased variance."""
 
     def forward(self, x, w, b, eps=1e-5):
+        self.dtype, (x, w, b) = x.dtype, compute(x, w, b)  # fp16/bf16: normalise in fp32
         C = x.shape[-1]
         x2 = x.reshape(-1, C)                              # (N, C)
         xhat = np.empty_like(x2)
@@ -200,12 +218,12 @@ class LayerNorm(Function):
             np.multiply(xc, w, out=y[r])
             y[r] += b
         self.save(xhat, w, rstd)
-        return y.reshape(x.shape)
+        return store(y.reshape(x.shape), self.dtype)
 
     def backward(self, g):
         xhat, w, rstd = self.saved
         C = xhat.shape[1]
-        g2 = g.reshape(-1, C)                              # (N, C)
+        g2 = compute(g).reshape(-1, C)                     # (N, C)
         dx = np.empty_like(g2)
         dw = np.einsum("ni,ni->i", xhat, g2)
         db = g2.sum(0)
@@ -217,7 +235,7 @@ class LayerNorm(Function):
             d -= c1
             d -= xhat[r] * c2
             d *= rstd[r]
-        return dx.reshape(g.shape), dw, db, None
+        return store(dx.reshape(g.shape), self.dtype), store(dw, self.dtype), store(db, self.dtype), None
 
 
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -230,7 +248,8 @@ class GELU(Function):
     one exp instead of a tanh, and s is all that backward needs besides x."""
 
     def forward(self, x):
-        x2 = x.reshape(-1, x.shape[-1])                    # (N, 4C)
+        self.dtype = x.dtype
+        x2 = compute(x).reshape(-1, x.shape[-1])           # (N, 4C)
         s = np.empty_like(x2)
         y = np.empty_like(x2)
         for r in _row_blocks(*x2.shape):
@@ -244,11 +263,11 @@ class GELU(Function):
             np.reciprocal(u, out=u)                        # s = 1 / (1 + exp(-2u))
             np.multiply(c, u, out=y[r])
         self.save(x2, s)
-        return y.reshape(x.shape)
+        return store(y.reshape(x.shape), self.dtype)
 
     def backward(self, g):
         x2, s = self.saved
-        g2 = g.reshape(x2.shape)
+        g2 = compute(g).reshape(x2.shape)
         dx = np.empty_like(x2)
         for r in _row_blocks(*x2.shape):
             # d/dx [x s] = s + x s (1 - s) * 2 du/dx,  2 du/dx = 2 sqrt(2/pi) (1 + 3 * 0.044715 x^2)
@@ -262,23 +281,25 @@ class GELU(Function):
             d *= one_minus
             d += sr
             d *= g2[r]
-        return dx.reshape(g.shape)
+        return store(dx.reshape(g.shape), self.dtype)
 
 
 class Softmax(Function):
     def forward(self, x, axis=-1):
+        self.dtype, x = x.dtype, compute(x)
         y = x - x.max(axis=axis, keepdims=True)
         np.exp(y, out=y)
         y /= y.sum(axis=axis, keepdims=True)
         self.save(y)
         self.axis = axis
-        return y
+        return store(y, self.dtype)
 
     def backward(self, g):
         (y,) = self.saved
+        g = compute(g)
         dx = g - (g * y).sum(axis=self.axis, keepdims=True)
         dx *= y
-        return dx, None
+        return store(dx, self.dtype), None
 
 
 # --- attention ------------------------------------------------------------------------------
@@ -300,6 +321,7 @@ class CausalSelfAttention(Function):
     tensor-parallel rank that holds nh/tp heads: the op does not care."""
 
     def forward(self, qkv, n_head):
+        self.dtype, qkv = qkv.dtype, compute(qkv)          # fp16/bf16: attend in fp32
         B, T, C3 = qkv.shape
         C = C3 // 3
         hs = C // n_head
@@ -316,11 +338,12 @@ class CausalSelfAttention(Function):
         y = att @ v                                        # (B, nh, T, hs)
         self.save(q, k, v, att)
         self.dims = (B, T, C, n_head, hs)
-        return y.transpose(0, 2, 1, 3).reshape(B, T, C)
+        return store(y.transpose(0, 2, 1, 3).reshape(B, T, C), self.dtype)
 
     def backward(self, g):
         q, k, v, att = self.saved
         B, T, C, nh, hs = self.dims
+        g = compute(g)
         gy = g.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
         dqkv = np.empty((B, T, 3, nh, hs), dtype=g.dtype)
         dv = np.swapaxes(att, -1, -2) @ gy                  # (B, nh, T, hs)
@@ -335,7 +358,7 @@ class CausalSelfAttention(Function):
         dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
         dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
         dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
-        return dqkv.reshape(B, T, 3 * C), None
+        return store(dqkv.reshape(B, T, 3 * C), self.dtype), None
 
 
 # --- loss -----------------------------------------------------------------------------------
@@ -344,9 +367,11 @@ class CrossEntropy(Function):
     """sum over rows of -log softmax(logits)[target], divided by `denom`.
     logits (..., V), targets int (...). Stable for large logits: log-sum-exp after
     subtracting the row max. denom defaults to the number of rows (the mean); a
-    data-parallel or micro-batched caller passes the global row count instead."""
+    data-parallel or micro-batched caller passes the global row count instead.
+    fp16/bf16 logits: computed in fp32, and the loss stays fp32."""
 
     def forward(self, logits, targets, denom=None):
+        self.dtype, logits = logits.dtype, compute(logits)
         V = logits.shape[-1]
         z = logits.reshape(-1, V) - logits.reshape(-1, V).max(-1, keepdims=True)   # (N, V)
         t = targets.reshape(-1)
@@ -366,7 +391,7 @@ class CrossEntropy(Function):
         d = p.copy()                                       # (N, V)
         d[np.arange(t.shape[0]), t] -= 1.0
         d *= g * (1.0 / self.denom)
-        return d.reshape(self.shape), None, None
+        return store(d.reshape(self.shape), self.dtype), None, None
 
 
 # --- public functional API ------------------------------------------------------------------

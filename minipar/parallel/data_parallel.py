@@ -7,7 +7,9 @@ What is sent:        every gradient, once per step, summed over the dp group (al
                      Each micro-batch loss is divided by the *global* token count B*T, so
                      the sum over ranks and micro-batches is the single-process mean.
 How many bytes:      a ring all-reduce of n bytes sends 2(p-1)/p * n per rank, so one step
-                     sends 2(p-1)/p * 4P bytes for P float32 parameters.
+                     sends 2(p-1)/p * 4P bytes for P float32 parameters, and half that
+                     with --precision fp16/bf16: the buckets are flat buffers in the
+                     parameters' dtype, so 2-byte gradients travel as 2 bytes.
 When:                naive: one blocking all-reduce per parameter after backward ends.
                      bucketed: parameters are grouped, in reverse order, into buckets of
                      about --bucket-mb; a bucket's all-reduce starts from the gradient hook

@@ -14,8 +14,9 @@ What is sent:    point-to-point on the pp group, between neighbouring stages onl
                  forward   the stage's output activation (B/(dp*m), T, C)  -> next stage
                  backward  the gradient of the stage's input, same shape   -> previous stage
                  Each is one message of b*T*C*s bytes (b = B/(dp*m) rows, s bytes per
-                 element) plus minipar.comm's 128-byte header, so per step each stage
-                 boundary carries 2m messages, 2m*b*T*C*s = 2*(B/dp)*T*C*s bytes, whatever m.
+                 element, 2 with --precision fp16/bf16) plus minipar.comm's 128-byte
+                 header, so per step each stage boundary carries 2m messages,
+                 2m*b*T*C*s = 2*(B/dp)*T*C*s bytes, whatever m.
                  Once per step after the last backward, the two ends exchange wte.weight's
                  gradient (tied embeddings only: V*C*s bytes each way, V/tp rows with tp),
                  and the last stage broadcasts the step's loss (8 bytes) over the pp group.
@@ -57,6 +58,7 @@ from minipar.parallel import schedules
 from minipar.parallel.schedules import (Backward, Forward, RecvActivation, RecvGrad, SendActivation,
                                         SendGrad)
 from minipar.parallel.tensor_parallel import _all_reduce as tp_all_reduce, layout_of
+from minipar.precision import backward_seed
 from minipar.tensor import Tensor, no_grad
 
 
@@ -213,11 +215,13 @@ class PipelineEngine:
         p, m = self.model.n_stages, self.n_micro
         return (p - 1) / p if self.schedule == "naive" else (p - 1) / (m + p - 1)
 
-    def train_step(self, batches, loss_denom, dp=None) -> float:
+    def train_step(self, batches, loss_denom, dp=None, loss_scale: float = 1.0) -> float:
         """Forward and backward of every micro-batch in `batches` [(x, y), ...] as the
         schedule orders them; then dp's gradient sync, the tied-embedding gradient
         exchange, and the loss broadcast. Returns the sum of the micro-batch losses (each
-        divided by loss_denom), identical on every pp rank. Gradients accumulate into .grad."""
+        divided by loss_denom), identical on every pp rank. Gradients accumulate into .grad.
+        loss_scale (fp16): the last stage seeds each backward with it instead of 1, so every
+        gradient sent back through the pipe, and every .grad, is scaled by it."""
         m, g = self.model, self.model.group
         prev, nxt = m.stage - 1, m.stage + 1
         acts, grads = {}, {}          # received activations / output gradients, by micro-batch
@@ -249,7 +253,7 @@ class PipelineEngine:
                 if dp is not None:
                     dp.sync_now(k == self.last_backward)
                 out = outputs.pop(mb)
-                out.backward(None if m.is_last else grads.pop(mb))
+                out.backward(backward_seed(loss_scale) if m.is_last else grads.pop(mb))
                 del saved[mb]
                 timeline.append(("B", mb, start - t0, time.perf_counter() - t0))
             elif isinstance(ins, SendActivation):

@@ -25,7 +25,9 @@ What is communicated, and when (all-reduces over the tp group, s bytes per eleme
 How many bytes: an all-reduce of n bytes on p ranks sends 2(p-1)/p * n per rank (ring or
 direct exchange), or log2(p) * n with recursive doubling for messages up to 64 KiB
 (README, "Collectives by hand"); at tp = 2 both are n. traffic() below counts calls, elements and
-bytes sent of this module's all-reduces, by kind (f, g, cross_entropy).
+bytes sent of this module's all-reduces, by kind (f, g, cross_entropy). With --precision
+fp16/bf16 activations and their gradients are 2 bytes (s = 2); the cross-entropy's three
+all-reduces of B*t stay fp32, as its arithmetic does.
 
 Every all-reduce in minipar.comm gives bit-identical results on all ranks, so the
 replicated activations, the loss and the gradients of the replicated parameters are
@@ -41,6 +43,7 @@ import numpy as np
 from minipar import comm, ops
 from minipar.model import GPTConfig, init_param, param_specs
 from minipar.optim import clip_coef, sum_of_squares
+from minipar.precision import compute, store
 from minipar.tensor import Function, Tensor
 
 # --- the ledger: what this module sent, by kind --------------------------------------------
@@ -181,9 +184,10 @@ class MaskedEmbedding(Function):
 
     def backward(self, g):
         rows, own = self.saved
-        dw = np.zeros(self.w_shape, dtype=g.dtype)
-        np.add.at(dw, rows, g[own])                                   # repeated ids sum up
-        return None, dw, None
+        g32 = compute(g)                                              # fp16/bf16: sum in fp32
+        dw = np.zeros(self.w_shape, dtype=g32.dtype)
+        np.add.at(dw, rows, g32[own])                                 # repeated ids sum up
+        return None, store(dw, g.dtype), None
 
 
 class VocabParallelEmbedding:
@@ -226,9 +230,11 @@ class VocabParallelCrossEntropy(Function):
     columns [start, start + Vp/tp). Three all-reduces of N numbers instead of gathering
     N*Vp: the row max (op max), the target logit (one rank owns it, the others add 0), and
     the sum of exp. Backward is local: (softmax_local - onehot_local) * g / denom.
-    Padded vocabulary columns arrive as -inf (MaskColumns): exp gives them exactly 0."""
+    Padded vocabulary columns arrive as -inf (MaskColumns): exp gives them exactly 0.
+    fp16/bf16 logits: computed (and the three all-reduces sent) in fp32; the loss is fp32."""
 
     def forward(self, logits, targets, group, start, denom=None):
+        self.dtype, logits = logits.dtype, compute(logits)
         Vl = logits.shape[-1]
         z = logits.reshape(-1, Vl)                                    # (N, Vp/tp)
         t = targets.reshape(-1)                                       # (N,)
@@ -254,7 +260,7 @@ class VocabParallelCrossEntropy(Function):
         d = p.copy()                                                  # (N, Vp/tp)
         d[rows, cols] -= 1.0
         d *= g * (1.0 / self.denom)
-        return d.reshape(self.shape), None, None, None, None
+        return store(d.reshape(self.shape), self.dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets, group: comm.Group, vocab_start: int,
