@@ -28,23 +28,28 @@ def adamw_update(p, g, m, v, step: int, lr: float, betas=(0.9, 0.95), eps: float
     pf, mf, vf = p.reshape(-1), m.reshape(-1), v.reshape(-1)
     gf = np.ascontiguousarray(g).reshape(-1)
     wdf = np.broadcast_to(weight_decay, p.shape).reshape(-1) if np.ndim(weight_decay) else None
+    t1 = np.empty(min(chunk, pf.size), dtype=pf.dtype)     # scratch, reused by every chunk
+    t2 = np.empty_like(t1)
     for lo in range(0, pf.size, chunk):
         r = slice(lo, lo + chunk)
         pc, gc, mc, vc = pf[r], gf[r], mf[r], vf[r]
+        a, b = t1[:pc.size], t2[:pc.size]
         if wdf is not None:
             pc *= 1.0 - lr * wdf[r]
         elif weight_decay:
             pc *= 1.0 - lr * weight_decay
         mc *= b1
-        mc += (1.0 - b1) * gc
+        mc += np.multiply(gc, 1.0 - b1, out=a)              # m = b1 m + (1 - b1) g
         vc *= b2
-        vc += (1.0 - b2) * (gc * gc)
-        denom = np.sqrt(vc)
-        denom *= 1.0 / math.sqrt(bc2)
-        denom += eps
-        upd = np.divide(mc, denom, out=denom)
-        upd *= lr / bc1
-        pc -= upd
+        np.multiply(gc, gc, out=a)
+        a *= 1.0 - b2
+        vc += a                                             # v = b2 v + (1 - b2) g^2
+        np.sqrt(vc, out=b)
+        b *= 1.0 / math.sqrt(bc2)
+        b += eps                                            # sqrt(v / bc2) + eps
+        np.divide(mc, b, out=b)
+        b *= lr / bc1
+        pc -= b
 
 
 class AdamW:
