@@ -1,4 +1,5 @@
-"""The trainer: python -m minipar.train [flags]   (see --help, and DESIGN 2.7)
+"""The trainer: python -m minipar.train [flags]   (see --help, and DESIGN 2.7; the flags
+and their validation live in config.py)
 
 The model, AdamW, the step-indexed sampler, gradient accumulation over micro-batches,
 checkpoints, a JSONL log, a progress line and a closing summary, on one process or on a
@@ -16,16 +17,11 @@ inside MixedPrecisionAdamW's step.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import hashlib
 import json
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass
-
 import numpy as np
 
 from minipar import checkpoint, comm, data, precision
@@ -33,117 +29,9 @@ from minipar.model import GPT, GPTConfig, train_flops_per_token
 from minipar.optim import AdamW, clip_coef, clip_grad_norm, lr_at
 from minipar.perf import human_bytes, keep_freed_memory, matmul_peak_flops
 from minipar.parallel import data_parallel, pipeline, schedules, tensor_parallel
-from minipar.parallel.grid import LayoutError, ProcessGrid, check_layout
+from minipar.config import ConfigError, Plan, agree_on_errors, build_parser, prepare, tokens_digest
+from minipar.parallel.grid import ProcessGrid
 from minipar.tensor import no_grad
-
-MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
-DTYPES = {"float32": np.float32, "float64": np.float64}
-
-
-class ConfigError(ValueError):
-    """Bad flags: reported as one line, exit code 2. quiet: another rank reports it."""
-
-    def __init__(self, msg, quiet=False):
-        super().__init__(msg)
-        self.quiet = quiet
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m minipar.train",
-        description="Train a small GPT-2 on a NumPy autograd engine, on one process or across "
-                    "MPI ranks: mpirun -n 4 python -m minipar.train")
-    g = p.add_argument_group("layout (world = dp * tp * pp)")
-    g.add_argument("--dp", type=int, metavar="D", help="data-parallel replicas [world / (tp*pp)]")
-    g.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel ranks [%(default)s]")
-    g.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline stages [%(default)s]")
-    g.add_argument("--dp-mode", choices=("bucketed", "naive"), default="bucketed",
-                   help="gradient all-reduce: per bucket during backward, or per parameter after [%(default)s]")
-    g.add_argument("--bucket-mb", type=float, default=1.0, metavar="X", help="bucket size in MiB [%(default)s]")
-    g.add_argument("--schedule", choices=tuple(schedules.SCHEDULES), default="1f1b",
-                   help="pipeline schedule with --pp > 1 [%(default)s]")
-    g.add_argument("--verify", action="store_true",
-                   help="re-run the same steps on one process and compare (exit 1 beyond tolerance)")
-    m = p.add_argument_group("model (unset: the checkpoint's value on --resume, else the default shown)")
-    m.add_argument("--n-layer", type=int, metavar="L", help=f"transformer blocks [{MODEL_DEFAULTS['n_layer']}]")
-    m.add_argument("--n-head", type=int, metavar="H", help=f"attention heads [{MODEL_DEFAULTS['n_head']}]")
-    m.add_argument("--n-embd", type=int, metavar="C", help=f"channels, divisible by H [{MODEL_DEFAULTS['n_embd']}]")
-    m.add_argument("--block-size", type=int, metavar="T", help=f"context length [{MODEL_DEFAULTS['block_size']}]")
-    m.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
-    t = p.add_argument_group("training")
-    t.add_argument("--batch-size", type=int, metavar="B", default=16, help="global batch B, in sequences [%(default)s]")
-    t.add_argument("--micro-batches", type=int, metavar="M", default=1, help="gradient accumulation: B is split into M [%(default)s]")
-    t.add_argument("--steps", type=int, metavar="S", default=600, help="the step number the run ends at (steps count from 0) [%(default)s]")
-    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate [%(default)s]")
-    t.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine", help="[%(default)s]")
-    t.add_argument("--warmup", type=int, default=20, help="linear warm-up steps [%(default)s]")
-    t.add_argument("--min-lr", type=float, default=1e-4, help="cosine decays to this [%(default)s]")
-    t.add_argument("--weight-decay", type=float, default=0.1, help="[%(default)s]")
-    t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm; 0 disables [%(default)s]")
-    t.add_argument("--seed", type=int, help="seeds init and data sampling [0; on --resume the checkpoint's]")
-    t.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="[%(default)s]")
-    t.add_argument("--precision", choices=tuple(precision.PRECISIONS), default="fp32",
-                   help="fp16/bf16: 2-byte parameters, gradients and activations, fp32 compute and "
-                        "master weights (needs --dtype float32) [%(default)s]")
-    t.add_argument("--loss-scale", type=float, metavar="S",
-                   help="fp16: initial loss scale of the dynamic scaler [65536 = 2^16]")
-    io = p.add_argument_group("data, checkpoints, output")
-    io.add_argument("--data", metavar="FILE", help="UTF-8 text to train on (default: the built-in corpus)")
-    io.add_argument("--save", metavar="DIR", help="write a checkpoint here at the end (and every --save-every)")
-    io.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps [%(default)s]")
-    io.add_argument("--resume", metavar="DIR", help="continue exactly from this checkpoint")
-    io.add_argument("--log", metavar="FILE.jsonl", help="one JSON object per step, then a summary object")
-    io.add_argument("--timeline", metavar="FILE.svg", help="with --pp: draw the last step's pipeline timeline")
-    io.add_argument("--log-every", type=int, default=0, metavar="N",
-                    help="progress line every N steps (0: about 20 lines per run)")
-    io.add_argument("--sample", type=int, default=200, metavar="N", help="bytes of text to generate at the end [%(default)s]")
-    return p
-
-
-def resolve_model(args, meta: dict | None) -> GPTConfig:
-    """Explicit flag > checkpoint > default; an explicit flag that contradicts the checkpoint is an error."""
-    saved = (meta or {}).get("config", {})
-    values = {}
-    for key, default in MODEL_DEFAULTS.items():
-        flag = getattr(args, key)
-        if flag is not None and key in saved and flag != saved[key]:
-            raise ConfigError(f"--{key.replace('_', '-')} {flag} does not match the checkpoint "
-                              f"{args.resume} ({key} = {saved[key]})")
-        values[key] = flag if flag is not None else saved.get(key, default)
-    tied = not args.untied
-    if meta is not None and args.untied and saved.get("tie_embeddings", True):
-        raise ConfigError(f"--untied does not match the checkpoint {args.resume} (tied embeddings)")
-    if meta is not None:
-        tied = saved.get("tie_embeddings", True)
-    return GPTConfig(vocab_size=256, tie_embeddings=tied, **values)
-
-
-def validate(args, cfg: GPTConfig):
-    for flag in ("n_layer", "n_head", "n_embd", "block_size"):
-        if getattr(cfg, flag) <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(cfg, flag)}")
-    for flag in ("batch_size", "micro_batches", "steps"):
-        if getattr(args, flag) <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    if cfg.n_embd % cfg.n_head:
-        raise ConfigError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
-    if args.batch_size % args.micro_batches:
-        raise ConfigError(f"--batch-size {args.batch_size} is not divisible by --micro-batches {args.micro_batches}")
-    if args.lr <= 0:
-        raise ConfigError(f"--lr must be > 0, got {args.lr}")
-    for flag in ("min_lr", "grad_clip", "warmup", "save_every", "weight_decay", "seed", "log_every", "sample"):
-        if getattr(args, flag) < 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
-    if args.precision != "fp32" and args.dtype != "float32":
-        raise ConfigError(f"--precision {args.precision} needs --dtype float32 (its master weights and "
-                          f"optimizer state are float32), got --dtype {args.dtype}")
-    if args.loss_scale is not None:
-        if args.precision != "fp16":
-            raise ConfigError(f"--loss-scale is for --precision fp16 (got --precision {args.precision}: "
-                              f"{'bf16 needs no loss scaling' if args.precision == 'bf16' else 'no scaling'})")
-        if not (math.isfinite(args.loss_scale) and args.loss_scale > 0):
-            raise ConfigError(f"--loss-scale must be a finite number > 0, got {args.loss_scale}")
-
 
 def memory_report(model, opt: AdamW) -> dict:
     """Bytes this process holds for model states, beside the formula (fp32/fp64: Adam keeps
@@ -164,10 +52,6 @@ def memory_report(model, opt: AdamW) -> dict:
         "formula": {"params": s * P, "grads": s * P, "optimizer": so * P,
                     "text": f"{s}P + {s}P + {so}P"},
     }
-
-
-def tokens_digest(tokens: np.ndarray) -> str:
-    return hashlib.sha256(tokens.tobytes()).hexdigest()[:16]
 
 
 def canonical_state(model, opt: AdamW) -> dict:
@@ -229,89 +113,6 @@ class Printer:
     def __call__(self, *a, **k):
         if self.enabled:
             print(*a, **k, flush=True)
-
-
-@dataclass
-class Plan:
-    """Everything a run needs, decided on every rank before the first message."""
-    cfg: GPTConfig
-    dtype: type
-    tokens: np.ndarray
-    start: int
-    meta: dict | None
-    state: dict | None
-    ostate: dict | None
-    dp: int
-    tp: int
-    pp: int
-
-
-def prepare(args, world: int) -> Plan:
-    """Validate flags, layout, checkpoint and data. Raises ConfigError; sends nothing."""
-    meta = state = ostate = None
-    if args.resume:
-        try:
-            state, ostate, meta = checkpoint.load(args.resume)
-        except checkpoint.CheckpointError as e:
-            raise ConfigError(str(e)) from None
-    cfg = resolve_model(args, meta)
-    if args.seed is None:
-        args.seed = int(meta.get("seed", 0)) if meta is not None else 0
-    elif meta is not None and args.seed != meta.get("seed", args.seed):
-        raise ConfigError(f"--seed {args.seed} does not match the checkpoint {args.resume} (seed {meta['seed']})")
-    validate(args, cfg)
-    try:
-        dp, tp, pp = check_layout(world, args.dp, args.tp, args.pp)
-    except LayoutError as e:
-        raise ConfigError(str(e)) from None
-    if pp > cfg.n_layer:
-        raise ConfigError(f"--pp {pp} is more than --n-layer {cfg.n_layer}: every pipeline stage needs "
-                          f"at least one layer")
-    if args.timeline and pp == 1:
-        raise ConfigError(f"--timeline {args.timeline} draws a pipeline: it needs --pp > 1")
-    if cfg.n_head % tp:
-        raise ConfigError(f"--n-head {cfg.n_head} is not divisible by --tp {tp}: each tensor-parallel "
-                          f"rank needs whole heads")
-    if args.batch_size % (dp * args.micro_batches):
-        raise ConfigError(f"--batch-size {args.batch_size} is not divisible by dp*micro-batches = "
-                          f"{dp}*{args.micro_batches} = {dp * args.micro_batches}")
-    if args.bucket_mb <= 0:
-        raise ConfigError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
-    if meta is not None and meta.get("dtype", args.dtype) != args.dtype:
-        raise ConfigError(f"--dtype {args.dtype} does not match the checkpoint {args.resume} ({meta['dtype']})")
-    if meta is not None and meta.get("precision", "fp32") != args.precision:
-        raise ConfigError(f"--precision {args.precision} does not match the checkpoint {args.resume} "
-                          f"({meta.get('precision', 'fp32')})")
-    if meta is not None and args.loss_scale is not None:
-        raise ConfigError(f"--loss-scale sets a new run's initial scale; --resume {args.resume} continues "
-                          f"the checkpoint's (scale {meta.get('loss_scaler', {}).get('scale')})")
-    try:
-        tokens = data.load_tokens(args.data, cfg.block_size)
-    except data.DataError as e:
-        raise ConfigError(str(e)) from None
-    if meta is not None:
-        want = meta.get("data", {})
-        if want.get("sha256_16") not in (None, tokens_digest(tokens)):
-            raise ConfigError(f"data {args.data or data.BUILTIN_NAME!r} ({len(tokens):,} tokens) is not the data of the "
-                              f"checkpoint {args.resume} ({want.get('source')!r}, {want.get('tokens'):,} tokens)")
-    start = 0 if meta is None else int(meta["step"])
-    if start >= args.steps:
-        raise ConfigError(f"--steps {args.steps} is not beyond the checkpoint's step {start}: nothing to train")
-    return Plan(cfg, DTYPES[args.dtype], tokens, start, meta, state, ostate, dp, tp, pp)
-
-
-def agree_on_errors(world_comm, err: ConfigError | None):
-    """Every rank validated on its own; now all learn whether any failed, so that all exit 2
-    together instead of the healthy ones waiting for the failed one. The lowest failing
-    rank's message is the one printed."""
-    g = comm.Group(world_comm)
-    mine = np.array([g.rank if err is not None else g.size], dtype=np.int64)
-    first = int(comm.all_reduce(g, mine, op="min")[0])
-    if first == g.size:
-        return g
-    if err is not None and first == g.rank:
-        raise err
-    raise ConfigError(f"rank {first} rejected the configuration", quiet=True)
 
 
 def build_optimizer(model: GPT, args) -> AdamW:

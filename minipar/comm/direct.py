@@ -23,8 +23,6 @@ the p-1 flows share it (same bytes, no gain) and many small messages pay p-1 alp
 ring's two neighbours per rank scale to large p. minipar uses direct exchange for groups of
 up to DIRECT_MAX_RANKS ranks (measured on one machine, p <= 4), the ring above.
 """
-import numpy as np
-
 from .group import array, describe, reduce_op, result, run, split_offsets
 from .ring import describe_gather, gather_layout
 

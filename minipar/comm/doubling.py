@@ -25,8 +25,6 @@ receives as many from rank r + 2^k. Pieces collect in rotated order (r, r+1, ...
 rotated into rank order at the end, one local copy.
     bytes sent per rank (p-1)/p * b (the same as the ring)   time ceil(log2 p) * alpha + ...
 """
-import numpy as np
-
 from .group import array, describe, reduce_op, result, run, split_offsets
 from .ring import describe_gather, gather_layout
 

@@ -30,8 +30,6 @@ No extra copies: the reduction writes op(received, own piece) straight into the 
 into slices of the result. The input is only read. All ranks get bit-identical results,
 because every piece is reduced once, on one rank, and then copied.
 """
-import numpy as np
-
 from .group import array, describe, reduce_op, result, run, split_offsets
 
 

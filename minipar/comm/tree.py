@@ -244,7 +244,6 @@ def scatter(g, x, root=0):
 
 def _gather(c, x, off, root):
     p, r = c.g.size, c.g.rank
-    L = (p - 1).bit_length()
     v = (r - root) % p
     rel = _subtree_offsets([off[(k + root) % p + 1] - off[(k + root) % p] for k in range(p)])
     kids = _children(v, p)
