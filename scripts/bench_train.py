@@ -2,8 +2,9 @@
 
     python scripts/bench_train.py [--steps N] [--configs small,medium]
 
-For each config it prints tokens/s and MFU = model FLOPs per second / the float32 matmul
-peak that this same process measures just before (same BLAS, same thread, same load).
+For each config it prints tokens/s and MFU = model FLOPs per second (median step) / the
+float32 matmul peak that this same process measures between the steps (the median of
+three measurements: same BLAS, same thread, same load).
 Model FLOPs per token are minipar.model.train_flops_per_token: 3x the forward matmuls.
 Targets (issue 2): MFU >= 0.40 on small, >= 0.60 on medium.
 """
@@ -44,12 +45,14 @@ def bench(name, steps):
 
     for _ in range(3):
         step()
-    times = []
-    for _ in range(steps):
+    times, peaks = [], []
+    for i in range(steps):                               # the peak is measured between steps,
+        if i % max(1, steps // 3) == 0:                  # three times: the median of those is
+            peaks.append(matmul_peak_flops(np.float32))  # taken under the same conditions
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    peak = matmul_peak_flops(np.float32)                 # measured right after, same conditions
+    peak = statistics.median(peaks)
     flops = train_flops_per_token(cfg, T) * B * T
     med, best = statistics.median(times), min(times)
     return dict(name=name, cfg=f"L={L} H={H} C={C} T={T} B={B}", params=model.num_params(),
