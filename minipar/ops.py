@@ -206,11 +206,12 @@ class LayerNorm(Function):
         self.dtype, (x, w, b) = x.dtype, compute(x, w, b)  # fp16/bf16: normalise in fp32
         C = x.shape[-1]
         x2 = x.reshape(-1, C)                              # (N, C)
+        inv_c = np.full(C, 1.0 / C, dtype=x2.dtype)         # row means as one GEMV: 4x a .mean(-1)
         xhat = np.empty_like(x2)
         rstd = np.empty((x2.shape[0], 1), dtype=x.dtype)   # (N, 1)
         y = np.empty_like(x2)
         for r in _row_blocks(*x2.shape):
-            xc = np.subtract(x2[r], x2[r].mean(-1, keepdims=True), out=xhat[r])
+            xc = np.subtract(x2[r], (x2[r] @ inv_c)[:, None], out=xhat[r])   # x - mean
             var = np.einsum("ni,ni->n", xc, xc)[:, None] * (1.0 / C)
             np.sqrt(var + eps, out=rstd[r])
             np.divide(1.0, rstd[r], out=rstd[r])
@@ -224,13 +225,14 @@ class LayerNorm(Function):
         xhat, w, rstd = self.saved
         C = xhat.shape[1]
         g2 = compute(g).reshape(-1, C)                     # (N, C)
+        inv_c = np.full(C, 1.0 / C, dtype=g2.dtype)
         dx = np.empty_like(g2)
         dw = np.einsum("ni,ni->i", xhat, g2)
         db = g2.sum(0)
         for r in _row_blocks(*g2.shape):
             # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = g * w
             d = np.multiply(g2[r], w, out=dx[r])
-            c1 = d.mean(-1, keepdims=True)
+            c1 = (d @ inv_c)[:, None]                      # mean(dxhat)
             c2 = np.einsum("ni,ni->n", d, xhat[r])[:, None] * (1.0 / C)
             d -= c1
             d -= xhat[r] * c2
@@ -307,18 +309,24 @@ class Softmax(Function):
 _MASKS: dict = {}
 
 
-def _causal_mask(t: int, dtype) -> np.ndarray:
-    """(t, t) additive mask: 0 on and below the diagonal, -inf above (cached)."""
+def _causal_mask_t(t: int, dtype) -> np.ndarray:
+    """(t, t) additive mask for TRANSPOSED scores S^T[j, i] = k_j . q_i: 0 where key j <=
+    query i (on and above the diagonal), -inf below (cached)."""
     key = (t, np.dtype(dtype))
     if key not in _MASKS:
-        _MASKS[key] = np.triu(np.full((t, t), -np.inf, dtype=dtype), k=1)
+        _MASKS[key] = np.tril(np.full((t, t), -np.inf, dtype=dtype), k=-1)
     return _MASKS[key]
 
 
 class CausalSelfAttention(Function):
     """Fused causal attention on the packed projection qkv (B, T, 3C') = [q | k | v],
     with nh heads of hs = C'/nh. Returns y (B, T, C'). C' = C, or C/tp on a
-    tensor-parallel rank that holds nh/tp heads: the op does not care."""
+    tensor-parallel rank that holds nh/tp heads: the op does not care.
+
+    The scores are kept transposed, P^T (B, nh, T_key, T_query): the softmax then reduces
+    over axis -2, which NumPy vectorises across the contiguous last axis, instead of over
+    64- or 128-element rows one at a time (3x faster for the row max). The maths is
+    softmax(q k^T / sqrt(hs)) @ v, exactly as written in DESIGN 2.1."""
 
     def forward(self, qkv, n_head):
         self.dtype, qkv = qkv.dtype, compute(qkv)          # fp16/bf16: attend in fp32
@@ -330,31 +338,31 @@ class CausalSelfAttention(Function):
         q = q * (1.0 / math.sqrt(hs))                      # scale the smaller operand
         k = np.ascontiguousarray(k)
         v = np.ascontiguousarray(v)
-        att = q @ k.transpose(0, 1, 3, 2)                  # (B, nh, T, T)
-        att += _causal_mask(T, att.dtype)
-        att -= att.max(-1, keepdims=True)
-        np.exp(att, out=att)
-        att /= att.sum(-1, keepdims=True)
-        y = att @ v                                        # (B, nh, T, hs)
-        self.save(q, k, v, att)
+        pt = k @ np.swapaxes(q, -1, -2)                    # (B, nh, Tk, Tq): S^T
+        pt += _causal_mask_t(T, pt.dtype)
+        pt -= pt.max(-2, keepdims=True)                    # per query: over the keys
+        np.exp(pt, out=pt)
+        pt /= pt.sum(-2, keepdims=True)                    # P^T
+        y = np.swapaxes(pt, -1, -2) @ v                    # P @ v: (B, nh, Tq, hs)
+        self.save(q, k, v, pt)
         self.dims = (B, T, C, n_head, hs)
         return store(y.transpose(0, 2, 1, 3).reshape(B, T, C), self.dtype)
 
     def backward(self, g):
-        q, k, v, att = self.saved
+        q, k, v, pt = self.saved
         B, T, C, nh, hs = self.dims
         g = compute(g)
-        gy = g.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
+        gy = np.ascontiguousarray(g.reshape(B, T, nh, hs).transpose(0, 2, 1, 3))  # (B, nh, T, hs)
         dqkv = np.empty((B, T, 3, nh, hs), dtype=g.dtype)
-        dv = np.swapaxes(att, -1, -2) @ gy                  # (B, nh, T, hs)
-        datt = gy @ np.swapaxes(v, -1, -2)                  # (B, nh, T, T)
-        # softmax backward: ds = att * (datt - sum(datt * att))
-        row = np.einsum("bhij,bhij->bhi", datt, att)[..., None]
-        datt -= row
-        datt *= att
-        dq = datt @ k                                       # (B, nh, T, hs)
+        dv = pt @ gy                                        # P^T @ dy: (B, nh, Tk, hs)
+        dpt = v @ np.swapaxes(gy, -1, -2)                   # dP^T = v @ dy^T: (B, nh, Tk, Tq)
+        # softmax backward, per query column: dS = P * (dP - sum_keys(dP * P))
+        col = np.einsum("bhji,bhji->bhi", dpt, pt)[:, :, None, :]
+        dpt -= col
+        dpt *= pt                                           # dS^T
+        dq = np.swapaxes(dpt, -1, -2) @ k                   # dS @ k: (B, nh, Tq, hs)
         dq *= 1.0 / math.sqrt(hs)
-        dk = np.swapaxes(datt, -1, -2) @ q                  # q was scaled in forward
+        dk = dpt @ q                                        # dS^T @ q (q was scaled in forward)
         dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
         dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
         dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
