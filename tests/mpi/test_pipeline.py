@@ -22,7 +22,9 @@ STEPS, B = 2, 8
 # entry), as in test_tensor_parallel.py: Adam's lr * m / (sqrt(v) + eps) turns 1e-17 of
 # rounding noise in a near-zero gradient into moves up to ~1e-11 (measured here: 2e-14
 # absolute on a c_attn.weight entry of 1e-2 with tp2 x pp2). Losses, gradient norms and
-# gradients, where the pipeline's maths shows, are held to 1e-12.
+# gradients, where the pipeline's maths shows, are held to 1e-12: the gradients of the first
+# step, computed from the same weights as the twin's (a later step's gradients inherit the
+# parameters' Adam noise, ~1e-12 after one step of lr 1e-2).
 PARAM_TOL = 1e-10
 
 
@@ -58,9 +60,11 @@ def twin(n_layer, m, tied=True):
         model = GPT(config(n_layer, tied), seed=0, dtype=np.float64)
         opt = train.build_optimizer(model, args)
         sampler = data.Sampler(tokens(), 16, B, 0)
-        rows = list(train.train_steps(model, opt, sampler, args, 0, STEPS, (0, B)))
-        _TWINS[key] = ([r["loss"] for r in rows], [r["grad_norm"] for r in rows],
-                       {n: p.grad.copy() for n, p in model.named_parameters()}, model.state_dict())
+        steps = train.train_steps(model, opt, sampler, args, 0, STEPS, (0, B))
+        rows = [next(steps)]
+        grads = {n: p.grad.copy() for n, p in model.named_parameters()}    # of step 0
+        rows += list(steps)
+        _TWINS[key] = ([r["loss"] for r in rows], [r["grad_norm"] for r in rows], grads, model.state_dict())
     return _TWINS[key]
 
 
@@ -76,12 +80,16 @@ def run(n_layer, pp, schedule, m, dp=1, tp=1, tied=True, mode="bucketed", bucket
     pipe = pipeline.PipelineEngine(model, schedule, m)
     sampler = data.Sampler(tokens(), 16, B, 0)
     rows = (grid.dp_rank * B // dp, (grid.dp_rank + 1) * B // dp)
-    out = list(train.train_steps(model, opt, sampler, args, 0, STEPS, rows, ddp,
-                                 grid.dp_group if dp > 1 else None, pipe))
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    steps = train.train_steps(model, opt, sampler, args, 0, STEPS, rows, ddp,
+                              grid.dp_group if dp > 1 else None, pipe)
+    out = [next(steps)]
+    grads = {n: p.grad.copy() for n, p in model.named_parameters()}   # of step 0: same weights as
+    if tp > 1:                                                        # the twin, so the maths shows
+        grads = model.inner.consolidate(grads)                        # (later steps inherit Adam's noise)
+    out += list(steps)
     params = {n: p.data for n, p in model.named_parameters()}
     if tp > 1:                                          # tp shards -> full canonical tensors
-        grads, params = model.inner.consolidate(grads), model.inner.consolidate(params)
+        params = model.inner.consolidate(params)
     sub.Free()
     return [r["loss"] for r in out], [r["grad_norm"] for r in out], grads, params, pipe, grid
 
