@@ -4,26 +4,14 @@ Each test launches `mpirun -n N python -m minipar.train` with a timeout, one BLA
 per rank, on a tiny model.
 """
 import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from minipar import train
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
-        "--batch-size", "8", "--steps", "4", "--sample", "0"]
-
-
-def mpirun(n, *flags, timeout=120):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MINIPAR_COMM_TIMEOUT="60")
-    return subprocess.run([MPIRUN, "-n", str(n), sys.executable, "-m", "minipar.train", *TINY, *flags],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+from trainer_runs import TINY_MPI as TINY, assert_exit_2_one_line, mpirun
 
 
 @pytest.mark.parametrize("mode", ["bucketed", "naive"])
@@ -44,10 +32,7 @@ def test_verify_dp2_float64_passes(mode):
     (2, ["--data", "/nonexistent/corpus.txt"], "data file '/nonexistent/corpus.txt' not found"),
 ])
 def test_bad_layout_exits_2_on_every_rank_with_one_line(n, flags, message):
-    p = mpirun(n, *flags)
-    assert p.returncode == 2, (p.returncode, p.stderr)
-    assert p.stderr.count("minipar.train: error:") == 1 and message in p.stderr, p.stderr
-    assert "Traceback" not in p.stderr and p.stdout == "", (p.stdout, p.stderr)
+    assert_exit_2_one_line(mpirun(n, *flags), message)
 
 
 def test_verify_fails_with_exit_1_beyond_tolerance(monkeypatch, capsys):

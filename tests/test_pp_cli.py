@@ -8,7 +8,7 @@ import pytest
 from minipar import checkpoint
 from minipar.model import GPTConfig, param_specs
 
-from test_dp_cli import mpirun
+from trainer_runs import assert_exit_2_one_line, mpirun
 
 
 def verify_line(p, layout):
@@ -67,7 +67,4 @@ def test_checkpoint_from_pp2_dp2_is_canonical_and_resumes_on_tp2_pp2(tmp_path):
     (2, ["--timeline", "x.svg"], "--timeline x.svg draws a pipeline: it needs --pp > 1"),
 ])
 def test_bad_pipeline_layout_exits_2_with_one_line(n, flags, message):
-    p = mpirun(n, *flags)
-    assert p.returncode == 2, (p.returncode, p.stderr)
-    assert p.stderr.count("minipar.train: error:") == 1 and message in p.stderr, p.stderr
-    assert "Traceback" not in p.stderr and p.stdout == "", (p.stdout, p.stderr)
+    assert_exit_2_one_line(mpirun(n, *flags), message)

@@ -23,22 +23,9 @@ from minipar.tensor import Tensor
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 LOW = [np.dtype(np.float16), BF16]
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
-        "--batch-size", "4", "--steps", "4", "--sample", "0"]
+from trainer_runs import TINY, read_log, run_tiny as run  # noqa: F401
 
-
-@pytest.fixture(autouse=True)
-def fixed_peak(monkeypatch):
-    monkeypatch.setattr(train, "matmul_peak_flops", lambda dtype, seconds=0.1: 1e11)
-
-
-def run(*flags) -> dict:
-    return train.run(train.build_parser().parse_args(TINY + list(flags)))
-
-
-def read_log(path):
-    objs = [json.loads(line) for line in open(path)]
-    return objs[:-1], objs[-1]
+pytestmark = pytest.mark.usefixtures("fixed_peak")
 
 
 # ---------------------------------------------------------------- the casting helpers

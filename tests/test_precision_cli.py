@@ -10,15 +10,10 @@ import pytest
 from minipar.model import GPT, GPTConfig
 from minipar.parallel import pipeline
 
-from test_dp_cli import mpirun
+from trainer_runs import mpirun, read_log
 
 SMALL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--block-size", "64", "--batch-size", "16",
          "--steps", "50"]
-
-
-def read_log(path):
-    objs = [json.loads(line) for line in open(path)]
-    return objs[:-1], objs[-1]
 
 
 def test_fp16_and_bf16_track_fp32_with_dp2_and_send_half_the_gradient_bytes(tmp_path):

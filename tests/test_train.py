@@ -20,30 +20,10 @@ import pytest
 
 from minipar import train
 
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
-        "--batch-size", "4", "--steps", "4", "--sample", "0"]
+from trainer_runs import REPO, TINY, read_log, run_tiny as run  # noqa: F401
+
 TINY_CFG = dict(L=1, H=2, C=16, T=16, V=256)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(autouse=True)
-def fixed_peak(monkeypatch):
-    monkeypatch.setattr(train, "matmul_peak_flops", lambda dtype, seconds=0.1: 1e11)
-
-
-def run(*flags) -> dict:
-    """The tiny model, then `flags` (argparse keeps the last of a repeated flag)."""
-    return train.run(train.build_parser().parse_args(TINY + list(flags)))
-
-
-def read_log(path):
-    """-> (per-step rows, the summary object), checking that the summary comes last, once."""
-    with open(path) as f:
-        objs = [json.loads(line) for line in f if line.strip()]
-    assert objs and objs[-1].get("summary") is True, f"{path}: last object is not the summary"
-    rows = objs[:-1]
-    assert not any(o.get("summary") for o in rows), f"{path}: a summary before the end"
-    return rows, objs[-1]
+pytestmark = pytest.mark.usefixtures("fixed_peak")
 
 
 def read_meta(directory) -> dict:
