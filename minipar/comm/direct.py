@@ -24,7 +24,7 @@ ring's two neighbours per rank scale to large p. minipar uses direct exchange fo
 up to DIRECT_MAX_RANKS ranks (measured on one machine, p <= 4), the ring above.
 """
 from .group import array, describe, reduce_op, result, run, split_offsets
-from .ring import describe_gather, gather_layout
+from .ring import begin_reduce_scatter, describe_gather, gather_layout
 
 DIRECT_MAX_RANKS = 8
 
@@ -92,12 +92,8 @@ def all_reduce(g, x, op="sum", *, out=None):
 
 
 def start_reduce_scatter(g, x, op, out=None):
-    f = reduce_op(op)
-    x = array(x)
-    off = split_offsets(x.size, g.size)
-    res = result(out, (off[g.rank + 1] - off[g.rank],), x.dtype, "reduce_scatter")
-    c = g.begin("reduce_scatter", 1, describe(x, op=op) if g.debug else None)
-    return c, _reduce_scatter(c, x.ravel(), f, res, off)
+    c, f, flat, res, off = begin_reduce_scatter(g, x, op, out, 1)
+    return c, _reduce_scatter(c, flat, f, res, off)
 
 
 def reduce_scatter(g, x, op="sum", *, out=None):

@@ -130,13 +130,20 @@ def all_reduce(g, x, op="sum", *, out=None):
     return run(*start_all_reduce(g, x, op, out))
 
 
-def start_reduce_scatter(g, x, op, out=None):
+def begin_reduce_scatter(g, x, op, out, nsteps):
+    """What every reduce-scatter starts with: the ufunc, the np.array_split offsets, this
+    rank's result piece (out or new) and the Call. -> (c, f, flat x, res, off)"""
     f = reduce_op(op)
     x = array(x)
     off = split_offsets(x.size, g.size)
     res = result(out, (off[g.rank + 1] - off[g.rank],), x.dtype, "reduce_scatter")
-    c = g.begin("reduce_scatter", g.size - 1, describe(x, op=op) if g.debug else None)
-    return c, _reduce_scatter(c, x.ravel(), f, res)
+    c = g.begin("reduce_scatter", nsteps, describe(x, op=op) if g.debug else None)
+    return c, f, x.ravel(), res, off
+
+
+def start_reduce_scatter(g, x, op, out=None):
+    c, f, flat, res, _ = begin_reduce_scatter(g, x, op, out, g.size - 1)
+    return c, _reduce_scatter(c, flat, f, res)
 
 
 def reduce_scatter(g, x, op="sum", *, out=None):
