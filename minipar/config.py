@@ -44,9 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dp", type=int, metavar="D", help="data-parallel replicas [world / (tp*pp)]")
     g.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel ranks [%(default)s]")
     g.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline stages [%(default)s]")
-    g.add_argument("--dp-mode", choices=("bucketed", "naive"), default="bucketed",
-                   help="gradient all-reduce: per bucket during backward, or per parameter after [%(default)s]")
-    g.add_argument("--bucket-mb", type=float, default=1.0, metavar="X", help="bucket size in MiB [%(default)s]")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, metavar="{0,1,2,3}",
+                   help="ZeRO stage over the dp group: shard the optimizer state (1), and the "
+                        "gradients (2), and the parameters (3); 0: plain data parallelism [%(default)s]")
+    g.add_argument("--dp-mode", choices=("bucketed", "naive"),
+                   help="--zero 0: gradient all-reduce per bucket during backward, or per parameter after [bucketed]")
+    g.add_argument("--bucket-mb", type=float, metavar="X", help="--zero 0, bucketed: bucket size in MiB [1.0]")
     g.add_argument("--schedule", choices=tuple(schedules.SCHEDULES), default="1f1b",
                    help="pipeline schedule with --pp > 1 [%(default)s]")
     g.add_argument("--verify", action="store_true",
@@ -180,6 +183,16 @@ def prepare(args, world: int) -> Plan:
     if args.batch_size % (dp * args.micro_batches):
         raise ConfigError(f"--batch-size {args.batch_size} is not divisible by dp*micro-batches = "
                           f"{dp}*{args.micro_batches} = {dp * args.micro_batches}")
+    if args.zero and (args.dp_mode is not None or args.bucket_mb is not None):
+        flag = "--dp-mode" if args.dp_mode is not None else "--bucket-mb"
+        raise ConfigError(f"{flag} is for plain data parallelism; --zero {args.zero} replaces the gradient "
+                          f"all-reduce by its own reduce-scatters, unit by unit (wte, each block, the rest)")
+    if args.zero == 3 and pp > 1:
+        raise ConfigError(f"--zero 3 does not combine with --pp {pp}: it would all-gather and release every "
+                          f"stage's parameters around every micro-batch's forward and backward, as the schedule "
+                          f"interleaves them (DeepSpeed does not combine them either); use --zero 1 or 2 with --pp")
+    args.dp_mode = args.dp_mode or "bucketed"
+    args.bucket_mb = 1.0 if args.bucket_mb is None else args.bucket_mb
     if args.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
     if meta is not None and meta.get("dtype", args.dtype) != args.dtype:

@@ -123,6 +123,16 @@ class GPT:
         for p in self.params.values():
             p.grad = None
 
+    # --- the global gradient norm, when gradients are split (ZeRO) ---------------------------
+    def counts_in_norm(self, name: str) -> bool:
+        """Does this process count `name` in the global gradient norm? (Parallel models skip
+        the copies another rank counts.)"""
+        return True
+
+    def reduce_norm_sq(self, local: float) -> float:
+        """The sum of squares over the whole model from this process's part: itself."""
+        return local
+
     # --- forward, in pieces that the pipeline can cut between -----------------------------
     def embed(self, idx) -> Tensor:
         idx = np.asarray(idx)

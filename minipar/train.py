@@ -28,7 +28,7 @@ from minipar import checkpoint, comm, data, precision
 from minipar.model import GPT, GPTConfig, train_flops_per_token
 from minipar.optim import AdamW, clip_coef, clip_grad_norm, lr_at
 from minipar.perf import human_bytes, keep_freed_memory, matmul_peak_flops
-from minipar.parallel import data_parallel, pipeline, schedules, tensor_parallel
+from minipar.parallel import data_parallel, pipeline, schedules, tensor_parallel, zero
 from minipar.config import ConfigError, Plan, agree_on_errors, build_parser, prepare, tokens_digest
 from minipar.parallel.grid import ProcessGrid
 from minipar.tensor import no_grad
@@ -37,7 +37,10 @@ def memory_report(model, opt: AdamW) -> dict:
     """Bytes this process holds for model states, beside the formula (fp32/fp64: Adam keeps
     m and v, so params + grads + optimizer = s*P + s*P + 2s*P for an s-byte dtype, with P
     the parameters this rank holds: all of them, or tensor_parallel.local_param_count).
-    --precision fp16/bf16: 2P + 2P + 12P (the optimizer adds fp32 master weights to m, v)."""
+    --precision fp16/bf16: 2P + 2P + 12P (the optimizer adds fp32 master weights to m, v).
+    With --zero, the ZeRO object's own report: its shards, beside zero.formula."""
+    if isinstance(opt, zero.Zero):
+        return opt.memory_report()
     tp = getattr(model, "tp_size", 1)
     if isinstance(model, pipeline.PipelineStage):
         P = pipeline.local_param_count(model.cfg, model.stage, model.n_stages, tp)
@@ -54,25 +57,38 @@ def memory_report(model, opt: AdamW) -> dict:
     }
 
 
-def canonical_state(model, opt: AdamW) -> dict:
+def local_state(model, opt, kind: str) -> dict:
+    """{canonical name: this rank's (tp slice, pp stage) array} of "params" (the fp32 master
+    weights with --precision fp16/bf16), "m" or "v". With ZeRO, gathered from the dp
+    group's shards (collective over dp)."""
+    names = [n for n, _ in model.named_parameters()]
+    mixed = getattr(opt, "mixed", isinstance(opt, precision.MixedPrecisionAdamW))
+    if isinstance(opt, zero.Zero):
+        return opt.gather_local("master" if kind == "params" and mixed else kind)
+    if kind == "params":
+        return dict(zip(names, opt.master)) if mixed else {n: p.data for n, p in model.named_parameters()}
+    return dict(zip(names, getattr(opt, kind)))
+
+
+def canonical(model, local: dict) -> dict:
+    """{canonical name: full array} from this rank's pieces (collective over tp and pp)."""
+    if hasattr(model, "consolidate"):
+        return model.consolidate(local)
+    return {n: np.array(a, copy=True) for n, a in local.items()}
+
+
+def canonical_state(model, opt) -> dict:
     """The model as checkpoints and --verify see it: {canonical name: full array}. With
     --precision fp16/bf16 that is the fp32 master weights (the 2-byte parameters are their
-    rounding). Collective over tp and pp, like model.state_dict()."""
-    if not isinstance(opt, precision.MixedPrecisionAdamW):
-        return model.state_dict()
-    names = [n for n, _ in model.named_parameters()]
-    if hasattr(model, "consolidate"):
-        return model.consolidate(dict(zip(names, opt.master)))
-    return {n: w.copy() for n, w in zip(names, opt.master)}
+    rounding). Collective over tp and pp (and dp with ZeRO), like model.state_dict()."""
+    return canonical(model, local_state(model, opt, "params"))
 
 
-def save_checkpoint(path, model, opt: AdamW, cfg: GPTConfig, args, next_step: int, tokens, grid=None):
-    """Called on every rank: consolidating tensor-parallel shards and gathering pipeline
-    stages are collective. Rank 0 writes."""
-    names = [n for n, _ in model.named_parameters()]
-    state, m, v = canonical_state(model, opt), dict(zip(names, opt.m)), dict(zip(names, opt.v))
-    if hasattr(model, "consolidate"):                       # canonical full tensors, whatever tp is
-        m, v = model.consolidate(m), model.consolidate(v)
+def save_checkpoint(path, model, opt, cfg: GPTConfig, args, next_step: int, tokens, grid=None):
+    """Called on every rank: consolidating tensor-parallel shards, gathering pipeline
+    stages and ZeRO shards are collective. Rank 0 writes."""
+    state = canonical_state(model, opt)
+    m, v = (canonical(model, local_state(model, opt, k)) for k in ("m", "v"))
     if grid is not None and grid.rank != 0:
         return
     scaler = getattr(opt, "scaler", None)
@@ -81,7 +97,7 @@ def save_checkpoint(path, model, opt: AdamW, cfg: GPTConfig, args, next_step: in
                      "precision": args.precision,
                      **({"loss_scaler": scaler.state_dict()} if scaler is not None else {}),
                      "layout": {"dp": grid.dp_size if grid else 1, "tp": grid.tp_size if grid else 1,
-                                "pp": grid.pp_size if grid else 1, "zero": 0},
+                                "pp": grid.pp_size if grid else 1, "zero": getattr(args, "zero", 0)},
                      "data": {"source": args.data or data.BUILTIN_NAME, "tokens": int(len(tokens)),
                               "sha256_16": tokens_digest(tokens), "position": next_step},
                      "seed": args.seed, "batch_size": args.batch_size})
@@ -182,7 +198,7 @@ def train_step(model, opt, sampler, args, step: int, rows, dp=None, group=None, 
     mb = (hi - lo) // M
     scaler = getattr(opt, "scaler", None)
     t0 = time.perf_counter()
-    sent0, tp0, pp0 = comm_sent(), tp_sent(), pp_sent()
+    sent0, tp0, pp0, z0 = comm_sent(), tp_sent(), pp_sent(), zero_sent()
     lr = lr_at(step, args.lr, args.lr_schedule, args.warmup, args.steps, args.min_lr)
     opt.lr = lr
     if dp is None:
@@ -210,11 +226,12 @@ def train_step(model, opt, sampler, args, step: int, rows, dp=None, group=None, 
     loss_sum = loss_local if group is None else float(comm.all_reduce(group, np.array([loss_local]))[0])
     skipped = False
     if scaler is None:
-        norm = clip_grads(model, args.grad_clip)    # grads are identical on every dp rank
+        norm = clip_grads(model, opt, args.grad_clip)   # grads are identical on every dp rank
         opt.step()
     else:
-        norm = clip_grads(model, 0.0) / scale       # measure only: the 2-byte grads stay as they are
-        skipped = precision.local_found_inf(model.parameters())
+        norm = clip_grads(model, opt, 0.0) / scale  # measure only: the 2-byte grads stay as they are
+        skipped = opt.local_found_inf() if isinstance(opt, zero.Zero) else \
+            precision.local_found_inf(model.parameters())
         if world is not None and world.size > 1:    # any rank's overflow skips the step everywhere
             skipped = bool(comm.all_reduce(world, np.array([skipped], dtype=np.int64), op="max")[0])
         if not skipped:
@@ -223,7 +240,7 @@ def train_step(model, opt, sampler, args, step: int, rows, dp=None, group=None, 
     dt = time.perf_counter() - t0
     return {"step": step, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens_per_s": B * T / dt,
             "comm_bytes": comm_sent() - sent0, "grad_sync_bytes": grad_bytes, "tp_bytes": tp_sent() - tp0,
-            "pp_bytes": pp_bytes,
+            "pp_bytes": pp_bytes, "zero_bytes": zero_sent() - z0,
             "exposed_comm_s": 0.0 if dp is None else dp.exposed_seconds, "step_time": dt,
             "loss_scale": scale, "skipped": skipped}
 
@@ -236,6 +253,12 @@ def tp_sent() -> int:
     return sum(v["bytes_sent"] for v in tensor_parallel.traffic().values())
 
 
+def zero_sent() -> int:
+    """Bytes of ZeRO's collectives: during a step only it reduce-scatters and all-gathers."""
+    t = comm.traffic()
+    return sum(t.get(op, {}).get("bytes_sent", 0) for op in ("reduce_scatter", "all_gather"))
+
+
 def pp_sent() -> int:
     """Bytes of the pipeline's messages: only it sends point-to-point ("send": activations,
     gradients, the tied wte gradient) and broadcasts (the step's loss) during a step."""
@@ -243,8 +266,11 @@ def pp_sent() -> int:
     return sum(t.get(op, {}).get("bytes_sent", 0) for op in ("send", "broadcast"))
 
 
-def clip_grads(model, max_norm: float) -> float:
-    """Global-norm clipping; a tensor-parallel model counts each parameter once across tp."""
+def clip_grads(model, opt, max_norm: float) -> float:
+    """Global-norm clipping; a tensor-parallel model counts each parameter once across tp,
+    ZeRO each gradient shard once across dp."""
+    if isinstance(opt, zero.Zero):
+        return opt.clip_grad_norm(max_norm)
     if hasattr(model, "grad_norm_sq"):
         return tensor_parallel.clip_grad_norm(model, max_norm)
     return clip_grad_norm(model.parameters(), max_norm)
@@ -304,7 +330,10 @@ def run(args) -> dict:
 
     sampler = data.Sampler(tokens, cfg.block_size, args.batch_size, args.seed)
     model, opt = init_model(plan, args, grid.tp_group, grid)
-    ddp = data_parallel.make(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb) if dp_size > 1 else None
+    if args.zero:                  # one object: the dp synchroniser and the sharded optimizer
+        opt = ddp = zero.Zero(model, opt, grid.dp_group, args.zero)
+    else:
+        ddp = data_parallel.make(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb) if dp_size > 1 else None
     B, T, M = args.batch_size, cfg.block_size, args.micro_batches
     pp = grid.pp_size
     pipe = pipeline.PipelineEngine(model, args.schedule, M) if pp > 1 else None
@@ -319,9 +348,9 @@ def run(args) -> dict:
         except OSError as e:
             raise ConfigError(f"--log {args.log}: {e.strerror}") from None
     source = args.data or f"{data.BUILTIN_NAME} corpus"
-    mode = "" if ddp is None else (f", {args.dp_mode} gradient all-reduce" + (
+    mode = "" if ddp is None or args.zero else (f", {args.dp_mode} gradient all-reduce" + (
         f" in {len(ddp.buckets)} bucket(s) of <= {args.bucket_mb:g} MiB" if args.dp_mode == "bucketed" else ""))
-    mixed = isinstance(opt, precision.MixedPrecisionAdamW)
+    mixed = args.precision != "fp32"
     say(f"minipar: GPT L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={T} V={cfg.vocab_size} "
         f"({'tied' if cfg.tie_embeddings else 'untied'}), {model.num_params():,} params, {args.dtype}"
         + (f", --precision {args.precision}" if mixed else ""))
@@ -343,6 +372,12 @@ def run(args) -> dict:
             + f" (stage 0 + wte/wpe, stage {pp - 1} + ln_f/head"
             + (", tied wte copied to the last stage" if cfg.tie_embeddings else "")
             + f"); {args.schedule} schedule over {M} micro-batch(es), bubble in theory {pipe.bubble_theory:.3f}")
+    if args.zero:
+        say(f"  ZeRO stage {args.zero} over {dp_size} dp rank(s): "
+            + {1: "optimizer state", 2: "optimizer state and gradients",
+               3: "optimizer state, gradients and parameters"}[args.zero]
+            + f" sharded in {len(ddp.units)} units (wte, each block, the rest), each padded to a multiple of "
+              f"{dp_size} ({ddp.padding} padding elements on this rank)")
     say(f"  batch: {B} x {T} tokens; each dp rank {B // dp_size} sequences in {M} micro-batch(es) of {B // dp_size // M}")
     say(f"  data: {source}, {len(tokens):,} tokens; steps {start}..{args.steps - 1}; "
         f"lr {args.lr:g} {args.lr_schedule}, warm-up {args.warmup}"
@@ -370,7 +405,8 @@ def run(args) -> dict:
     steps_run = args.steps - start
     tp_ledger = tensor_parallel.traffic()                # the training steps' only (not validation)
 
-    digest = data_parallel.check_replicas(model.parameters(), grid.dp_group) if dp_size > 1 else None
+    replicated = dp_size > 1 and args.zero != 3          # stage 3: every dp rank holds other shards
+    digest = data_parallel.check_replicas(model.parameters(), grid.dp_group) if replicated else None
     if args.save:
         save_checkpoint(args.save, model, opt, cfg, args, args.steps, tokens, grid)
     val = data.Sampler(tokens, T, B, args.seed, split="val")
@@ -389,12 +425,17 @@ def run(args) -> dict:
                "unigram_entropy": data.unigram_entropy(tokens),
                "tokens_per_s": B * T * steps_run / elapsed, "mfu": flops_step * steps_run / elapsed / peak,
                "peak_flops": peak, "seconds": elapsed, "memory": mem,
-               "layout": {"dp": dp_size, "tp": grid.tp_size, "pp": grid.pp_size, "zero": 0},
-               "data_parallel": {"mode": args.dp_mode if ddp else None,
-                                 "buckets": len(ddp.buckets) if ddp is not None and args.dp_mode == "bucketed" else 0,
+               "layout": {"dp": dp_size, "tp": grid.tp_size, "pp": grid.pp_size, "zero": args.zero},
+               "data_parallel": {"mode": f"zero{args.zero}" if args.zero else args.dp_mode if ddp else None,
+                                 "buckets": len(ddp.units) if args.zero else
+                                 len(ddp.buckets) if ddp is not None and args.dp_mode == "bucketed" else 0,
                                  "grad_sync_bytes_per_step": grad_sync, "theory_bytes_per_step": theory,
                                  "exposed_comm_s_per_step": exposed, "step_time_s": step_time,
                                  "replicas_sha256_16": digest}}
+    if args.zero:
+        zb = float(np.mean([r["zero_bytes"] for r in rows_log]))
+        summary["zero"] = {**mem["zero"], "bytes_per_step": zb, "theory_bytes_per_step": ddp.traffic_theory(M),
+                           "plain_dp_bytes_per_step": theory}
     skips = [r["step"] for r in rows_log if r["skipped"]]
     if mixed:
         summary["precision"] = {"mode": args.precision, "storage_dtype": opt.dtype.name,
@@ -414,7 +455,19 @@ def run(args) -> dict:
             + (f" (steps {', '.join(map(str, skips[:10]))}{' ...' if len(skips) > 10 else ''})" if skips else "")
             + (f"; loss scale now {opt.scaler.scale:g}, {opt.scaler.good_steps} clean steps since its last change"
                if opt.scaler.dynamic else ""))
-    if ddp is not None:
+    if args.zero:
+        z = summary["zero"]
+        ratio = z["bytes_per_step"] / z["theory_bytes_per_step"] if z["theory_bytes_per_step"] else float("nan")
+        calls = {1: "reduce-scatter + all-gather", 2: f"{M} reduce-scatter(s) + all-gather",
+                 3: f"{M} x (2 all-gathers + reduce-scatter)"}[args.zero]
+        say(f"  ZeRO {args.zero}: sent {human_bytes(z['bytes_per_step'])}/step per rank; theory {calls} of "
+            f"(N-1)/N x {human_bytes(z['P_padded'] * ddp.dtype.itemsize)} = {human_bytes(z['theory_bytes_per_step'])} "
+            f"(ratio {ratio:.3f}); plain data parallelism would send {human_bytes(theory)}"
+            + (f" (x{z['bytes_per_step'] / theory:.2f})" if theory else "")
+            + f"; waiting for reduce-scatters after backward {exposed * 1e3:.1f} ms/step")
+        if digest is not None:
+            say(f"  replicas identical across {dp_size} dp ranks (weights sha256 {digest})")
+    elif ddp is not None:
         ratio = grad_sync / theory if theory else float("nan")
         say(f"  data parallel: gradient all-reduce sent {human_bytes(grad_sync)}/step per rank; theory "
             f"2(p-1)/p x {human_bytes(P_bytes)} = {human_bytes(theory)} (ratio {ratio:.3f}); exposed comm "
@@ -467,7 +520,7 @@ def run(args) -> dict:
             # fp16/bf16: the losses are judged, the parameters only reported (VERIFY_RTOL)
             d["tolerance"], d["ok"] = tol, d["loss_rel"] <= tol and (mixed or d["param_rel"] <= tol)
             summary["verify"] = d
-            say(f"verify: {grid.describe()} vs 1 process over {steps_run} steps: loss max |diff| {d['loss_abs']:.3e} "
+            say(f"verify: {grid.describe()}{f' zero={args.zero}' if args.zero else ''} vs 1 process over {steps_run} steps: loss max |diff| {d['loss_abs']:.3e} "
                 f"(rel {d['loss_rel']:.3e}), parameters max |diff| {d['param_abs']:.3e} (rel {d['param_rel']:.3e}, "
                 f"{d['worst_param']}" + (f"; whole model rel {d['param_rel_global']:.3e}, not judged" if mixed else "")
                 + f"); tolerance {tol:g} relative" + (" on losses" if mixed else "")
@@ -475,8 +528,8 @@ def run(args) -> dict:
     if logf:
         logf.write(json.dumps(summary) + "\n")
         logf.close()
-    if args.sample > 0 and (grid.tp_size > 1 or pp > 1):  # sample from the consolidated model
-        full = model.state_dict()                         # (collective over tp and pp; whole on rank 0)
+    if args.sample > 0 and (grid.tp_size > 1 or pp > 1 or args.zero == 3):   # from the consolidated model
+        full = canonical_state(model, opt)                # (collective over tp, pp, dp; whole on rank 0)
         if rank == 0:
             model = GPT(cfg, seed=args.seed, dtype=plan.dtype)
             model.load_state_dict(full)

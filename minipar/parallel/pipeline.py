@@ -147,22 +147,28 @@ class PipelineStage:
         """The full canonical model on pp rank 0 (collective over pp and tp)."""
         return self.consolidate({n: p.data for n, p in self.params.items()})
 
-    def grad_norm_sq(self) -> float:
-        """Sum of squared gradients of the whole model, each parameter once: the last stage
-        skips its copy of a tied wte, tp ranks other than 0 skip replicated parameters;
-        then all-reduced over tp (tensor_parallel's ledger) and over pp."""
-        local = 0.0
-        for name, p in self.params.items():
-            if p.grad is None or (name == "wte.weight" and self.tied_copy):
-                continue
-            if self.tp_rank != 0 and layout_of(name) == "replicated":
-                continue
-            g64 = p.grad.ravel().astype(np.float64, copy=False)
-            local += float(g64 @ g64)
+    def counts_in_norm(self, name: str) -> bool:
+        """The last stage skips its copy of a tied wte; tp ranks other than 0 skip
+        replicated parameters."""
+        if name == "wte.weight" and self.tied_copy:
+            return False
+        return self.tp_rank == 0 or layout_of(name) != "replicated"
+
+    def reduce_norm_sq(self, local: float) -> float:
+        """All-reduced over tp (tensor_parallel's ledger) and over pp."""
         total = np.array([local])
         if self.tp_size > 1:
             total = tp_all_reduce(self.tp_group, total, "sum", "grad_norm")
         return float(comm.all_reduce(self.group, total)[0]) if self.n_stages > 1 else float(total[0])
+
+    def grad_norm_sq(self) -> float:
+        """Sum of squared gradients of the whole model, each parameter once (counts_in_norm)."""
+        local = 0.0
+        for name, p in self.params.items():
+            if p.grad is not None and self.counts_in_norm(name):
+                g64 = p.grad.ravel().astype(np.float64, copy=False)
+                local += float(g64 @ g64)
+        return self.reduce_norm_sq(local)
 
     # --- forward, this stage's piece ----------------------------------------------------------
     def forward(self, x, targets=None, loss_denom=None):
@@ -269,7 +275,7 @@ class PipelineEngine:
         busy = sum(end - start for _, _, start, end in timeline)
         if dp is not None:
             dp.finish()
-        self.sync_tied_embedding()
+        self.sync_tied_embedding(dp)
         if m.n_stages > 1:
             loss_sum = float(comm.broadcast(g, np.array([loss_sum]), m.n_stages - 1)[0])
         self.steps.append({"timeline": timeline, "step_time": step_time, "busy": busy,
@@ -277,18 +283,21 @@ class PipelineEngine:
                            "peak_activation_bytes": peak, "microbatch_activation_bytes": per_mb})
         return loss_sum
 
-    def sync_tied_embedding(self):
+    def sync_tied_embedding(self, dp=None):
         """Megatron's embedding group: stage 0 and the last stage each add the other's
-        wte.weight gradient, in the same order (first + last), so both copies stay equal."""
+        wte.weight gradient, in place, so both copies stay equal. With ZeRO (dp.tied_grad)
+        the gradient is already reduce-scattered over dp: the two stages' dp rank r hold
+        the same shard of it (wte is a unit of its own), and exchange only that."""
         m = self.model
         if not m.cfg.tie_embeddings or m.n_stages == 1 or not (m.is_first or m.is_last):
             return
         w = m.params["wte.weight"]
+        g = dp.tied_grad(w) if hasattr(dp, "tied_grad") else w.grad
         other = m.n_stages - 1 if m.is_first else 0
-        h = comm.send_async(m.group, w.grad, other)
+        h = comm.send_async(m.group, g, other)
         theirs = comm.recv(m.group, other)
         h.wait()
-        w.grad = w.grad + theirs if m.is_first else theirs + w.grad
+        g += theirs                                     # a + b == b + a: both copies equal
 
     def gather_stats(self, step: int = -1):
         """Stage 0 of the pp group gets every stage's stats (a list by stage): the timeline,

@@ -416,16 +416,19 @@ class TensorParallelGPT:
         for n, p in self.params.items():
             p.data[...] = self.shard(n, state[n])
 
-    def grad_norm_sq(self) -> float:
-        """Sum of squared gradient entries of the whole model, each parameter counted once:
-        split parameters by every rank (its slice), replicated ones by tp rank 0 only; then
-        one all-reduce over tp. Identical on every tp rank."""
-        local = 0.0
-        for name, p in self.params.items():
-            if p.grad is None or (self.tp_rank != 0 and self.is_replicated(name)):
-                continue
-            local += sum_of_squares(p.grad)
+    def counts_in_norm(self, name: str) -> bool:
+        """Split parameters count on every rank (its slice), replicated ones on tp rank 0."""
+        return self.tp_rank == 0 or not self.is_replicated(name)
+
+    def reduce_norm_sq(self, local: float) -> float:
+        """One all-reduce over tp of each rank's counted sum of squares."""
         return float(_all_reduce(self.group, np.array([local]), "sum", "grad_norm")[0])
+
+    def grad_norm_sq(self) -> float:
+        """Sum of squared gradient entries of the whole model, each parameter counted once
+        (counts_in_norm), identical on every tp rank."""
+        return self.reduce_norm_sq(sum(sum_of_squares(p.grad) for name, p in self.params.items()
+                                       if p.grad is not None and self.counts_in_norm(name)))
 
     # --- forward, in pieces a pipeline stage can run ----------------------------------------
     def embed(self, idx) -> Tensor:
