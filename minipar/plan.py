@@ -1,0 +1,571 @@
+"""The planner: what does training this model on this layout cost, per device?
+
+    python -m minipar.plan --model gpt2-large --dp 2 --tp 4 --pp 4 --precision fp16
+    python -m minipar.plan --n-layer 2 --n-embd 64 --dp 2 --tp 2      # the trainer's flags
+    python -m minipar.plan --params 7.5e9 --dp 64 --zero 3 --precision fp16   # model states only
+
+Layout flags are the trainer's (same names, same defaults), so one set of flags describes
+one run; tests/test_plan*.py hold every figure to what minipar measures on such runs.
+
+Memory per device (the seeds; ZeRO, Rajbhandari et al. 2020, section 3):
+    s   bytes per stored parameter and gradient: 4 (fp32), 8 (float64), 2 (fp16, bf16)
+    K   optimizer bytes per parameter: AdamW's m and v, 2s; fp16/bf16 12 (fp32 master, m, v),
+        which gives the seeds' 2P + 2P + KP with K = 12
+    P_local  parameters the device holds after tp and pp slicing: the stage's tensors
+             (schedules.stage_param_names; the last stage keeps a copy of a tied wte), split
+             ones / tp, vocabulary ones padded to Vp = tp*ceil(V/tp) rows first
+    P_pad    ZeRO's layout: P_local cut into units (zero.unit_names), each padded to a
+             multiple of N = dp (zero.padded)
+                   params        grads         optimizer
+        zero 0     s P_local     s P_local     K P_local
+        zero 1     s P_pad       s P_pad       K P_pad / N
+        zero 2     s P_pad       s P_pad / N   K P_pad / N
+        zero 3     s P_pad / N   s P_pad / N   K P_pad / N
+    (fp16, no padding: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N.)
+    activations: the bytes minipar's ops save for backward (activation_bytes), per
+    micro-batch of b = B/(dp*M) sequences, times the micro-batches in flight: 1 without a
+    pipeline and with the naive schedule, M with GPipe, min(M, pp - stage) with 1F1B.
+
+FLOPs of a forward pass over one sequence of T tokens, the seed's count (Hoffmann et al.
+2022, "Chinchilla", appendix F), C channels, H heads, V vocabulary, 4C MLP width:
+    embeddings 2TVC;  per layer: K,Q,V projections 2*3TCC, key-query logits 2TTC,
+    softmax 3HTT, softmax-value reduction 2TTC, final linear 2TCC, dense block 2T(4CC + 4CC);
+    final logits 2TCV.   backward = 2 x forward;  6ND beside it (N params, D = B*T).
+All but the embeddings (a row lookup in minipar) and the softmax are matmuls that minipar
+runs exactly so (the T x T products in full, masked afterwards); 3x their sum is
+model.train_flops_per_token. Per device: the stage's layers (embeddings on the first,
+logits on the last), / tp (heads, MLP columns, Vp/tp vocabulary rows), B/dp sequences.
+
+Communication: bytes one device sends per step (dp rank 0, tp rank 0 of each stage), as
+minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm/):
+    dp     zero 0: the gradient buckets, each all-reduced once per step (2(p-1)/p n, or
+           recursive doubling's log2(p) n up to 64 KiB); with ZeRO, unit by unit of its
+           padded size: zero 1 reduce-scatter + all-gather once, zero 2 a reduce-scatter
+           per micro-batch + one all-gather, zero 3 per micro-batch 2 all-gathers + 1
+           reduce-scatter, (p-1)/p n each
+    tp     per micro-batch Megatron's 4 all-reduces per layer of b*T*C, the embedding's g,
+           the head's f and the vocab-parallel cross-entropy's 3 of b*T (4L + 5 in all),
+           and the 8-byte gradient-norm all-reduce once per step
+    pp     per boundary M activations down and M gradients up (b*T*C*s + a 128-byte
+           header each), the tied wte gradient between the two ends (with ZeRO: the
+           rank's shard of it), the loss broadcast
+    other  8-byte all-reduces: the loss over dp, the gradient norm over pp (and with
+           ZeRO over dp, each rank holding a shard), the fp16/bf16 overflow flag over
+           the world
+bubble: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/p for the naive schedule.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from minipar import comm, config, precision
+from minipar.comm import direct, tree
+from minipar.comm.group import HEADER_BYTES
+from minipar.model import GPTConfig, param_specs
+from minipar.parallel import schedules, zero
+from minipar.parallel.tensor_parallel import layout_of
+from minipar.perf import human_bytes
+
+PRESETS = {   # name: (n_layer, n_head, n_embd, vocab_size, block_size)
+    "gpt2": (12, 12, 768, 50257, 1024),
+    "gpt2-medium": (24, 16, 1024, 50257, 1024),
+    "gpt2-large": (36, 20, 1280, 50257, 1024),
+    "gpt2-xl": (48, 25, 1600, 50257, 1024),
+    "gpt3-175b": (96, 96, 12288, 50257, 2048),
+}
+SHAPE_FLAGS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
+INT64 = 8                 # token ids, and the 8-byte scalars (loss, norms, flags) on the wire
+
+
+class PlanError(ValueError):
+    """Flags that describe no run: one line on stderr, exit code 2."""
+
+
+# --- what a device holds ----------------------------------------------------------------------
+
+def local_tensors(cfg: GPTConfig, stage: int, pp: int, tp: int) -> list:
+    """[(canonical name, elements on one device)] of a stage, model order: tp splits each
+    tensor as tensor_parallel does (vocab: Vp/tp rows, replicated: whole, others: / tp)."""
+    Vp = -(-cfg.vocab_size // tp) * tp
+    names = set(schedules.stage_param_names(cfg, stage, pp))
+    out = []
+    for name, shape, _ in param_specs(cfg):
+        if name not in names:
+            continue
+        kind = layout_of(name) if tp > 1 else "replicated"
+        n = math.prod(shape)
+        out.append((name, Vp * shape[1] // tp if kind == "vocab" else n if kind == "replicated" else n // tp))
+    return out
+
+
+def zero_units(tensors: list, N: int) -> list:
+    """Element count of each ZeRO unit (zero.unit_names) of the device, padded for N ranks."""
+    size = dict(tensors)
+    return [zero.padded(sum(size[n] for n in unit), N) for unit in zero.unit_names([n for n, _ in tensors])]
+
+
+def model_states(P_local: int, P_pad: int, s: int, K: int, stage: int, N: int) -> dict:
+    """Bytes of parameters, gradients and optimizer state on one device (module docstring)."""
+    if stage == 0:
+        p, g, o = s * P_local, s * P_local, K * P_local
+    else:
+        p = s * P_pad if stage < 3 else s * P_pad // N
+        g = s * P_pad if stage < 2 else s * P_pad // N
+        o = K * P_pad // N
+    return {"params": p, "grads": g, "optimizer": o, "model_states": p + g + o}
+
+
+def activation_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, s: int, c: int) -> int:
+    """Bytes one micro-batch of `rows` sequences leaves saved for backward on a device of
+    `stage`: what each op of ops.py / tensor_parallel.py keeps (Function.save), counted as
+    Tensor.saved_bytes counts it (parameters excluded, views once). s: storage itemsize,
+    c: compute itemsize (4 for fp16/bf16, else s). N = rows*T, C/tp and H/tp per device.
+    Exact for tp = 1; with tp > 1 the masked embedding and cross-entropy keep the ids of the
+    tokens this rank's vocabulary slice owns, which depends on the data: N/tp assumed."""
+    T, C, V = cfg.block_size, cfg.n_embd, cfg.vocab_size
+    N, Ct, Ht = rows * T, cfg.n_embd // tp, cfg.n_head // tp
+    low = 4 * C if c != s else 0                          # fp16/bf16: LayerNorm keeps w in fp32
+    ln = N * C * c + N * c + low                          # xhat (N, C), rstd (N, 1)
+    layer = (2 * ln                                       # ln_1, ln_2
+             + N * C * s + N * Ct * s                     # c_attn's input (N, C), c_proj's (N, C/tp)
+             + 3 * N * Ct * c + rows * Ht * T * T * c     # q, k, v (b, H/tp, T, hs); P (b, H/tp, T, T)
+             + N * C * s                                  # c_fc's input (N, C)
+             + 2 * N * 4 * Ct * c                         # GELU: x and sigmoid (N, 4C/tp)
+             + N * 4 * Ct * s)                            # mlp c_proj's input (N, 4C/tp)
+    total = len(schedules.partition(cfg.n_layer, pp)[stage]) * layer
+    owned = -(-N // tp)                                   # ids this tp rank's vocab slice holds
+    if stage == 0:                                        # token ids (N,), positions (T,)
+        total += (N * INT64 if tp == 1 else owned * INT64 + N) + T * INT64
+    if stage == pp - 1:                                   # ln_f, the head's input, the loss
+        Vl = V if tp == 1 else -(-V // tp)
+        total += ln + N * C * s + N * Vl * c + (N * INT64 if tp == 1 else 2 * owned * INT64)
+    return total
+
+
+def in_flight(schedule: str, stage: int, pp: int, M: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak (schedules.py)."""
+    if pp == 1 or schedule == "naive":
+        return 1
+    return M if schedule == "gpipe" else min(M, pp - stage)
+
+
+# --- FLOPs ------------------------------------------------------------------------------------
+
+def flop_components(cfg: GPTConfig, tp: int = 1, stage: int = 0, pp: int = 1) -> dict:
+    """The seed's forward FLOPs of one sequence, by component, on one device of `stage`."""
+    T, C, H, V = cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size
+    Vl = V if tp == 1 else -(-V // tp)                    # vocabulary rows on this device
+    L = len(schedules.partition(cfg.n_layer, pp)[stage])
+    first, last = stage == 0, stage == pp - 1
+    return {
+        "embeddings": 2 * T * Vl * C if first else 0,
+        "kqv_projections": L * 2 * 3 * T * C * C // tp,
+        "key_query_logits": L * 2 * T * T * C // tp,
+        "softmax": L * 3 * (H // tp) * T * T,
+        "softmax_value": L * 2 * T * T * C // tp,
+        "final_linear": L * 2 * T * C * C // tp,
+        "dense": L * 2 * T * (C * 4 * C + 4 * C * C) // tp,
+        "logits": 2 * T * C * Vl if last else 0,
+    }
+
+
+def flops(components: dict, sequences: int) -> dict:
+    """Forward, backward (2x forward) and total FLOPs of `sequences` sequences; the matmul
+    part of the forward (all but the embeddings and the softmax); the components."""
+    fwd = sequences * sum(components.values())
+    matmul = fwd - sequences * (components["embeddings"] + components["softmax"])
+    return {"forward": fwd, "backward": 2 * fwd, "total": 3 * fwd, "matmul_forward": matmul,
+            "components": {k: sequences * v for k, v in components.items()}}
+
+
+# --- communication, as minipar.comm sends it ---------------------------------------------------
+
+def pieces(n: int, p: int) -> list:
+    """Element counts of np.array_split(range(n), p)."""
+    return [n // p + (1 if i < n % p else 0) for i in range(p)]
+
+
+def all_reduce_sent(n: int, itemsize: int, p: int, rank: int = 0) -> int:
+    """Bytes `rank` sends in comm.all_reduce of n elements on p ranks: recursive doubling up
+    to comm.ALL_REDUCE_DOUBLING_MAX_BYTES (log2(q) rounds of the whole message among the
+    largest power of two q <= p, + the fix-up hand-overs), else reduce-scatter + all-gather
+    of np.array_split pieces: direct exchange up to direct.DIRECT_MAX_RANKS, else the ring."""
+    b = n * itemsize
+    if p == 1 or n == 0:
+        return 0
+    if b <= comm.ALL_REDUCE_DOUBLING_MAX_BYTES:
+        q = 1 << (p.bit_length() - 1)
+        if rank >= q:                                     # hands x over, gets the result back
+            return b
+        return (q.bit_length() - 1) * b + (b if rank < p - q else 0)
+    sizes = pieces(n, p)
+    rs = (n - sizes[rank]) * itemsize                     # every piece but its own
+    ag = (p - 1) * sizes[rank] if p <= direct.DIRECT_MAX_RANKS else n - sizes[(rank + 1) % p]
+    return rs + ag * itemsize
+
+
+def reduce_scatter_sent(n: int, itemsize: int, p: int, rank: int = 0) -> int:
+    """comm.reduce_scatter (direct exchange or ring): every piece but its own."""
+    return 0 if p == 1 else (n - pieces(n, p)[rank]) * itemsize
+
+
+def all_gather_sent(n_each: int, itemsize: int, p: int) -> int:
+    """comm.all_gather of equal pieces (Bruck, direct or ring): p - 1 pieces."""
+    return (p - 1) * n_each * itemsize
+
+
+def broadcast_sent(nbytes: int, p: int, rank: int, root: int) -> int:
+    """comm.broadcast (tree.py): a 128-byte header down the binomial tree, then the payload
+    down the same tree (or a pipelined chain above tree.BROADCAST_TREE_MAX_BYTES)."""
+    v = (rank - root) % p
+    m = (v & -v) >> 1 if v else (1 << ((p - 1).bit_length() - 1) if p > 1 else 0)
+    kids = 0
+    while m:
+        kids += v + m < p
+        m >>= 1
+    if nbytes > tree.BROADCAST_TREE_MAX_BYTES and p > 2:
+        return kids * HEADER_BYTES + (nbytes if v < p - 1 else 0)
+    return kids * (HEADER_BYTES + nbytes)
+
+
+def dp_bytes(tensors: list, units: list, lay, s: int) -> int:
+    """Gradient synchronisation over the dp group (data_parallel.py, or ZeRO's units)."""
+    N, M = lay.dp, lay.micro_batches
+    if N == 1:
+        return 0
+    if lay.zero:
+        rs = sum(reduce_scatter_sent(n, s, N) for n in units)
+        ag = sum(all_gather_sent(n // N, s, N) for n in units)
+        return {1: rs + ag, 2: M * rs + ag, 3: M * (rs + 2 * ag)}[lay.zero]
+    if lay.dp_mode == "naive":                            # one all-reduce per parameter
+        return sum(all_reduce_sent(n, s, N) for _, n in tensors)
+    limit, buckets, size, count = max(1, int(lay.bucket_mb * 1024 * 1024)), [], 0, 0
+    for _, n in reversed(tensors):                        # DataParallelBucketed's buckets
+        size, count = size + n * s, count + n
+        if size >= limit:
+            buckets.append(count)
+            size = count = 0
+    if count:
+        buckets.append(count)
+    return sum(all_reduce_sent(n, s, N) for n in buckets)
+
+
+def tp_bytes(cfg: GPTConfig, stage: int, lay, s: int, c: int) -> int:
+    """Megatron's all-reduces of one step on tp rank 0 (tensor_parallel.megatron_count)."""
+    tp, pp, M = lay.tp, lay.pp, lay.micro_batches
+    if tp == 1:
+        return 0
+    rows, T, C = lay.rows, cfg.block_size, cfg.n_embd
+    act = all_reduce_sent(rows * T * C, s, tp)            # one (b, T, C) activation or gradient
+    per_mb = 4 * len(schedules.partition(cfg.n_layer, pp)[stage]) * act
+    if stage == 0:
+        per_mb += act                                     # the embedding's g
+    if stage == pp - 1:
+        per_mb += act + 3 * all_reduce_sent(rows * T, c, tp)   # the head's f, cross-entropy's 3
+    return M * per_mb + all_reduce_sent(1, INT64, tp)     # + the gradient norm
+
+
+def pp_bytes(cfg: GPTConfig, stage: int, lay, s: int) -> int:
+    """Point-to-point messages and the loss broadcast of one step (pipeline.py)."""
+    pp, M = lay.pp, lay.micro_batches
+    if pp == 1:
+        return 0
+    msg = HEADER_BYTES + lay.rows * cfg.block_size * cfg.n_embd * s
+    sent = M * msg * ((stage < pp - 1) + (stage > 0))     # activations down, gradients up
+    if cfg.tie_embeddings and stage in (0, pp - 1):       # wte's gradient to the other end;
+        n = -(-cfg.vocab_size // lay.tp) * cfg.n_embd     # with ZeRO only this rank's shard of it
+        sent += HEADER_BYTES + (zero.padded(n, lay.dp) // lay.dp if lay.zero else n) * s
+    return sent + broadcast_sent(INT64, pp, stage, pp - 1)
+
+
+def other_bytes(stage: int, lay) -> int:
+    """The step's 8-byte all-reduces outside the three mechanisms (train.train_step)."""
+    out = all_reduce_sent(1, INT64, lay.dp)               # the loss, summed over dp
+    if lay.zero:                                          # the gradient norm of the dp shards
+        out += all_reduce_sent(1, INT64, lay.dp)
+    out += all_reduce_sent(1, INT64, lay.pp, stage)       # the gradient norm over the stages
+    if lay.precision != "fp32":                           # the overflow flag, over the world
+        world = lay.dp * lay.tp * lay.pp
+        out += all_reduce_sent(1, INT64, world, stage * lay.dp * lay.tp)
+    return out
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+class Layout(argparse.Namespace):
+    """The layout flags (dp, tp, pp, zero, micro_batches, batch_size, precision, dtype,
+    schedule, dp_mode, bucket_mb); rows = B/(dp*M), the micro-batch of one device."""
+
+    @property
+    def rows(self) -> int:
+        return self.batch_size // (self.dp * self.micro_batches)
+
+
+def itemsizes(lay) -> tuple[int, int, int]:
+    """(s, c, K): storage and compute bytes per element, optimizer bytes per parameter."""
+    if lay.precision != "fp32":
+        return 2, 4, 12
+    s = 8 if lay.dtype == "float64" else 4
+    return s, s, 2 * s
+
+
+def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: float | None = None) -> dict:
+    """The whole estimate as a dict (what --json prints). cfg None: `params` alone, model
+    states only (no shapes: P/(tp*pp) per device, one ZeRO unit)."""
+    s, c, K = itemsizes(lay)
+    N, pp, M = lay.dp, lay.pp, lay.micro_batches
+    out = {"model": None, "layout": {**vars(lay), "world": lay.dp * lay.tp * lay.pp,
+                                     "micro_batch_rows": lay.rows if cfg else None, "bytes_per_param": s,
+                                     "optimizer_bytes_per_param": K},
+           "params": params, "notes": []}
+    if cfg is None:
+        P_local = -(-params // (lay.tp * pp))
+        mem = {**model_states(P_local, zero.padded(P_local, N), s, K, lay.zero, N),
+               "activations": None, "total": None, "stage": None, "micro_batches_in_flight": None,
+               "params_local": P_local, "params_padded": zero.padded(P_local, N)}
+        out.update(memory=mem, memory_per_stage=[mem], flops=None, flops_per_stage=None, comm=None,
+                   comm_per_stage=None, bubble=bubble(lay), step_time_s=None)
+        out["notes"].append("--params alone: model states only, spread evenly over tp*pp "
+                            "(no shapes: FLOPs, activations and communication unavailable)")
+        return out
+    out["model"] = {k: getattr(cfg, k) for k in (*SHAPE_FLAGS, "tie_embeddings")}
+    out["params"] = sum(math.prod(shape) for _, shape, _ in param_specs(cfg))
+    mem_st, flops_st, comm_st = [], [], []
+    for st in range(pp):
+        tensors = local_tensors(cfg, st, pp, lay.tp)
+        units = zero_units(tensors, N)
+        P_local, P_pad = sum(n for _, n in tensors), sum(units)
+        k = in_flight(lay.schedule, st, pp, M)
+        act = k * activation_bytes(cfg, st, pp, lay.tp, lay.rows, s, c)
+        ms = model_states(P_local, P_pad, s, K, lay.zero, N)
+        mem_st.append({**ms, "activations": act, "total": ms["model_states"] + act, "stage": st,
+                       "micro_batches_in_flight": k, "params_local": P_local, "params_padded": P_pad})
+        f = flops(flop_components(cfg, lay.tp, st, pp), lay.batch_size // N)
+        flops_st.append({"stage": st, **f})
+        axes = {"dp": dp_bytes(tensors, units, lay, s), "tp": tp_bytes(cfg, st, lay, s, c),
+                "pp": pp_bytes(cfg, st, lay, s), "other": other_bytes(st, lay)}
+        comm_st.append({"stage": st, "bytes_per_step": sum(axes.values()), **axes})
+    whole = flop_components(cfg)
+    out["flops"] = {**flops(whole, lay.batch_size), "six_nd": 6 * out["params"] * lay.batch_size * cfg.block_size,
+                    "per_device": max(flops_st, key=lambda r: r["total"])}
+    out.update(memory=max(mem_st, key=lambda r: r["total"]), memory_per_stage=mem_st,
+               flops_per_stage=flops_st, comm=max(comm_st, key=lambda r: r["bytes_per_step"]),
+               comm_per_stage=comm_st, bubble=bubble(lay), step_time_s=None)
+    if device_tflops:
+        out["layout"]["device_tflops"] = device_tflops
+        t = out["flops"]["per_device"]["total"] / (device_tflops * 1e12)
+        out["step_time_s"] = t
+        out["step_time_with_bubble_s"] = t / (1 - out["bubble"])
+    if lay.zero == 3 and pp > 1:
+        out["notes"].append("minipar's trainer refuses --zero 3 with --pp > 1 (as DeepSpeed does): "
+                            "these are the formulas' figures")
+    if lay.tp > 1:
+        out["notes"].append("activations with tp > 1: the token ids a vocabulary slice keeps "
+                            "depend on the data; 1/tp of them assumed")
+    return out
+
+
+def bubble(lay) -> float:
+    """The idle fraction of a pipelined step in theory (schedules.py)."""
+    p, m = lay.pp, lay.micro_batches
+    if p == 1:
+        return 0.0
+    return (p - 1) / p if lay.schedule == "naive" else (p - 1) / (m + p - 1)
+
+
+# --- the command line -------------------------------------------------------------------------
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):                             # one line, exit 2 (as the trainer)
+        raise PlanError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    t = config.build_parser()                             # the trainer's defaults
+    d = {k: t.get_default(k) for k in ("batch_size", "micro_batches", "schedule", "dtype", "precision",
+                                       "tp", "pp", "zero")}
+    p = Parser(prog="python -m minipar.plan",
+               description="Memory, FLOPs and communication per device of training a GPT-2 shaped "
+                           "model on a dp x tp x pp layout, as minipar would run it.")
+    m = p.add_argument_group("model: --model, or the trainer's shape flags, or --params alone")
+    m.add_argument("--model", choices=tuple(PRESETS), help="a standard shape (shape flags override it)")
+    m.add_argument("--params", type=float, metavar="N",
+                   help="a parameter count alone (e.g. 7.5e9): model states only")
+    m.add_argument("--vocab-size", type=int, metavar="V", help="vocabulary [256: minipar's bytes]")
+    for key, letter, what in (("n_layer", "L", "transformer blocks"), ("n_head", "H", "attention heads"),
+                              ("n_embd", "C", "channels"), ("block_size", "T", "context length")):
+        m.add_argument(f"--{key.replace('_', '-')}", type=int, metavar=letter,
+                       help=f"{what} [{config.MODEL_DEFAULTS[key]}]")
+    m.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
+    g = p.add_argument_group("layout (the trainer's flags and defaults)")
+    g.add_argument("--dp", type=int, default=1, metavar="D",
+                   help="data-parallel replicas (the trainer's world/(tp*pp)) [%(default)s]")
+    g.add_argument("--tp", type=int, default=d["tp"], metavar="T", help="tensor-parallel ranks [%(default)s]")
+    g.add_argument("--pp", type=int, default=d["pp"], metavar="P", help="pipeline stages [%(default)s]")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=d["zero"], metavar="{0,1,2,3}",
+                   help="ZeRO stage over the dp group: shard the optimizer state (1), and the gradients "
+                        "(2), and the parameters (3) [%(default)s]")
+    g.add_argument("--micro-batches", type=int, default=d["micro_batches"], metavar="M",
+                   help="micro-batches per step on each dp rank [%(default)s]")
+    g.add_argument("--batch-size", type=int, default=d["batch_size"], metavar="B",
+                   help="global batch in sequences [%(default)s]")
+    g.add_argument("--precision", choices=tuple(precision.PRECISIONS), default=d["precision"],
+                   help="fp16/bf16: 2-byte parameters, gradients, activations; 12-byte optimizer [%(default)s]")
+    g.add_argument("--dtype", choices=tuple(config.DTYPES), default=d["dtype"],
+                   help="parameter dtype with --precision fp32 (8 bytes for float64) [%(default)s]")
+    g.add_argument("--schedule", choices=tuple(schedules.SCHEDULES), default=d["schedule"],
+                   help="pipeline schedule [%(default)s]")
+    g.add_argument("--dp-mode", choices=("bucketed", "naive"),
+                   help="--zero 0: gradient all-reduce per bucket or per parameter [bucketed]")
+    g.add_argument("--bucket-mb", type=float, metavar="X", help="--zero 0, bucketed: bucket size in MiB [1.0]")
+    o = p.add_argument_group("output")
+    o.add_argument("--device-tflops", type=float, metavar="X",
+                   help="sustained TFLOP/s of one device: adds a step-time estimate")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p
+
+
+def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
+    """Flags -> (cfg or None, layout, params or None); PlanError for what cannot run,
+    with the trainer's messages (config.validate, config.prepare) where they exist."""
+    given = [k for k in SHAPE_FLAGS if getattr(args, k) is not None]
+    lay = Layout(**{k: getattr(args, k) for k in ("dp", "tp", "pp", "zero", "micro_batches", "batch_size",
+                                                  "precision", "dtype", "schedule", "dp_mode", "bucket_mb")})
+    for flag in ("dp", "tp", "pp"):
+        if getattr(lay, flag) < 1:
+            raise PlanError(f"--{flag} must be >= 1, got {getattr(lay, flag)}")
+    for flag in ("batch_size", "micro_batches"):
+        if getattr(lay, flag) <= 0:
+            raise PlanError(f"--{flag.replace('_', '-')} must be positive, got {getattr(lay, flag)}")
+    if lay.batch_size % lay.micro_batches:
+        raise PlanError(f"--batch-size {lay.batch_size} is not divisible by --micro-batches {lay.micro_batches}")
+    if lay.batch_size % (lay.dp * lay.micro_batches) and args.params is None:   # --params: no batch
+        raise PlanError(f"--batch-size {lay.batch_size} is not divisible by dp*micro-batches = "
+                        f"{lay.dp}*{lay.micro_batches} = {lay.dp * lay.micro_batches}")
+    if lay.precision != "fp32" and lay.dtype != "float32":
+        raise PlanError(f"--precision {lay.precision} needs --dtype float32 (its master weights and "
+                        f"optimizer state are float32), got --dtype {lay.dtype}")
+    if lay.zero and (lay.dp_mode is not None or lay.bucket_mb is not None):
+        flag = "--dp-mode" if lay.dp_mode is not None else "--bucket-mb"
+        raise PlanError(f"{flag} is for plain data parallelism; --zero {lay.zero} replaces the gradient "
+                        f"all-reduce by its own reduce-scatters, unit by unit (wte, each block, the rest)")
+    lay.dp_mode = lay.dp_mode or "bucketed"
+    lay.bucket_mb = 1.0 if lay.bucket_mb is None else lay.bucket_mb
+    if lay.bucket_mb <= 0:
+        raise PlanError(f"--bucket-mb must be > 0, got {lay.bucket_mb}")
+    if args.device_tflops is not None and not args.device_tflops > 0:
+        raise PlanError(f"--device-tflops must be > 0, got {args.device_tflops}")
+    if args.params is not None:
+        if args.model or given or args.untied:
+            extra = "--model" if args.model else "--untied" if args.untied else f"--{given[0].replace('_', '-')}"
+            raise PlanError(f"--params gives the size alone; drop {extra} (or drop --params)")
+        if not (math.isfinite(args.params) and args.params >= 1):
+            raise PlanError(f"--params must be a count >= 1, got {args.params:g}")
+        return None, lay, int(round(args.params))
+    base = dict(zip(("n_layer", "n_head", "n_embd", "vocab_size", "block_size"), PRESETS[args.model])) \
+        if args.model else {"vocab_size": 256, **config.MODEL_DEFAULTS}
+    shape = {k: getattr(args, k) if getattr(args, k) is not None else base[k] for k in SHAPE_FLAGS}
+    for k in SHAPE_FLAGS:
+        if shape[k] <= 0:
+            raise PlanError(f"--{k.replace('_', '-')} must be positive, got {shape[k]}")
+    cfg = GPTConfig(tie_embeddings=not args.untied, **shape)
+    if cfg.n_embd % cfg.n_head:
+        raise PlanError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    if lay.pp > cfg.n_layer:
+        raise PlanError(f"--pp {lay.pp} is more than --n-layer {cfg.n_layer}: every pipeline stage needs "
+                        f"at least one layer")
+    if cfg.n_head % lay.tp:
+        raise PlanError(f"--n-head {cfg.n_head} is not divisible by --tp {lay.tp}: each tensor-parallel "
+                        f"rank needs whole heads")
+    return cfg, lay, None
+
+
+# --- the table --------------------------------------------------------------------------------
+
+def _columns(pp: int) -> list:
+    """Stages shown side by side: all of up to 4, else the first two and the last two."""
+    return list(range(pp)) if pp <= 4 else [0, 1, pp - 2, pp - 1]
+
+
+def _row(label: str, values, width: int = 14) -> str:
+    return f"  {label:<22}" + "".join(f"{v:>{width}}" for v in values)
+
+
+def _sci(x) -> str:
+    return f"{x:.3e}"
+
+
+def table(r: dict, name: str | None = None) -> str:
+    """The human-readable form of plan()'s dict: memory, FLOPs and bytes sent, by stage."""
+    lay, out = r["layout"], []
+    what = f"{name}: " if name else ""
+    if r["model"] is None:
+        out.append(f"minipar.plan: {r['params']:,} parameters (--params: model states only)")
+    else:
+        m = r["model"]
+        out.append(f"minipar.plan: {what}GPT L={m['n_layer']} H={m['n_head']} C={m['n_embd']} "
+                   f"T={m['block_size']} V={m['vocab_size']} ({'tied' if m['tie_embeddings'] else 'untied'}), "
+                   f"{r['params']:,} parameters")
+    prec = lay["precision"] if lay["precision"] != "fp32" else lay["dtype"]
+    devices = f"{lay['world']} device{'s' if lay['world'] > 1 else ''}"
+    out.append(f"  layout: dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} ({devices}), ZeRO {lay['zero']}, {prec}: "
+               f"{lay['bytes_per_param']} B per parameter and gradient, {lay['optimizer_bytes_per_param']} B "
+               f"optimizer state")
+    if r["model"] is not None:
+        out.append(f"  batch: {lay['batch_size']} sequences; per dp rank {lay['micro_batches']} micro-batch(es) of "
+                   f"{lay['micro_batch_rows']}" + (f"; {lay['schedule']} schedule, bubble {r['bubble']:.3f}"
+                                                   if lay["pp"] > 1 else ""))
+    cols = _columns(lay["pp"]) if r["model"] is not None else [0]
+    mem = [r["memory_per_stage"][s] for s in cols]
+    heads = [f"stage {s}" for s in cols] if r["model"] is not None else [""]
+    out.append("")
+    out.append(_row("memory per device", heads))
+    out.append(_row("parameters held", [f"{m['params_local']:,}" for m in mem]))
+    for key in ("params", "grads", "optimizer", "model_states"):
+        out.append(_row(key.replace("_", " "), [human_bytes(m[key]) for m in mem]))
+    if r["model"] is not None:
+        out.append(_row("activations", [human_bytes(m["activations"]) for m in mem]))
+        out.append(_row("  micro-batches held", [m["micro_batches_in_flight"] for m in mem]))
+        out.append(_row("total", [human_bytes(m["total"]) for m in mem]))
+        fl = r["flops"]
+        out.append("")
+        out.append(_row("FLOPs per step", ["whole model"] + [f"stage {s}" for s in cols]))
+        per = [r["flops_per_stage"][s] for s in cols]
+        for key, v in fl["components"].items():
+            out.append(_row(key.replace("_", " "), [_sci(v)] + [_sci(p["components"][key]) for p in per]))
+        for key in ("forward", "backward", "total"):
+            out.append(_row(key + (" (2x fwd)" if key == "backward" else ""),
+                            [_sci(fl[key])] + [_sci(p[key]) for p in per]))
+        out.append(_row("6ND", [_sci(fl["six_nd"])]))
+        out.append("")
+        out.append(_row("comm sent per step", heads))
+        cs = [r["comm_per_stage"][s] for s in cols]
+        for key, label in (("dp", "dp (grads; ZeRO's)"), ("tp", "tp (Megatron)"), ("pp", "pp (point-to-point)"),
+                           ("other", "other (8-byte scalars)"), ("bytes_per_step", "total")):
+            out.append(_row(label, [human_bytes(c[key]) for c in cs]))
+    if lay["pp"] > 4 and r["model"] is not None:
+        out.append(f"  (stages {', '.join(map(str, cols))} of {lay['pp']} shown; --json has every stage)")
+    if r.get("step_time_s") is not None:
+        out.append(f"  step time at {r['layout']['device_tflops']:g} TFLOP/s per device: "
+                   f"{r['step_time_s']:.3g} s of compute on the busiest stage"
+                   + (f", {r['step_time_with_bubble_s']:.3g} s with the bubble" if lay["pp"] > 1 else ""))
+    out += [f"  note: {n}" for n in r["notes"]]
+    return "\n".join(out)
+
+
+def main(argv=None):
+    try:
+        args = build_parser().parse_args(argv)
+        cfg, lay, params = resolve(args)
+    except PlanError as e:
+        print(f"minipar.plan: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    r = plan(cfg, lay, params, args.device_tflops)
+    print(json.dumps(r) if args.json else table(r, args.model))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""The planner (minipar/plan.py), on one process: its formulas against minipar's own code.
+
+- parameters: the exact count of the architecture, and each device's share equals
+  pipeline.local_param_count;
+- memory: the seeds' formulas (2P + 2P + KP, each ZeRO stage's division by N) and the
+  seeds' embedding example; activations equal Tensor.saved_bytes of real forward passes;
+- FLOPs: the seed's per-component count, 6ND, and the matmul part equal to a count taken
+  by instrumenting minipar's ops (Linear, MatMul, attention) on the whole model and on one
+  device of tp and pp layouts;
+- the command line: JSON keys, --params mode, one-line errors with exit code 2.
+The cross-checks against trainer runs (bytes held, ledger bytes) are in test_plan_trainer.py.
+"""
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from minipar import ops, plan
+from minipar.model import GPT, GPTConfig, param_specs, train_flops_per_token
+from minipar.parallel import pipeline, tensor_parallel, zero
+from minipar.parallel.pipeline import PipelineStage
+from minipar.parallel.tensor_parallel import TensorParallelGPT
+from minipar.tensor import Tensor
+
+MiB = 2 ** 20
+
+
+def run_plan(*flags):
+    """The planner's dict for these flags, as `python -m minipar.plan --json` prints it."""
+    cfg, lay, params = plan.resolve(plan.build_parser().parse_args(list(flags)))
+    return plan.plan(cfg, lay, params)
+
+
+def cli(capsys, *flags):
+    """main() in process: (exit code, stdout, stderr)."""
+    code = 0
+    try:
+        plan.main(list(flags))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------- parameters
+
+@pytest.mark.parametrize("model", list(plan.PRESETS))
+def test_params_is_the_exact_count_of_each_preset(model):
+    L, H, C, V, T = plan.PRESETS[model]
+    want = sum(math.prod(s) for _, s, _ in param_specs(GPTConfig(V, T, L, H, C)))
+    assert run_plan("--model", model)["params"] == want
+    # per layer 12C^2 + 13C, embeddings VC + TC, ln_f 2C: biases, LayerNorms, wpe included
+    assert want == L * (12 * C * C + 13 * C) + V * C + T * C + 2 * C
+    if model == "gpt2":
+        assert want == 124_439_808                       # GPT-2 small, as Hugging Face counts it
+
+
+def test_params_equals_the_model_num_params():
+    for flags, untied in ((["--n-layer", "2", "--n-embd", "32"], False), (["--vocab-size", "100"], True)):
+        r = run_plan(*flags, *(["--untied"] if untied else []))
+        cfg = GPTConfig(**{k: r["model"][k] for k in (*plan.SHAPE_FLAGS, "tie_embeddings")})
+        assert r["params"] == GPT(cfg).num_params(), flags
+
+
+@pytest.mark.parametrize("V,tied", [(256, True), (257, False), (250, True)])
+def test_device_params_equal_pipeline_local_param_count(V, tied):
+    """Every stage of every (tp, pp): vocabulary padding, the tied copy on the last stage."""
+    cfg = GPTConfig(vocab_size=V, block_size=16, n_layer=5, n_head=6, n_embd=24, tie_embeddings=tied)
+    for tp in (1, 2, 3, 6):
+        for pp in (1, 2, 3, 5):
+            for st in range(pp):
+                mine = sum(n for _, n in plan.local_tensors(cfg, st, pp, tp))
+                assert mine == pipeline.local_param_count(cfg, st, pp, tp), (tp, pp, st)
+        assert sum(n for _, n in plan.local_tensors(cfg, 0, 1, tp)) == tensor_parallel.local_param_count(cfg, tp)
+
+
+# ---------------------------------------------------------------- memory: the seeds
+
+def test_seed_embedding_example():
+    """The seed: a 640000 x 5120 embedding in FP32 takes 640000*5120*4/1024/1024 = 1250MB,
+    as much again for gradients and for each of Adam's two moments, 5GB in all, and 2.5GB
+    per device split in two along the vocabulary. The seed's own expression evaluates to
+    12500 (MiB), not 1250: its figures are those of 64,000 rows (a common vocabulary size),
+    which we reproduce, in MiB, with the seed's 1 GB = 1000 MB."""
+    assert 640000 * 5120 * 4 / 1024 / 1024 == 12500      # the expression as printed
+    rows, C = 64000, 5120
+    r = run_plan("--params", str(rows * C))             # the embedding alone, fp32, AdamW
+    m = r["memory"]
+    assert m["params"] / MiB == 1250 and m["grads"] / MiB == 1250 and m["optimizer"] / MiB == 2 * 1250
+    assert m["model_states"] / MiB == 5000               # "5GB"
+    assert run_plan("--params", str(rows * C), "--tp", "2")["memory"]["model_states"] / MiB == 2500   # "2.5GB"
+    # the same through the model's own vocabulary-parallel wte (Vp/tp rows on each tp rank)
+    cfg = GPTConfig(vocab_size=rows, block_size=1, n_layer=1, n_head=2, n_embd=C)
+    wte = dict(plan.local_tensors(cfg, 0, 1, 2))["wte.weight"]
+    assert wte == rows // 2 * C and plan.model_states(wte, wte, 4, 8, 0, 1)["model_states"] / MiB == 2500
+
+
+@pytest.mark.parametrize("N", [1, 2, 4, 8])
+def test_seed_zero_formulas_fp16(N):
+    """2P + 2P + KP with K = 12; ZeRO 1: KP/N; 2: 2P + (2P + KP)/N; 3: (4P + KP)/N, the
+    seed's Stage 1/2/3 (Rajbhandari et al., figure 1). C = 64, T = 64: every ZeRO unit
+    (wte, each block, the rest) divides by 8, so no padding."""
+    cfg = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "64", "--batch-size", "16"]
+    P = run_plan(*cfg)["params"]
+    K = 12
+    want = {0: 2 * P + 2 * P + K * P, 1: 2 * P + 2 * P + K * P // N, 2: 2 * P + (2 * P + K * P) // N,
+            3: (4 * P + K * P) // N}
+    assert want[0] == 16 * P and want[1] == 4 * P + 12 * P // N and want[2] == 2 * P + 14 * P // N
+    for stage, total in want.items():
+        m = run_plan(*cfg, "--precision", "fp16", "--dp", str(N), "--zero", str(stage))["memory"]
+        assert m["params_padded"] == P and m["model_states"] == total, (stage, m)
+        f = zero.formula(stage, P, P, N, 2, K)            # the lead's per-rank layout, beside the planner's
+        assert (m["params"], m["grads"], m["optimizer"]) == (f["params"], f["grads"], f["optimizer"])
+
+
+def test_zero_pads_each_unit_to_a_multiple_of_dp():
+    """Odd unit sizes (C = 18, V = 257): each unit pads to ceil(n/N)*N, as zero.padded does."""
+    flags = ["--n-layer", "3", "--n-head", "3", "--n-embd", "18", "--vocab-size", "257", "--batch-size", "24"]
+    cfg = GPTConfig(vocab_size=257, block_size=64, n_layer=3, n_head=3, n_embd=18)
+    padding = 0
+    for tp, pp, N in ((1, 1, 8), (3, 1, 3), (1, 3, 4), (3, 3, 8)):
+        r = run_plan(*flags, "--tp", str(tp), "--pp", str(pp), "--dp", str(N), "--zero", "2")
+        for st, m in enumerate(r["memory_per_stage"]):
+            sizes = dict(plan.local_tensors(cfg, st, pp, tp))
+            units = [sum(sizes[n] for n in u) for u in zero.unit_names(list(sizes))]
+            assert m["params_padded"] == sum(zero.padded(n, N) for n in units) >= m["params_local"]
+            padding += m["params_padded"] - m["params_local"]
+            assert m["params"] == 4 * m["params_padded"] and m["grads"] == 4 * m["params_padded"] // N
+            assert m["optimizer"] == 8 * m["params_padded"] // N
+    assert padding > 0
+
+
+def test_bytes_per_param_follow_dtype_and_precision():
+    for flags, s, K in ((["--dtype", "float64"], 8, 16), ([], 4, 8), (["--precision", "bf16"], 2, 12)):
+        m = run_plan(*flags)["memory"]
+        P = m["params_local"]
+        assert (m["params"], m["grads"], m["optimizer"]) == (s * P, s * P, K * P), flags
+
+
+# ---------------------------------------------------------------- activations: Tensor.saved_bytes
+
+class FakeGroup:
+    """A tp or pp group for forward passes that only need shapes: size and rank, no MPI."""
+
+    def __init__(self, size, rank=0):
+        self.size, self.rank = size, rank
+
+
+@pytest.fixture
+def no_tp_comm(monkeypatch):
+    """Tensor-parallel forwards on one process: every all-reduce returns its input (the
+    values are wrong, the shapes and hence the FLOPs and saved bytes are the device's)."""
+    monkeypatch.setattr(tensor_parallel, "_all_reduce", lambda group, x, op, kind: x)
+
+
+def stage_model(cfg, tp, pp, stage, dtype):
+    inner = TensorParallelGPT(cfg, FakeGroup(tp), dtype=dtype) if tp > 1 else GPT(cfg, dtype=dtype)
+    return PipelineStage(inner, stage, pp, FakeGroup(pp, stage))
+
+
+def stage_input(cfg, stage, rows, dtype, rng):
+    if stage == 0:
+        return rng.integers(0, cfg.vocab_size, (rows, cfg.block_size))
+    return Tensor(rng.standard_normal((rows, cfg.block_size, cfg.n_embd)).astype(dtype), requires_grad=True)
+
+
+@pytest.mark.parametrize("dtype,s,c", [(np.float64, 8, 8), (np.float32, 4, 4), (np.float16, 2, 4),
+                                       (ml_dtypes.bfloat16, 2, 4)])
+@pytest.mark.parametrize("pp", [1, 3])
+def test_activation_bytes_equal_saved_bytes(dtype, s, c, pp):
+    """One micro-batch through each stage (with its loss on the last): the planner's bytes
+    equal Tensor.saved_bytes exactly (tp = 1)."""
+    cfg = GPTConfig(vocab_size=97, block_size=12, n_layer=3, n_head=3, n_embd=24)
+    rng = np.random.default_rng(0)
+    for st in range(pp):
+        m = stage_model(cfg, 1, pp, st, dtype)
+        y = rng.integers(0, cfg.vocab_size, (2, cfg.block_size))
+        out = m.forward(stage_input(cfg, st, 2, dtype, rng), y if st == pp - 1 else None, 24)
+        assert out.saved_bytes() == plan.activation_bytes(cfg, st, pp, 1, 2, s, c), (st, np.dtype(dtype).name)
+
+
+def test_activation_bytes_with_tp_within_5_percent(no_tp_comm):
+    """tp = 2: the masked embedding and the vocabulary-parallel cross-entropy keep the ids of
+    the tokens tp rank 0's vocabulary half owns, which depends on the data (the planner
+    assumes 1/tp of them). Uniform random tokens: within 5% (it is the ids' 8 bytes each,
+    beside C*(...) bytes of activations per token)."""
+    cfg = GPTConfig(vocab_size=97, block_size=12, n_layer=2, n_head=4, n_embd=16)
+    rng = np.random.default_rng(1)
+    for pp in (1, 2):
+        for st in range(pp):
+            m = stage_model(cfg, 2, pp, st, np.float64)
+            y = rng.integers(0, cfg.vocab_size, (4, cfg.block_size))
+            x = stage_input(cfg, st, 4, np.float64, rng)
+            out = m.forward(x, y if st == pp - 1 else None, 48)
+            got, est = out.saved_bytes(), plan.activation_bytes(cfg, st, pp, 2, 4, 8, 8)
+            assert abs(est / got - 1) < 0.05, (pp, st, got, est)
+
+
+def test_micro_batches_in_flight_follow_the_schedule():
+    flags = ["--n-layer", "4", "--pp", "4", "--micro-batches", "8", "--batch-size", "16"]
+    held = {s: [m["micro_batches_in_flight"] for m in run_plan(*flags, "--schedule", s)["memory_per_stage"]]
+            for s in ("naive", "gpipe", "1f1b")}
+    assert held == {"naive": [1, 1, 1, 1], "gpipe": [8, 8, 8, 8], "1f1b": [4, 3, 2, 1]}
+    r = run_plan(*flags)
+    assert r["memory"] == max(r["memory_per_stage"], key=lambda m: m["total"])   # the largest stage
+
+
+# ---------------------------------------------------------------- FLOPs
+
+def test_flops_follow_the_seed_component_by_component():
+    """T=4, C=8, H=2, V=10, L=1, B=3 by hand: the seed's table, backward 2x, 6ND."""
+    T, C, H, V, B = 4, 8, 2, 10, 3
+    r = run_plan("--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--block-size", "4",
+                 "--vocab-size", "10", "--batch-size", "3")
+    want = {"embeddings": 2 * T * V * C, "kqv_projections": 2 * 3 * T * C * C, "key_query_logits": 2 * T * T * C,
+            "softmax": 3 * H * T * T, "softmax_value": 2 * T * T * C, "final_linear": 2 * T * C * C,
+            "dense": 2 * T * (C * 4 * C + 4 * C * C), "logits": 2 * T * C * V}
+    f = r["flops"]
+    assert f["components"] == {k: B * v for k, v in want.items()}
+    assert f["forward"] == B * sum(want.values()) and f["backward"] == 2 * f["forward"]
+    assert f["total"] == 3 * f["forward"] and f["six_nd"] == 6 * r["params"] * B * T
+    assert f["matmul_forward"] == f["forward"] - B * (want["embeddings"] + want["softmax"])
+
+
+@pytest.mark.parametrize("model", ["gpt2", "gpt3-175b"])
+def test_matmul_flops_are_the_trainers_mfu_numerator(model):
+    r = run_plan("--model", model)
+    L, H, C, V, T = plan.PRESETS[model]
+    per_token = train_flops_per_token(GPTConfig(V, T, L, H, C))
+    assert 3 * r["flops"]["matmul_forward"] == per_token * 16 * T
+    assert 0.9 < r["flops"]["total"] / r["flops"]["six_nd"] < 1.5       # 6ND is the approximation
+
+
+@pytest.fixture
+def matmul_counter(monkeypatch):
+    """Wraps the forwards of ops.Linear, ops.MatMul and ops.CausalSelfAttention (every matmul
+    of the model: the projections, the MLP, the head, and attention's k q^T and P v) and adds
+    2*m*n*k per product, read from the operands' shapes. LayerNorm's row-mean GEMV is not a
+    model FLOP in the seed's count (a reduction); the embedding is a lookup."""
+    count = {"flops": 0}
+
+    def wrap(cls, flops_of):
+        real = cls.forward
+
+        def forward(self, *args, **kwargs):
+            out = real(self, *args, **kwargs)
+            count["flops"] += flops_of(self, args, out)
+            return out
+        monkeypatch.setattr(cls, "forward", forward)
+
+    wrap(ops.Linear, lambda self, a, out: 2 * out.size * a[0].shape[-1])        # (N, Cin) @ (Cin, Cout)
+    wrap(ops.MatMul, lambda self, a, out: 2 * out.size * a[0].shape[-1])        # (..., K) @ (K, M)
+    def attention(self, a, out):
+        q, k, v, pt = self.saved                                               # (B, nh, T, hs), P^T (B, nh, T, T)
+        return 2 * (k.shape[0] * k.shape[1] * k.shape[2] * q.shape[2] * k.shape[3]      # k @ q^T
+                    + pt.shape[0] * pt.shape[1] * pt.shape[3] * pt.shape[2] * v.shape[3])  # P @ v
+    wrap(ops.CausalSelfAttention, attention)
+    return count
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 3), (2, 2), (3, 3)])
+def test_forward_flops_equal_instrumented_matmuls(matmul_counter, no_tp_comm, tp, pp):
+    """The matmul FLOPs of the forward pass equal the instrumented count: the whole model on
+    one process (B sequences), and each device of a dp=2 x tp x pp layout (B/dp sequences
+    through its stage, vocabulary padded to tp*ceil(V/tp) rows)."""
+    cfg = GPTConfig(vocab_size=97, block_size=12, n_layer=3, n_head=6, n_embd=24)
+    flags = ["--vocab-size", "97", "--block-size", "12", "--n-layer", "3", "--n-head", "6", "--n-embd", "24",
+             "--batch-size", "4"]
+    rng = np.random.default_rng(0)
+    if (tp, pp) == (1, 1):
+        GPT(cfg)(rng.integers(0, 97, (4, 12)))
+        assert matmul_counter["flops"] == run_plan(*flags)["flops"]["matmul_forward"]
+        return
+    r = run_plan(*flags, "--dp", "2", "--tp", str(tp), "--pp", str(pp))
+    for st in range(pp):
+        matmul_counter["flops"] = 0
+        stage_model(cfg, tp, pp, st, np.float64).forward(stage_input(cfg, st, 2, np.float64, rng))
+        assert matmul_counter["flops"] == r["flops_per_stage"][st]["matmul_forward"], (tp, pp, st)
+
+
+# ---------------------------------------------------------------- communication formulas, bubble
+
+def test_all_reduce_bytes_follow_comm_algorithms():
+    """Recursive doubling up to 64 KiB: log2(p) b (p a power of two), fix-up pairs send one
+    more b, the extra ranks b; above: np.array_split pieces, direct exchange (p <= 8) or ring."""
+    ar = plan.all_reduce_sent
+    assert ar(1000, 8, 4) == 2 * 8000 and ar(1000, 8, 2) == 8000
+    assert [ar(10, 8, 3, r) for r in range(3)] == [160, 80, 80]          # q = 2: rank 0 folds in rank 2
+    n = 10_001                                                            # 80 KB: direct exchange
+    assert ar(n, 8, 4, 0) == 8 * ((n - 2501) + 3 * 2501) and ar(n, 8, 4, 3) == 8 * ((n - 2500) + 3 * 2500)
+    assert ar(n, 8, 9, 0) == 8 * ((n - 1112) + (n - 1112))                # ring: all but own, all but next
+    assert ar(n, 8, 9, 1) == 8 * ((n - 1112) + (n - 1111))                # (pieces 1112, 1112, 1111 ...)
+    assert plan.reduce_scatter_sent(16, 2, 4) == 24 and plan.all_gather_sent(4, 2, 4) == 24
+    assert plan.broadcast_sent(8, 4, 3, 3) == 2 * 136 and plan.broadcast_sent(8, 4, 0, 3) == 0
+
+
+def test_bubble():
+    base = ["--n-layer", "4", "--batch-size", "8"]
+    assert run_plan(*base)["bubble"] == 0.0
+    assert run_plan(*base, "--pp", "4", "--micro-batches", "8")["bubble"] == pytest.approx(3 / 11)
+    assert run_plan(*base, "--pp", "4", "--micro-batches", "8", "--schedule", "naive")["bubble"] == 0.75
+
+
+# ---------------------------------------------------------------- the command line
+
+def test_json_has_every_key(capsys):
+    code, out, _ = cli(capsys, "--model", "gpt2", "--dp", "2", "--tp", "2", "--pp", "2", "--json",
+                       "--device-tflops", "100")
+    r = json.loads(out)
+    assert code == 0
+    for key in ("params", "memory", "memory_per_stage", "flops", "comm", "bubble", "step_time_s"):
+        assert key in r, key
+    for m in (r["memory"], *r["memory_per_stage"]):
+        assert {"params", "grads", "optimizer", "model_states", "activations", "total"} <= set(m)
+        assert m["model_states"] == m["params"] + m["grads"] + m["optimizer"]
+        assert m["total"] == m["model_states"] + m["activations"]
+    assert {"forward", "backward", "total", "six_nd"} <= set(r["flops"])
+    assert {"bytes_per_step", "dp", "tp", "pp"} <= set(r["comm"]) and len(r["memory_per_stage"]) == 2
+    assert r["step_time_s"] == pytest.approx(r["flops"]["per_device"]["total"] / 100e12)
+
+
+def test_params_alone_gives_model_states_and_nulls(capsys):
+    code, out, _ = cli(capsys, "--params", "7.5e9", "--precision", "fp16", "--dp", "8", "--zero", "3", "--json")
+    r = json.loads(out)
+    assert code == 0 and r["params"] == 7_500_000_000
+    assert r["memory"]["model_states"] == 16 * 7_500_000_000 // 8
+    assert r["flops"] is None and r["comm"] is None and r["memory"]["activations"] is None
+    assert any("--params" in n for n in r["notes"])
+    code, out, _ = cli(capsys, "--params", "7.5e9", "--dp", "64")        # no batch to divide
+    assert code == 0 and "model states only" in out
+
+
+def test_table_shows_every_section(capsys):
+    code, out, _ = cli(capsys, "--model", "gpt2-large", "--dp", "2", "--tp", "4", "--pp", "4",
+                       "--precision", "fp16", "--micro-batches", "4", "--device-tflops", "100")
+    assert code == 0
+    for text in ("774,030,080 parameters", "memory per device", "model states", "activations",
+                 "FLOPs per step", "kqv projections", "6ND", "comm sent per step", "bubble 0.429", "step time"):
+        assert text in out, text
+
+
+def test_defaults_are_the_trainers():
+    from minipar import config
+    t, p = config.build_parser(), plan.build_parser()
+    for key in ("batch_size", "micro_batches", "schedule", "dtype", "precision", "tp", "pp", "zero"):
+        assert p.get_default(key) == t.get_default(key), key
+    r = run_plan()
+    assert {k: r["model"][k] for k in config.MODEL_DEFAULTS} == config.MODEL_DEFAULTS
+    assert all(a.help for a in p._actions), [a.dest for a in p._actions if not a.help]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--n-head", "3"], "--n-embd 128 is not divisible by --n-head 3"),
+    (["--tp", "3"], "--n-head 4 is not divisible by --tp 3: each tensor-parallel rank needs whole heads"),
+    (["--model", "gpt2-xl", "--tp", "4"], "--n-head 25 is not divisible by --tp 4: each tensor-parallel rank"),
+    (["--batch-size", "6", "--dp", "2", "--micro-batches", "2"],
+     "--batch-size 6 is not divisible by dp*micro-batches = 2*2 = 4"),
+    (["--batch-size", "8", "--micro-batches", "3"], "--batch-size 8 is not divisible by --micro-batches 3"),
+    (["--pp", "5"], "--pp 5 is more than --n-layer 4: every pipeline stage needs at least one layer"),
+    (["--precision", "fp16", "--dtype", "float64"], "--precision fp16 needs --dtype float32"),
+    (["--zero", "1", "--bucket-mb", "2"], "--bucket-mb is for plain data parallelism"),
+    (["--params", "1e9", "--n-layer", "2"], "--params gives the size alone; drop --n-layer"),
+    (["--params", "0"], "--params must be a count >= 1"),
+    (["--tp", "0"], "--tp must be >= 1, got 0"),
+    (["--zero", "4"], "argument --zero: invalid choice"),
+    (["--model", "gpt5"], "argument --model: invalid choice"),
+])
+def test_bad_flags_exit_2_with_one_line(capsys, flags, message):
+    code, out, err = cli(capsys, *flags)
+    assert code == 2 and out == "", (code, out)
+    assert err.count("\n") == 1 and err.startswith("minipar.plan: error: ") and message in err, err
