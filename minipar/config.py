@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from minipar import checkpoint, comm, data, precision
-from minipar.model import GPTConfig
+from minipar.model import GPTConfig, param_specs
 from minipar.parallel import schedules
 from minipar.parallel.grid import LayoutError, check_layout
 
@@ -139,6 +140,33 @@ def tokens_digest(tokens: np.ndarray) -> str:
     return hashlib.sha256(tokens.tobytes()).hexdigest()[:16]
 
 
+def check_checkpoint(args, cfg: GPTConfig, state: dict, meta: dict):
+    """The checkpoint's model.npz holds the model of the flags: every canonical tensor, with
+    its shape and the run's dtype (checkpoint.load has already checked that the optimizer
+    shards cover exactly these tensors)."""
+    try:
+        checkpoint.check_model(os.path.abspath(args.resume), state, [(n, s) for n, s, _ in param_specs(cfg)])
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(f"{e} (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={cfg.block_size}, "
+                          f"{'tied' if cfg.tie_embeddings else 'untied'})") from None
+    dtypes = sorted({a.dtype.name for a in state.values()})
+    if dtypes != [meta.get("dtype", args.dtype)]:
+        raise ConfigError(f"checkpoint file {os.path.join(os.path.abspath(args.resume), 'model.npz')} holds "
+                          f"{'/'.join(dtypes)} arrays, its meta.json says {meta.get('dtype', args.dtype)}")
+
+
+def check_save_dir(path: str):
+    """--save DIR: every rank writes its optimizer shard into DIR.tmp, beside DIR, so DIR's
+    parent must be a writable directory here (checked on every rank, before any message)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--save {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--save {path}: directory {parent} is not writable")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--save {path} exists and is not a directory")
+
+
 @dataclass
 class Plan:
     """Everything a run needs, decided on every rank before the first message."""
@@ -168,6 +196,10 @@ def prepare(args, world: int) -> Plan:
     elif meta is not None and args.seed != meta.get("seed", args.seed):
         raise ConfigError(f"--seed {args.seed} does not match the checkpoint {args.resume} (seed {meta['seed']})")
     validate(args, cfg)
+    if meta is not None:
+        check_checkpoint(args, cfg, state, meta)
+    if args.save:
+        check_save_dir(args.save)
     try:
         dp, tp, pp = check_layout(world, args.dp, args.tp, args.pp)
     except LayoutError as e:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 import numpy as np
 
 from minipar import checkpoint, comm, data, precision
-from minipar.model import GPT, GPTConfig, train_flops_per_token
+from minipar.model import GPT, GPTConfig, param_specs, train_flops_per_token
 from minipar.optim import AdamW, clip_coef, clip_grad_norm, lr_at
 from minipar.perf import human_bytes, keep_freed_memory, matmul_peak_flops
 from minipar.parallel import data_parallel, pipeline, schedules, tensor_parallel, zero
@@ -84,23 +85,58 @@ def canonical_state(model, opt) -> dict:
     return canonical(model, local_state(model, opt, "params"))
 
 
+def optimizer_shard(model, opt) -> dict:
+    """This rank's Adam state for its checkpoint shard (checkpoint.py): m and v flat, exactly
+    as this rank holds them, and `index`: where each element sits in the canonical flat
+    vector (every parameter of param_specs, C order, concatenated), -1 for padding. No
+    communication.
+
+    The index comes from cutting an index tensor the way the parameters are cut: for each
+    local parameter, model.shard (the tp slice; identity for GPT) of the tensor 1..size
+    shifted by the parameter's canonical offset, minus 1, so tensor parallelism's zero
+    padding of the vocabulary rows comes out as -1; with ZeRO each unit is then flattened
+    and padded like the parameters (Unit.flatten, zeros -> -1 again) and cut to this
+    rank's [lo, hi)."""
+    where, off = {}, 0                                  # {name: (canonical offset, full shape)}
+    for name, shape, _ in param_specs(model.cfg):
+        where[name], off = (off, shape), off + math.prod(shape)
+    cut = getattr(model, "shard", lambda name, full: full)
+    index = {}                                          # {name: this rank's slice of 1 + index}
+    for name, _ in model.named_parameters():
+        start, shape = where[name]
+        full = np.arange(start + 1, start + math.prod(shape) + 1, dtype=np.int64).reshape(shape)
+        index[name] = np.asarray(cut(name, full))
+    if isinstance(opt, zero.Zero):                      # its flat shard of every unit
+        parts = [(u.flatten([index[n] for n in u.names])[u.lo:u.hi], u.m, u.v) for u in opt.units]
+    else:
+        parts = [(index[n].ravel(), m.ravel(), v.ravel())
+                 for (n, _), m, v in zip(model.named_parameters(), opt.m, opt.v)]
+    return {"step": opt.step_count, "index": np.concatenate([i for i, _, _ in parts]) - 1,
+            "m": np.concatenate([m for _, m, _ in parts]), "v": np.concatenate([v for _, _, v in parts])}
+
+
 def save_checkpoint(path, model, opt, cfg: GPTConfig, args, next_step: int, tokens, grid=None):
-    """Called on every rank: consolidating tensor-parallel shards, gathering pipeline
-    stages and ZeRO shards are collective. Rank 0 writes."""
+    """Called on every rank. model.npz: the canonical model, consolidated on rank 0
+    (collective: tp all-gathers, pp sends to stage 0, ZeRO all-gathers over dp). The
+    optimizer: each rank writes the shard it holds (optimizer_shard), with ZeRO every rank,
+    without it dp rank 0 of each (tp, pp) position (its dp replicas hold the same). Then
+    checkpoint.save agrees that every write succeeded before rank 0 commits."""
     state = canonical_state(model, opt)
-    m, v = (canonical(model, local_state(model, opt, k)) for k in ("m", "v"))
-    if grid is not None and grid.rank != 0:
-        return
-    scaler = getattr(opt, "scaler", None)
-    checkpoint.save(path, state, {"step": opt.step_count, "m": m, "v": v},
-                    {"config": cfg.to_dict(), "step": next_step, "dtype": args.dtype,
-                     "precision": args.precision,
-                     **({"loss_scaler": scaler.state_dict()} if scaler is not None else {}),
-                     "layout": {"dp": grid.dp_size if grid else 1, "tp": grid.tp_size if grid else 1,
-                                "pp": grid.pp_size if grid else 1, "zero": getattr(args, "zero", 0)},
-                     "data": {"source": args.data or data.BUILTIN_NAME, "tokens": int(len(tokens)),
-                              "sha256_16": tokens_digest(tokens), "position": next_step},
-                     "seed": args.seed, "batch_size": args.batch_size})
+    rank = grid.rank if grid is not None else 0
+    writes = isinstance(opt, zero.Zero) or grid is None or grid.dp_rank == 0
+    shard = optimizer_shard(model, opt) if writes else None
+    meta = None
+    if rank == 0:
+        state = {n: state[n] for n, _, _ in param_specs(cfg)}          # canonical order
+        scaler = getattr(opt, "scaler", None)
+        meta = {"config": cfg.to_dict(), "step": next_step, "dtype": args.dtype, "precision": args.precision,
+                **({"loss_scaler": scaler.state_dict()} if scaler is not None else {}),
+                "layout": {"dp": grid.dp_size if grid else 1, "tp": grid.tp_size if grid else 1,
+                           "pp": grid.pp_size if grid else 1, "zero": getattr(args, "zero", 0)},
+                "data": {"source": args.data or data.BUILTIN_NAME, "tokens": int(len(tokens)),
+                         "sha256_16": tokens_digest(tokens), "position": next_step},
+                "seed": args.seed, "batch_size": args.batch_size}
+    checkpoint.save(path, state if rank == 0 else None, shard, meta, grid.world if grid is not None else None)
 
 
 def restore(model, opt: AdamW, state, ostate, path):
@@ -111,7 +147,7 @@ def restore(model, opt: AdamW, state, ostate, path):
     names = [n for n, _ in model.named_parameters()]
     missing = [n for n in names if n not in ostate["m"] or n not in ostate["v"]]
     if missing:
-        raise ConfigError(f"checkpoint {path}/optim.npz lacks state for {missing[:3]}")
+        raise ConfigError(f"checkpoint {path}: the optimizer state lacks {missing[:3]}")
     shard = getattr(model, "shard", lambda name, full: full)   # this rank's slice (tensor parallel)
     opt.step_count = ostate["step"]
     for n, m, v in zip(names, opt.m, opt.v):
@@ -327,19 +363,44 @@ def compare(losses, ref_losses, state, ref_state) -> dict:
             "key_bias_abs": key_bias}
 
 
+def open_rank0_outputs(args):
+    """The files only rank 0 writes, opened (--log) or checked (--timeline) before the ranks
+    agree on the configuration: a path rank 0 cannot write then stops every rank at once with
+    exit code 2, where a failure later, on rank 0 alone, would leave the others waiting.
+    -> the open --log file, or None."""
+    if args.timeline:
+        parent = os.path.dirname(os.path.abspath(args.timeline))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK) or os.path.isdir(args.timeline):
+            why = "is a directory" if os.path.isdir(args.timeline) else \
+                f"directory {parent} {'is not writable' if os.path.isdir(parent) else 'does not exist'}"
+            raise ConfigError(f"--timeline {args.timeline}: {why}")
+    if not args.log:
+        return None
+    try:
+        return open(args.log, "w", buffering=1)     # line-buffered: each step's row is on disk at once
+    except OSError as e:
+        raise ConfigError(f"--log {args.log}: {e.strerror}") from None
+
+
 def run(args) -> dict:
     from mpi4py import MPI                                   # noqa: PLC0415 - keep import light
     world_comm = MPI.COMM_WORLD
     world, rank = world_comm.Get_size(), world_comm.Get_rank()
-    err, plan = None, None
+    if world > 1:                  # from here on an exception on any rank ends the whole job
+        comm.abort_on_error()
+    err, plan, logf = None, None, None
     try:
         plan = prepare(args, world)
+        if rank == 0:
+            logf = open_rank0_outputs(args)
     except ConfigError as e:
         err = e
     if world == 1:
         if err is not None:
             raise err
     else:
+        if err is not None:
+            err.agreed = True      # main(): every rank learns of it below and exits 2
         agree_on_errors(world_comm, err)
     say = Printer(rank == 0)
     cfg, tokens, start = plan.cfg, plan.tokens, plan.start
@@ -359,12 +420,6 @@ def run(args) -> dict:
     flops_step = train_flops_per_token(cfg, T) * B * T
     peak = matmul_peak_flops(plan.dtype, seconds=0.1) * world  # aggregate peak of all ranks
     log_every = args.log_every or max(1, (args.steps - start) // 20)
-    logf = None
-    if rank == 0 and args.log:
-        try:
-            logf = open(args.log, "w")
-        except OSError as e:
-            raise ConfigError(f"--log {args.log}: {e.strerror}") from None
     source = args.data or f"{data.BUILTIN_NAME} corpus"
     mode = "" if ddp is None or args.zero else (f", {args.dp_mode} gradient all-reduce" + (
         f" in {len(ddp.buckets)} bucket(s) of <= {args.bucket_mb:g} MiB" if args.dp_mode == "bucketed" else ""))
@@ -526,7 +581,10 @@ def run(args) -> dict:
             f"{calls * M}, {elems * M:,} elements), "
             f"{human_bytes(tp_bytes)}/step sent per rank, + 1 for the global grad norm")
     if args.save:
-        say(f"  checkpoint: {args.save} (step {args.steps})")
+        writers = world if args.zero else world // dp_size                # see save_checkpoint
+        who = "one process" if world == 1 else "every rank" if writers == world else "dp rank 0 of each (tp, pp)"
+        say(f"  checkpoint: {args.save} (step {args.steps}): model.npz and {writers} optimizer shard(s) in "
+            f"{args.save}/optim, written by {who}")
 
     if args.verify:
         state = canonical_state(model, opt)
@@ -591,6 +649,17 @@ def pipeline_summary(args, pipe, stages, rows_log) -> dict:
             "last_step_timeline": [list(r) for st in stages for r in st["timeline"]]}
 
 
+def end_job(code: int):
+    """End every rank of the job now (several ranks: MPI_Abort), so that none is left
+    waiting for this one; one process: return, and the caller exits."""
+    from mpi4py import MPI                                   # noqa: PLC0415
+    if MPI.COMM_WORLD.Get_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(code)
+        os._exit(code)             # Abort returns if another rank's abort is already ending the job
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     keep_freed_memory()
@@ -599,7 +668,12 @@ def main(argv=None):
     except ConfigError as e:
         if not e.quiet:
             print(f"minipar.train: error: {e}", file=sys.stderr, flush=True)
+        if not (e.quiet or getattr(e, "agreed", False)):
+            end_job(2)             # raised after the agreement, maybe on this rank alone
         sys.exit(2)
+    except checkpoint.SaveFailed:
+        end_job(1)                 # the failing rank has printed its traceback
+        raise
     if "verify" in summary and not summary["verify"]["ok"]:
         sys.exit(1)
 

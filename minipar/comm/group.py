@@ -121,6 +121,7 @@ def abort_on_error():
         sys.stderr.write(f"[rank {rank}] aborting the job (uncaught exception)\n")
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
+        os._exit(1)            # Abort can return when another rank's abort is already ending the job
 
     sys.excepthook = hook
 
