@@ -41,7 +41,7 @@ def test_verify_pipeline_float64_passes(n, flags, layout, tmp_path):
 
 
 def test_checkpoint_from_pp2_dp2_is_canonical_and_resumes_on_tp2_pp2(tmp_path):
-    """model.npz and optim.npz hold every canonical tensor once (gathered from the stages);
+    """model.npz and the optimizer shards hold every canonical tensor (gathered from the stages);
     resuming on another layout continues exactly as an uninterrupted run."""
     d, a, b = str(tmp_path / "ck"), str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
     base = ["--dtype", "float64", "--n-layer", "2", "--lr-schedule", "constant", "--warmup", "0",
