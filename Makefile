@@ -17,9 +17,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[mpich,test]'
 	touch $@
 
-# 4 ranks of data parallelism on the built-in corpus (NP=1 for one process).
+# On 4 ranks: 2 data-parallel replicas with ZeRO-1, each a 2-stage 1F1B pipeline, on the
+# built-in corpus. NP=1: one process; RUN_FLAGS="..." for any other layout.
+RUN_FLAGS ?= $(if $(filter 4,$(NP)),--dp 2 --pp 2 --zero 1 --micro-batches 4,)
 run: install
-	$(MPIRUN) -n $(NP) $(PY) -m minipar.train
+	$(MPIRUN) -n $(NP) $(PY) -m minipar.train $(RUN_FLAGS)
 
 test: test-serial test-mpi
 

@@ -2,8 +2,9 @@
 and their validation live in config.py)
 
 The model, AdamW, the step-indexed sampler, gradient accumulation over micro-batches,
-checkpoints, a JSONL log, a progress line and a closing summary, on one process or on a
-dp x tp x pp grid of MPI ranks (parallel/).
+checkpoints and a JSONL log, on one process or on a dp x tp x pp grid of MPI ranks
+(parallel/). run() = set_up, train_loop, then the summary; what is printed (the start-up
+description, progress lines, the summary, --verify's verdict) is report.py's.
 
 Each step:  for each micro-batch: loss = model(x, y, loss_denom=B*T); loss.backward()
             (with --pp: the stage's schedule runs the micro-batches, parallel/pipeline.py)
@@ -23,40 +24,18 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
+
 import numpy as np
 
-from minipar import checkpoint, comm, data, precision
+from minipar import checkpoint, comm, data, precision, report
 from minipar.model import GPT, GPTConfig, param_specs, train_flops_per_token
 from minipar.optim import AdamW, clip_coef, clip_grad_norm, lr_at
-from minipar.perf import human_bytes, keep_freed_memory, matmul_peak_flops
-from minipar.parallel import data_parallel, pipeline, schedules, tensor_parallel, zero
+from minipar.perf import keep_freed_memory, matmul_peak_flops
+from minipar.parallel import data_parallel, pipeline, tensor_parallel, zero
 from minipar.config import ConfigError, Plan, agree_on_errors, build_parser, prepare, tokens_digest
 from minipar.parallel.grid import ProcessGrid
 from minipar.tensor import no_grad
-
-def memory_report(model, opt: AdamW) -> dict:
-    """Bytes this process holds for model states, beside the formula (fp32/fp64: Adam keeps
-    m and v, so params + grads + optimizer = s*P + s*P + 2s*P for an s-byte dtype, with P
-    the parameters this rank holds: all of them, or tensor_parallel.local_param_count).
-    --precision fp16/bf16: 2P + 2P + 12P (the optimizer adds fp32 master weights to m, v).
-    With --zero, the ZeRO object's own report: its shards, beside zero.formula."""
-    if isinstance(opt, zero.Zero):
-        return opt.memory_report()
-    tp = getattr(model, "tp_size", 1)
-    if isinstance(model, pipeline.PipelineStage):
-        P = pipeline.local_param_count(model.cfg, model.stage, model.n_stages, tp)
-    else:
-        P = model.num_params() if tp == 1 else tensor_parallel.local_param_count(model.cfg, tp)
-    s = model.dtype.itemsize
-    so = 12 if isinstance(opt, precision.MixedPrecisionAdamW) else 2 * s      # optimizer bytes/param
-    return {
-        "params": sum(p.data.nbytes for p in model.parameters()),
-        "grads": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
-        "optimizer": opt.state_bytes(),
-        "formula": {"params": s * P, "grads": s * P, "optimizer": so * P,
-                    "text": f"{s}P + {s}P + {so}P"},
-    }
-
 
 def local_state(model, opt, kind: str) -> dict:
     """{canonical name: this rank's (tp slice, pp stage) array} of "params" (the fp32 master
@@ -321,48 +300,6 @@ def run_twin(plan: Plan, args, start: int, stop: int):
     return losses, canonical_state(model, opt)
 
 
-def judged(name: str, a: np.ndarray) -> np.ndarray:
-    """The part of parameter `name` that --verify judges: all of it, except the key bias.
-    Adding b_k to every key adds q . b_k to all of a query's logits, which softmax cancels,
-    so the key bias's exact gradient is zero and what it receives is rounding noise.
-    AdamW's step, scale-free, turns that noise into moves of up to about lr * g/(|g| + eps)
-    per step, different in every layout: in float32 the key bias (|b_k| ~ 1e-6) differs
-    between layouts by as much as its own size, while every other tensor agrees to ~1e-5."""
-    if name.endswith("attn.c_attn.bias"):
-        q, _, v = np.split(a, 3)
-        return np.concatenate([q, v])
-    return a
-
-
-def compare(losses, ref_losses, state, ref_state) -> dict:
-    """Largest absolute and relative differences; relative = |a - b| / |b| for losses and
-    max|a - b| / max|b| per parameter tensor (biases start at 0: no elementwise ratio),
-    without the key biases (`judged`; their largest difference is key_bias_abs).
-    param_rel_global = ||a - b|| / ||b|| over all parameters at once: what --verify reports
-    with --precision fp16/bf16 (see VERIFY_RTOL)."""
-    la, lb = np.array(losses), np.array(ref_losses)
-    loss_abs = float(np.max(np.abs(la - lb)))
-    loss_rel = float(np.max(np.abs(la - lb) / np.maximum(np.abs(lb), 1e-300)))
-    p_abs = p_rel = key_bias = 0.0
-    worst = None
-    diff_sq = ref_sq = 0.0
-    for name, ref in ref_state.items():
-        diff = state[name].astype(np.float64) - ref
-        if name.endswith("attn.c_attn.bias"):
-            key_bias = max(key_bias, float(np.max(np.abs(np.split(diff, 3)[1]))))
-        diff, ref = judged(name, diff), judged(name, ref)
-        d = float(np.max(np.abs(diff))) if ref.size else 0.0
-        r = d / max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-300)
-        if r > p_rel:
-            worst = name
-        p_abs, p_rel = max(p_abs, d), max(p_rel, r)
-        diff_sq += float(np.sum(diff * diff))
-        ref_sq += float(np.sum(np.square(ref, dtype=np.float64)))
-    return {"loss_abs": loss_abs, "loss_rel": loss_rel, "param_abs": p_abs, "param_rel": p_rel,
-            "worst_param": worst, "param_rel_global": math.sqrt(diff_sq / max(ref_sq, 1e-300)),
-            "key_bias_abs": key_bias}
-
-
 def open_rank0_outputs(args):
     """The files only rank 0 writes, opened (--log) or checked (--timeline) before the ranks
     agree on the configuration: a path rank 0 cannot write then stops every rank at once with
@@ -382,7 +319,36 @@ def open_rank0_outputs(args):
         raise ConfigError(f"--log {args.log}: {e.strerror}") from None
 
 
-def run(args) -> dict:
+@dataclass
+class Session:
+    """What every phase of a run reads: the flags, the plan, the grid and what this rank
+    built on it (report.py reads it too)."""
+    args: object
+    plan: Plan
+    grid: ProcessGrid
+    model: object
+    opt: object                    # AdamW, MixedPrecisionAdamW, or zero.Zero
+    ddp: object                    # data_parallel.DataParallel*, zero.Zero (the same as opt), or None
+    pipe: object                   # pipeline.PipelineEngine or None
+    say: Printer
+    logf: object                   # the --log file on rank 0, else None
+    peak: float                    # the ranks' aggregate matmul peak, FLOP/s
+    flops_step: float              # model FLOPs of one training step
+
+    cfg = property(lambda self: self.plan.cfg)
+    world = property(lambda self: self.grid.world.size)
+    rank = property(lambda self: self.grid.rank)
+
+    @property
+    def rows(self):
+        """This dp rank's rows of the global batch."""
+        B, dp, r = self.args.batch_size, self.grid.dp_size, self.grid.dp_rank
+        return r * B // dp, (r + 1) * B // dp
+
+
+def set_up(args) -> Session:
+    """Validate on every rank, agree, then build the grid, the model of this rank, its
+    optimizer and the data-parallel / ZeRO / pipeline machinery."""
     from mpi4py import MPI                                   # noqa: PLC0415 - keep import light
     world_comm = MPI.COMM_WORLD
     world, rank = world_comm.Get_size(), world_comm.Get_rank()
@@ -402,251 +368,116 @@ def run(args) -> dict:
         if err is not None:
             err.agreed = True      # main(): every rank learns of it below and exits 2
         agree_on_errors(world_comm, err)
-    say = Printer(rank == 0)
-    cfg, tokens, start = plan.cfg, plan.tokens, plan.start
     grid = ProcessGrid(world_comm, plan.dp, plan.tp, plan.pp)
-    dp_size, dp_rank = grid.dp_size, grid.dp_rank
-
-    sampler = data.Sampler(tokens, cfg.block_size, args.batch_size, args.seed)
     model, opt = init_model(plan, args, grid.tp_group, grid)
     if args.zero:                  # one object: the dp synchroniser and the sharded optimizer
         opt = ddp = zero.Zero(model, opt, grid.dp_group, args.zero)
+    elif grid.dp_size > 1:
+        ddp = data_parallel.make(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb)
     else:
-        ddp = data_parallel.make(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb) if dp_size > 1 else None
-    B, T, M = args.batch_size, cfg.block_size, args.micro_batches
-    pp = grid.pp_size
-    pipe = pipeline.PipelineEngine(model, args.schedule, M) if pp > 1 else None
-    rows = (dp_rank * B // dp_size, (dp_rank + 1) * B // dp_size)
-    flops_step = train_flops_per_token(cfg, T) * B * T
-    peak = matmul_peak_flops(plan.dtype, seconds=0.1) * world  # aggregate peak of all ranks
-    log_every = args.log_every or max(1, (args.steps - start) // 20)
-    source = args.data or f"{data.BUILTIN_NAME} corpus"
-    mode = "" if ddp is None or args.zero else (f", {args.dp_mode} gradient all-reduce" + (
-        f" in {len(ddp.buckets)} bucket(s) of <= {args.bucket_mb:g} MiB" if args.dp_mode == "bucketed" else ""))
-    mixed = args.precision != "fp32"
-    say(f"minipar: GPT L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={T} V={cfg.vocab_size} "
-        f"({'tied' if cfg.tie_embeddings else 'untied'}), {model.num_params():,} params, {args.dtype}"
-        + (f", --precision {args.precision}" if mixed else ""))
-    if mixed:
-        say(f"  precision: parameters, gradients and activations in {opt.dtype.name}, matmuls and other "
-            f"ops computed in float32; fp32 master weights, m and v in the optimizer; "
-            + (f"dynamic loss scale from {opt.scaler.scale:g}, x{opt.scaler.growth_factor:g} after "
-               f"{opt.scaler.growth_interval} clean steps, x{opt.scaler.backoff_factor:g} and skip on inf/NaN"
-               if opt.scaler.dynamic else "no loss scaling (a step with an inf/NaN gradient is skipped)"))
-    say(f"  layout: {world} process(es), {grid.describe()}{mode}")
-    if grid.tp_size > 1:
-        say(f"  tensor parallel: each tp rank holds {cfg.n_head // grid.tp_size} of {cfg.n_head} heads, "
-            f"1/{grid.tp_size} of every MLP, {model.vocab_per_rank} of {model.vocab_padded} vocabulary rows "
-            f"(V={cfg.vocab_size}{' padded' if model.vocab_padded != cfg.vocab_size else ''}); "
-            f"{model.num_local_params():,} of {model.num_params():,} parameters")
-    if pipe is not None:
-        parts = schedules.partition(cfg.n_layer, pp)
-        say(f"  pipeline: {pp} stages, layers " + ", ".join(f"{r.start}..{r.stop - 1}" for r in parts)
-            + f" (stage 0 + wte/wpe, stage {pp - 1} + ln_f/head"
-            + (", tied wte copied to the last stage" if cfg.tie_embeddings else "")
-            + f"); {args.schedule} schedule over {M} micro-batch(es), bubble in theory {pipe.bubble_theory:.3f}")
-    if args.zero:
-        say(f"  ZeRO stage {args.zero} over {dp_size} dp rank(s): "
-            + {1: "optimizer state", 2: "optimizer state and gradients",
-               3: "optimizer state, gradients and parameters"}[args.zero]
-            + f" sharded in {len(ddp.units)} units (wte, each block, the rest), each padded to a multiple of "
-              f"{dp_size} ({ddp.padding} padding elements on this rank)")
-    say(f"  batch: {B} x {T} tokens; each dp rank {B // dp_size} sequences in {M} micro-batch(es) of {B // dp_size // M}")
-    say(f"  data: {source}, {len(tokens):,} tokens; steps {start}..{args.steps - 1}; "
-        f"lr {args.lr:g} {args.lr_schedule}, warm-up {args.warmup}"
-        + (f"; resumed from {args.resume}" if plan.meta is not None else ""))
+        ddp = None
+    pipe = pipeline.PipelineEngine(model, args.schedule, args.micro_batches) if grid.pp_size > 1 else None
+    T = plan.cfg.block_size
+    return Session(args, plan, grid, model, opt, ddp, pipe, Printer(rank == 0), logf,
+                   peak=matmul_peak_flops(plan.dtype, seconds=0.1) * world,   # aggregate peak of all ranks
+                   flops_step=train_flops_per_token(plan.cfg, T) * args.batch_size * T)
 
-    rows_log, losses = [], []
-    t_run = time.perf_counter()
-    for row in train_steps(model, opt, sampler, args, start, args.steps, rows, ddp,
-                           grid.dp_group if dp_size > 1 else None, pipe, grid.world):
+
+def train_loop(s: Session) -> list[dict]:
+    """The steps from the plan's start to --steps: a progress line every --log-every steps,
+    a log row per step, a checkpoint every --save-every. -> the rows."""
+    a, start = s.args, s.plan.start
+    sampler = data.Sampler(s.plan.tokens, s.cfg.block_size, a.batch_size, a.seed)
+    log_every = a.log_every or max(1, (a.steps - start) // 20)
+    group = s.grid.dp_group if s.grid.dp_size > 1 else None
+    rows_log = []
+    for row in train_steps(s.model, s.opt, sampler, a, start, a.steps, s.rows, s.ddp, group, s.pipe, s.grid.world):
         step = row["step"]
-        row["mfu"] = flops_step / row["step_time"] / peak
-        losses.append(row["loss"])
+        row["mfu"] = s.flops_step / row["step_time"] / s.peak
         rows_log.append(row)
-        if logf:
-            logf.write(json.dumps(json_safe(row)) + "\n")
-        if (step - start) % log_every == 0 or step == args.steps - 1 or row["skipped"]:
-            exposed = f" (exposed {row['exposed_comm_s'] * 1e3:.1f} ms)" if ddp is not None else ""
-            scaling = "" if not mixed or not opt.scaler.dynamic else f" | scale {row['loss_scale']:g}"
-            say(f"step {step:5d} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | norm {row['grad_norm']:7.3f} | "
-                f"{row['tokens_per_s']:8.0f} tok/s | MFU {row['mfu']:5.1%} | comm {human_bytes(row['comm_bytes'])}"
-                + exposed + scaling + (" | skipped (inf/NaN gradient)" if row["skipped"] else ""))
-        if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            save_checkpoint(args.save, model, opt, cfg, args, step + 1, tokens, grid)
-    elapsed = time.perf_counter() - t_run
-    steps_run = args.steps - start
-    tp_ledger = tensor_parallel.traffic()                # the training steps' only (not validation)
+        if s.logf:
+            s.logf.write(json.dumps(report.json_safe(row)) + "\n")
+        if (step - start) % log_every == 0 or step == a.steps - 1 or row["skipped"]:
+            s.say(report.progress_line(s, row))
+        if a.save and a.save_every and (step + 1) % a.save_every == 0 and step + 1 < a.steps:
+            save_checkpoint(a.save, s.model, s.opt, s.cfg, a, step + 1, s.plan.tokens, s.grid)
+    return rows_log
 
-    replicated = dp_size > 1 and args.zero != 3          # stage 3: every dp rank holds other shards
-    digest = data_parallel.check_replicas(model.parameters(), grid.dp_group) if replicated else None
-    if args.save:
-        save_checkpoint(args.save, model, opt, cfg, args, args.steps, tokens, grid)
-    val = data.Sampler(tokens, T, B, args.seed, split="val")
-    evaluate = getattr(model, "evaluate", lambda x, y: model(x, y).item())   # a pipeline: collective
+
+def validation_loss(s: Session) -> float:
+    """The mean loss of 4 batches of the held-out split (collective with --pp: every stage)."""
+    val = data.Sampler(s.plan.tokens, s.cfg.block_size, s.args.batch_size, s.args.seed, split="val")
+    evaluate = getattr(s.model, "evaluate", lambda x, y: s.model(x, y).item())
     with no_grad():
-        val_loss = float(np.mean([evaluate(*val.batch(s)) for s in range(4)]))
-    stages = pipe.gather_stats() if pipe is not None else None        # collective over pp
-    mem = memory_report(model, opt)
-    P_bytes = sum(p.data.nbytes for p in model.parameters())
-    grad_sync = float(np.mean([r["grad_sync_bytes"] for r in rows_log]))
-    theory = 2 * (dp_size - 1) / dp_size * P_bytes
-    exposed = float(np.mean([r["exposed_comm_s"] for r in rows_log]))
-    step_time = float(np.mean([r["step_time"] for r in rows_log]))
-    summary = {"summary": True, "params_count": model.num_params(), "steps": steps_run,
-               "first_loss": losses[0], "final_loss": losses[-1], "val_loss": val_loss,
-               "unigram_entropy": data.unigram_entropy(tokens),
-               "tokens_per_s": B * T * steps_run / elapsed, "mfu": flops_step * steps_run / elapsed / peak,
-               "peak_flops": peak, "seconds": elapsed, "memory": mem,
-               "layout": {"dp": dp_size, "tp": grid.tp_size, "pp": grid.pp_size, "zero": args.zero},
-               "data_parallel": {"mode": f"zero{args.zero}" if args.zero else args.dp_mode if ddp else None,
-                                 "buckets": len(ddp.units) if args.zero else
-                                 len(ddp.buckets) if ddp is not None and args.dp_mode == "bucketed" else 0,
-                                 "grad_sync_bytes_per_step": grad_sync, "theory_bytes_per_step": theory,
-                                 "exposed_comm_s_per_step": exposed, "step_time_s": step_time,
-                                 "replicas_sha256_16": digest}}
-    if args.zero:
-        zb = float(np.mean([r["zero_bytes"] for r in rows_log]))
-        summary["zero"] = {**mem["zero"], "bytes_per_step": zb, "theory_bytes_per_step": ddp.traffic_theory(M),
-                           "plain_dp_bytes_per_step": theory}
-    skips = [r["step"] for r in rows_log if r["skipped"]]
-    if mixed:
-        summary["precision"] = {"mode": args.precision, "storage_dtype": opt.dtype.name,
-                                "loss_scale_final": opt.scaler.scale, "dynamic_scaling": opt.scaler.dynamic,
-                                "skipped_steps": len(skips), "first_skipped": skips[:10],
-                                "optimizer_steps": opt.step_count}
-    f = mem["formula"]
-    say(f"summary: {steps_run} steps in {elapsed:.1f} s, {summary['tokens_per_s']:,.0f} tok/s, "
-        f"MFU {summary['mfu']:.1%} of {world} x {peak / world / 1e9:.0f} GFLOP/s {args.dtype} matmul peak")
-    say(f"  loss {losses[0]:.3f} -> {losses[-1]:.3f} (val {val_loss:.3f}); a model that ignores context "
-        f"scores {summary['unigram_entropy']:.3f} nats (the unigram entropy of the data)")
-    say(f"  memory per rank: params {human_bytes(mem['params'])}, grads {human_bytes(mem['grads'])}, "
-        f"optimizer {human_bytes(mem['optimizer'])}; formula {f['text']} = "
-        f"{human_bytes(f['params'])} + {human_bytes(f['grads'])} + {human_bytes(f['optimizer'])}")
-    if mixed:
-        say(f"  precision {args.precision}: {len(skips)} of {steps_run} steps skipped"
-            + (f" (steps {', '.join(map(str, skips[:10]))}{' ...' if len(skips) > 10 else ''})" if skips else "")
-            + (f"; loss scale now {opt.scaler.scale:g}, {opt.scaler.good_steps} clean steps since its last change"
-               if opt.scaler.dynamic else ""))
-    if args.zero:
-        z = summary["zero"]
-        ratio = z["bytes_per_step"] / z["theory_bytes_per_step"] if z["theory_bytes_per_step"] else float("nan")
-        calls = {1: "reduce-scatter + all-gather", 2: f"{M} reduce-scatter(s) + all-gather",
-                 3: f"{M} x (2 all-gathers + reduce-scatter)"}[args.zero]
-        say(f"  ZeRO {args.zero}: sent {human_bytes(z['bytes_per_step'])}/step per rank; theory {calls} of "
-            f"(N-1)/N x {human_bytes(z['P_padded'] * ddp.dtype.itemsize)} = {human_bytes(z['theory_bytes_per_step'])} "
-            f"(ratio {ratio:.3f}); plain data parallelism would send {human_bytes(theory)}"
-            + (f" (x{z['bytes_per_step'] / theory:.2f})" if theory else "")
-            + f"; waiting for reduce-scatters after backward {exposed * 1e3:.1f} ms/step")
-        if digest is not None:
-            say(f"  replicas identical across {dp_size} dp ranks (weights sha256 {digest})")
-    elif ddp is not None:
-        ratio = grad_sync / theory if theory else float("nan")
-        say(f"  data parallel: gradient all-reduce sent {human_bytes(grad_sync)}/step per rank; theory "
-            f"2(p-1)/p x {human_bytes(P_bytes)} = {human_bytes(theory)} (ratio {ratio:.3f}); exposed comm "
-            f"{exposed * 1e3:.1f} ms/step ({exposed / step_time:.0%} of the step)")
-        say(f"  replicas identical across {dp_size} dp ranks (weights sha256 {digest})")
-    if stages is not None:                                # pp rank 0 (world rank 0 among them)
-        summary["pipeline"] = pipeline_summary(args, pipe, stages, rows_log)
-        pl = summary["pipeline"]
-        say(f"  pipeline: {args.schedule}, p={pp}, m={M}: bubble measured {pl['bubble_measured']:.3f} (mean over "
-            f"stages; per stage " + " ".join(f"{b:.3f}" for b in pl["bubble_per_stage"])
-            + f"), theory {pl['bubble_theory']:.3f}; sent {human_bytes(pl['bytes_sent_per_step'])}/step by stage 0")
-        say("  saved activations at peak per stage: " + ", ".join(
-            f"{human_bytes(b)} ({b / max(u, 1):.1f} micro-batches)" for b, u in
-            zip(pl["peak_activation_bytes"], pl["microbatch_activation_bytes"])))
-        if rank == 0:
-            timeline = [r for st in stages for r in st["timeline"]]
-            say(f"  last step's timeline ({pl['step_time_s'][0] * 1e3:.1f} ms on stage 0; F forward, "
-                f"B backward, digits the micro-batch, '.' idle):")
-            say("\n".join("    " + line for line in schedules.ascii_gantt(timeline, pp, width=100).splitlines()))
-            if args.timeline:
-                with open(args.timeline, "w") as f:
-                    f.write(pipeline.timeline_svg(
-                        timeline, pp, f"{args.schedule} p={pp} m={M}: bubble {pl['bubble_measured']:.3f} "
+        return float(np.mean([evaluate(*val.batch(i)) for i in range(4)]))
+
+
+def draw_timeline(s: Session, summary: dict):
+    """--timeline FILE.svg: the last step's pipeline timeline (rank 0)."""
+    pl = summary["pipeline"]
+    a, pp = s.args, s.grid.pp_size
+    with open(a.timeline, "w") as f:
+        f.write(pipeline.timeline_svg(pl["last_step_timeline"], pp,
+                                      f"{a.schedule} p={pp} m={a.micro_batches}: bubble {pl['bubble_measured']:.3f} "
                                       f"(theory {pl['bubble_theory']:.3f})"))
-                say(f"  timeline drawn in {args.timeline}")
-    if grid.tp_size > 1:
-        calls, elems = tensor_parallel.megatron_count(cfg, B // dp_size // M, T)
-        if pp > 1:                                       # stage 0's layers (rank 0 prints)
-            calls, elems = pipeline.megatron_count_stage(cfg, grid.pp_rank, pp, B // dp_size // M, T)
-        tp_calls = sum(v["calls"] for k, v in tp_ledger.items() if k != "grad_norm")
-        tp_elems = sum(v["elements"] for k, v in tp_ledger.items() if k != "grad_norm")
-        tp_bytes = float(np.mean([r["tp_bytes"] for r in rows_log]))
-        summary["tensor_parallel"] = {"tp": grid.tp_size, "all_reduces_per_step": tp_calls / steps_run,
-                                      "elements_per_step": tp_elems / steps_run, "bytes_per_step": tp_bytes,
-                                      "megatron_all_reduces_per_step": calls * M, "megatron_elements_per_step": elems * M}
-        say(f"  tensor parallel: {tp_calls / steps_run:.0f} all-reduces/step of {tp_elems / steps_run:,.0f} elements "
-            f"(Megatron: {'(4L+5)' if pp == 1 else 'stage 0, 4 x its layers + 1'} x {M} micro-batch(es) = "
-            f"{calls * M}, {elems * M:,} elements), "
-            f"{human_bytes(tp_bytes)}/step sent per rank, + 1 for the global grad norm")
-    if args.save:
-        writers = world if args.zero else world // dp_size                # see save_checkpoint
-        who = "one process" if world == 1 else "every rank" if writers == world else "dp rank 0 of each (tp, pp)"
-        say(f"  checkpoint: {args.save} (step {args.steps}): model.npz and {writers} optimizer shard(s) in "
-            f"{args.save}/optim, written by {who}")
+    s.say(f"  timeline drawn in {a.timeline}")
 
-    if args.verify:
-        state = canonical_state(model, opt)
-        if rank == 0:
-            say(f"verify: re-running steps {start}..{args.steps - 1} on one process ...")
-            ref_losses, ref_state = run_twin(plan, args, start, args.steps)
-            d = compare(losses, ref_losses, state, ref_state)
-            tol = VERIFY_RTOL[args.precision if mixed else args.dtype]
-            # fp16/bf16: the losses are judged, the parameters only reported (VERIFY_RTOL)
-            d["tolerance"], d["ok"] = tol, d["loss_rel"] <= tol and (mixed or d["param_rel"] <= tol)
-            summary["verify"] = d
-            say(f"verify: {grid.describe()}{f' zero={args.zero}' if args.zero else ''} vs 1 process over {steps_run} steps: loss max |diff| {d['loss_abs']:.3e} "
-                f"(rel {d['loss_rel']:.3e}), parameters max |diff| {d['param_abs']:.3e} (rel {d['param_rel']:.3e}, "
-                f"{d['worst_param']}" + (f"; whole model rel {d['param_rel_global']:.3e}, not judged" if mixed else "")
-                + f"; key biases, not judged: max |diff| {d['key_bias_abs']:.1e}"
-                + f"); tolerance {tol:g} relative" + (" on losses" if mixed else "")
-                + f" -> {'OK' if d['ok'] else 'FAILED'}")
-    if logf:
-        logf.write(json.dumps(summary) + "\n")
-        logf.close()
-    if args.sample > 0 and (grid.tp_size > 1 or pp > 1 or args.zero == 3):   # from the consolidated model
-        full = canonical_state(model, opt)                # (collective over tp, pp, dp; whole on rank 0)
-        if rank == 0:
-            model = GPT(cfg, seed=args.seed, dtype=plan.dtype)
+
+def verify(s: Session, losses, summary: dict):
+    """--verify: rank 0 re-runs the steps on one process and compares (report.verdict)."""
+    state = canonical_state(s.model, s.opt)                 # collective over tp, pp (and dp with ZeRO)
+    if s.rank != 0:
+        return
+    s.say(f"verify: re-running steps {s.plan.start}..{s.args.steps - 1} on one process ...")
+    ref_losses, ref_state = run_twin(s.plan, s.args, s.plan.start, s.args.steps)
+    summary["verify"], line = report.verdict(s, losses, ref_losses, state, ref_state)
+    s.say(line)
+
+
+def sample(s: Session):
+    """--sample N: N bytes generated on rank 0 from the consolidated model."""
+    a, model = s.args, s.model
+    if a.sample <= 0:
+        return
+    if s.grid.tp_size > 1 or s.grid.pp_size > 1 or a.zero == 3:
+        full = canonical_state(model, s.opt)                # collective over tp, pp, dp; whole on rank 0
+        if s.rank == 0:
+            model = GPT(s.cfg, seed=a.seed, dtype=s.plan.dtype)
             model.load_state_dict(full)
-    if args.sample > 0 and rank == 0:
-        prompt = "The pipeline"
-        out = model.generate(data.encode(prompt)[None].astype(np.int64), args.sample,
-                             rng=np.random.default_rng(args.seed))
-        say("sample:\n  " + data.decode(out[0]).replace("\n", "\n  "))
+    if s.rank == 0:
+        out = model.generate(data.encode("The pipeline")[None].astype(np.int64), a.sample,
+                             rng=np.random.default_rng(a.seed))
+        s.say("sample:\n  " + data.decode(out[0]).replace("\n", "\n  "))
+
+
+def run(args) -> dict:
+    """python -m minipar.train: set up, describe, train, summarise, verify, sample."""
+    s = set_up(args)
+    for line in report.describe(s):
+        s.say(line)
+    t0 = time.perf_counter()
+    rows_log = train_loop(s)
+    elapsed = time.perf_counter() - t0
+    tp_ledger = tensor_parallel.traffic()                   # the training steps' only (not validation)
+    replicated = s.grid.dp_size > 1 and args.zero != 3      # stage 3: every dp rank holds other shards
+    digest = data_parallel.check_replicas(s.model.parameters(), s.grid.dp_group) if replicated else None
+    if args.save:
+        save_checkpoint(args.save, s.model, s.opt, s.cfg, args, args.steps, s.plan.tokens, s.grid)
+    val_loss = validation_loss(s)
+    stages = s.pipe.gather_stats() if s.pipe is not None else None   # collective over pp
+    losses = [r["loss"] for r in rows_log]
+    summary, lines = report.summarize(s, rows_log, losses, elapsed, val_loss, digest, stages, tp_ledger)
+    for line in lines:
+        s.say(line)
+    if args.timeline and s.rank == 0:
+        draw_timeline(s, summary)
+    if args.verify:
+        verify(s, losses, summary)
+    if s.logf:
+        s.logf.write(json.dumps(summary) + "\n")
+        s.logf.close()
+    sample(s)
     return summary
-
-
-# --verify's relative tolerances (compare()). float64 and float32: losses and every parameter
-# tensor. fp16/bf16: the twin is a different rounding of the same computation (its gradients
-# are summed over the whole batch before the 2-byte rounding, not per dp rank), and two such
-# trajectories drift apart in weight space while learning equally well: measured on
-# L=2 C=64 with dp=2, losses agree to 2e-6 (fp16) / 4e-5 (bf16) over 20 steps and to
-# 1e-2 to 2e-2 over 100 to 400 steps, while the whole-model parameter difference grows from
-# 1e-4 to 1e-1. So the losses are judged, at 5e-2, and the parameters only reported.
-VERIFY_RTOL = {"float64": 1e-10, "float32": 1e-4, "fp16": 5e-2, "bf16": 5e-2}
-
-
-def json_safe(row: dict) -> dict:
-    """inf and NaN (a skipped step's gradient norm) as null: the log stays strict JSON."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-
-
-def pipeline_summary(args, pipe, stages, rows_log) -> dict:
-    """DESIGN 2.7's `pipeline` figures from every stage's stats (gathered on pp rank 0).
-    bubble_measured: 1 - sum of busy time / (p * makespan), the mean over stages of each
-    stage's idle fraction of the step's longest stage span, averaged over the steps after
-    the first (the first pays for warming caches); pipeline.py's docstring."""
-    return {"schedule": args.schedule, "stages": pipe.model.n_stages, "micro_batches": args.micro_batches,
-            "bubble_measured": float(np.mean([st["bubble_mean"] for st in stages])),
-            "bubble_per_stage": [st["bubble_mean"] for st in stages],
-            "bubble_theory": pipe.bubble_theory,
-            "peak_activation_bytes": [st["peak_activation_bytes"] for st in stages],
-            "microbatch_activation_bytes": [st["microbatch_activation_bytes"] for st in stages],
-            "step_time_s": [st["step_time"] for st in stages],
-            "bytes_sent_per_step": float(np.mean([r["pp_bytes"] for r in rows_log])),
-            "last_step_timeline": [list(r) for st in stages for r in st["timeline"]]}
 
 
 def end_job(code: int):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minipar import comm, data, train
+from minipar import comm, data, report, train
 from minipar.parallel import data_parallel, pipeline
 from minipar.parallel.grid import ProcessGrid
 
@@ -99,7 +99,7 @@ def test_memory_is_2P_2P_12P_of_the_local_parameters(dp, tp, pp, mode):
     else:
         P = model.num_local_params() if tp > 1 else model.num_params()
     assert P == sum(p.size for p in model.parameters())
-    mem = train.memory_report(model, opt)
+    mem = report.memory_report(model, opt)
     got = {k: mem[k] for k in ("params", "grads", "optimizer")}
     assert got == {"params": 2 * P, "grads": 2 * P, "optimizer": 12 * P}, (got, P, RANK)
     assert {k: mem["formula"][k] for k in got} == got and mem["formula"]["text"] == "2P + 2P + 12P"

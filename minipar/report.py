@@ -1,0 +1,308 @@
+"""What a training run tells its user: the start-up description, the progress line, the
+closing summary (DESIGN 2.7's `summary` object and its printed lines), and --verify's
+comparison with the single-process twin.
+
+Every function here reads a trainer session `s` (train.Session: args, cfg, grid, model,
+opt, ddp, pipe, ...) and the figures the run measured; none sends a message. Each
+mechanism reports the same way: what was measured (bytes from nbytes and the ledger,
+seconds from the clock) beside its formula.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minipar import data, precision
+from minipar.optim import AdamW
+from minipar.parallel import pipeline, schedules, tensor_parallel, zero
+from minipar.perf import human_bytes
+
+# --verify's relative tolerances (compare()). float64 and float32: losses and every parameter
+# tensor. fp16/bf16: the twin is a different rounding of the same computation (its gradients
+# are summed over the whole batch before the 2-byte rounding, not per dp rank), and two such
+# trajectories drift apart in weight space while learning equally well: measured on
+# L=2 C=64 with dp=2, losses agree to 2e-6 (fp16) / 4e-5 (bf16) over 20 steps and to
+# 1e-2 to 2e-2 over 100 to 400 steps, while the whole-model parameter difference grows from
+# 1e-4 to 1e-1. So the losses are judged, at 5e-2, and the parameters only reported.
+VERIFY_RTOL = {"float64": 1e-10, "float32": 1e-4, "fp16": 5e-2, "bf16": 5e-2}
+
+
+def memory_report(model, opt: AdamW) -> dict:
+    """Bytes this process holds for model states, beside the formula (fp32/fp64: Adam keeps
+    m and v, so params + grads + optimizer = s*P + s*P + 2s*P for an s-byte dtype, with P
+    the parameters this rank holds: all of them, or tensor_parallel.local_param_count).
+    --precision fp16/bf16: 2P + 2P + 12P (the optimizer adds fp32 master weights to m, v).
+    With --zero, the ZeRO object's own report: its shards, beside zero.formula."""
+    if isinstance(opt, zero.Zero):
+        return opt.memory_report()
+    tp = getattr(model, "tp_size", 1)
+    if isinstance(model, pipeline.PipelineStage):
+        P = pipeline.local_param_count(model.cfg, model.stage, model.n_stages, tp)
+    else:
+        P = model.num_params() if tp == 1 else tensor_parallel.local_param_count(model.cfg, tp)
+    s = model.dtype.itemsize
+    so = 12 if isinstance(opt, precision.MixedPrecisionAdamW) else 2 * s      # optimizer bytes/param
+    return {
+        "params": sum(p.data.nbytes for p in model.parameters()),
+        "grads": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
+        "optimizer": opt.state_bytes(),
+        "formula": {"params": s * P, "grads": s * P, "optimizer": so * P,
+                    "text": f"{s}P + {s}P + {so}P"},
+    }
+
+
+def mechanisms(s) -> str:
+    """One line: which mechanisms this run exercises."""
+    a, g = s.args, s.grid
+    out = []
+    if g.dp_size > 1:
+        out.append(f"data parallelism over {g.dp_size} ranks"
+                   + (f" with ZeRO stage {a.zero}" if a.zero else f" ({a.dp_mode} all-reduce)"))
+    elif a.zero:
+        out.append(f"ZeRO stage {a.zero} (over a single dp rank: nothing to shard)")
+    if g.tp_size > 1:
+        out.append(f"tensor parallelism over {g.tp_size} ranks")
+    if g.pp_size > 1:
+        out.append(f"pipeline parallelism over {g.pp_size} stages ({a.schedule}, {a.micro_batches} micro-batches)")
+    elif a.micro_batches > 1:
+        out.append(f"gradient accumulation over {a.micro_batches} micro-batches")
+    if a.precision != "fp32":
+        out.append(f"mixed precision ({a.precision})")
+    return "  mechanisms: " + ("; ".join(out) if out else "none (one process, the single-process baseline)")
+
+
+def describe(s) -> list[str]:
+    """The start-up lines: model, mechanisms, layout and what each mechanism splits."""
+    a, cfg, g, model, opt = s.args, s.cfg, s.grid, s.model, s.opt
+    B, T, M, dp = a.batch_size, cfg.block_size, a.micro_batches, g.dp_size
+    mixed = a.precision != "fp32"
+    lines = [f"minipar: GPT L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={T} V={cfg.vocab_size} "
+             f"({'tied' if cfg.tie_embeddings else 'untied'}), {model.num_params():,} params, {a.dtype}"
+             + (f", --precision {a.precision}" if mixed else ""), mechanisms(s)]
+    if mixed:
+        sc = opt.scaler
+        lines.append(f"  precision: parameters, gradients and activations in {opt.dtype.name}, matmuls and other "
+                     f"ops computed in float32; fp32 master weights, m and v in the optimizer; "
+                     + (f"dynamic loss scale from {sc.scale:g}, x{sc.growth_factor:g} after {sc.growth_interval} "
+                        f"clean steps, x{sc.backoff_factor:g} and skip on inf/NaN" if sc.dynamic
+                        else "no loss scaling (a step with an inf/NaN gradient is skipped)"))
+    mode = "" if s.ddp is None or a.zero else (f", {a.dp_mode} gradient all-reduce" + (
+        f" in {len(s.ddp.buckets)} bucket(s) of <= {a.bucket_mb:g} MiB" if a.dp_mode == "bucketed" else ""))
+    lines.append(f"  layout: {s.world} process(es), {g.describe()}{mode}")
+    if g.tp_size > 1:
+        lines.append(f"  tensor parallel: each tp rank holds {cfg.n_head // g.tp_size} of {cfg.n_head} heads, "
+                     f"1/{g.tp_size} of every MLP, {model.vocab_per_rank} of {model.vocab_padded} vocabulary rows "
+                     f"(V={cfg.vocab_size}{' padded' if model.vocab_padded != cfg.vocab_size else ''}); "
+                     f"{model.num_local_params():,} of {model.num_params():,} parameters")
+    if s.pipe is not None:
+        pp = g.pp_size
+        parts = schedules.partition(cfg.n_layer, pp)
+        lines.append(f"  pipeline: {pp} stages, layers " + ", ".join(f"{r.start}..{r.stop - 1}" for r in parts)
+                     + f" (stage 0 + wte/wpe, stage {pp - 1} + ln_f/head"
+                     + (", tied wte copied to the last stage" if cfg.tie_embeddings else "")
+                     + f"); {a.schedule} schedule over {M} micro-batch(es), bubble in theory "
+                       f"{s.pipe.bubble_theory:.3f}")
+    if a.zero:
+        lines.append(f"  ZeRO stage {a.zero} over {dp} dp rank(s): "
+                     + {1: "optimizer state", 2: "optimizer state and gradients",
+                        3: "optimizer state, gradients and parameters"}[a.zero]
+                     + f" sharded in {len(s.ddp.units)} units (wte, each block, the rest), each padded to a "
+                       f"multiple of {dp} ({s.ddp.padding} padding elements on this rank)")
+    lines.append(f"  batch: {B} x {T} tokens; each dp rank {B // dp} sequences in {M} micro-batch(es) of "
+                 f"{B // dp // M}")
+    lines.append(f"  data: {a.data or data.BUILTIN_NAME + ' corpus'}, {len(s.plan.tokens):,} tokens; steps "
+                 f"{s.plan.start}..{a.steps - 1}; lr {a.lr:g} {a.lr_schedule}, warm-up {a.warmup}"
+                 + (f"; resumed from {a.resume}" if s.plan.meta is not None else ""))
+    return lines
+
+
+def progress_line(s, row: dict) -> str:
+    exposed = f" (exposed {row['exposed_comm_s'] * 1e3:.1f} ms)" if s.ddp is not None else ""
+    scaler = getattr(s.opt, "scaler", None)
+    scaling = f" | scale {row['loss_scale']:g}" if scaler is not None and scaler.dynamic else ""
+    return (f"step {row['step']:5d} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | norm {row['grad_norm']:7.3f} | "
+            f"{row['tokens_per_s']:8.0f} tok/s | MFU {row['mfu']:5.1%} | comm {human_bytes(row['comm_bytes'])}"
+            + exposed + scaling + (" | skipped (inf/NaN gradient)" if row["skipped"] else ""))
+
+
+def summarize(s, rows_log, losses, elapsed, val_loss, digest, stages, tp_ledger) -> tuple[dict, list[str]]:
+    """DESIGN 2.7's summary object and the lines that print it. stages: every pipeline
+    stage's stats on pp rank 0 (else None); tp_ledger: tensor_parallel.traffic() of the
+    training steps."""
+    a, cfg, g, model, opt, ddp = s.args, s.cfg, s.grid, s.model, s.opt, s.ddp
+    B, T, M, dp, pp = a.batch_size, cfg.block_size, a.micro_batches, g.dp_size, g.pp_size
+    steps_run = len(rows_log)
+    mixed = a.precision != "fp32"
+    mem = memory_report(model, opt)
+    P_bytes = sum(p.data.nbytes for p in model.parameters())
+    grad_sync = float(np.mean([r["grad_sync_bytes"] for r in rows_log]))
+    theory = 2 * (dp - 1) / dp * P_bytes
+    exposed = float(np.mean([r["exposed_comm_s"] for r in rows_log]))
+    step_time = float(np.mean([r["step_time"] for r in rows_log]))
+    summary = {"summary": True, "params_count": model.num_params(), "steps": steps_run,
+               "first_loss": losses[0], "final_loss": losses[-1], "val_loss": val_loss,
+               "unigram_entropy": data.unigram_entropy(s.plan.tokens),
+               "tokens_per_s": B * T * steps_run / elapsed, "mfu": s.flops_step * steps_run / elapsed / s.peak,
+               "peak_flops": s.peak, "seconds": elapsed, "memory": mem,
+               "layout": {"dp": dp, "tp": g.tp_size, "pp": pp, "zero": a.zero},
+               "data_parallel": {"mode": f"zero{a.zero}" if a.zero else a.dp_mode if ddp else None,
+                                 "buckets": len(ddp.units) if a.zero else
+                                 len(ddp.buckets) if ddp is not None and a.dp_mode == "bucketed" else 0,
+                                 "grad_sync_bytes_per_step": grad_sync, "theory_bytes_per_step": theory,
+                                 "exposed_comm_s_per_step": exposed, "step_time_s": step_time,
+                                 "replicas_sha256_16": digest}}
+    f = mem["formula"]
+    lines = [f"summary: {steps_run} steps in {elapsed:.1f} s, {summary['tokens_per_s']:,.0f} tok/s, "
+             f"MFU {summary['mfu']:.1%} of {s.world} x {s.peak / s.world / 1e9:.0f} GFLOP/s {a.dtype} matmul peak",
+             f"  loss {losses[0]:.3f} -> {losses[-1]:.3f} (val {val_loss:.3f}); a model that ignores context "
+             f"scores {summary['unigram_entropy']:.3f} nats (the unigram entropy of the data)",
+             f"  memory per rank: params {human_bytes(mem['params'])}, grads {human_bytes(mem['grads'])}, "
+             f"optimizer {human_bytes(mem['optimizer'])}; formula {f['text']} = "
+             f"{human_bytes(f['params'])} + {human_bytes(f['grads'])} + {human_bytes(f['optimizer'])}"]
+    if mixed:
+        skips = [r["step"] for r in rows_log if r["skipped"]]
+        sc = opt.scaler
+        summary["precision"] = {"mode": a.precision, "storage_dtype": opt.dtype.name,
+                                "loss_scale_final": sc.scale, "dynamic_scaling": sc.dynamic,
+                                "skipped_steps": len(skips), "first_skipped": skips[:10],
+                                "optimizer_steps": opt.step_count}
+        lines.append(f"  precision {a.precision}: {len(skips)} of {steps_run} steps skipped"
+                     + (f" (steps {', '.join(map(str, skips[:10]))}{' ...' if len(skips) > 10 else ''})" if skips else "")
+                     + (f"; loss scale now {sc.scale:g}, {sc.good_steps} clean steps since its last change"
+                        if sc.dynamic else ""))
+    if a.zero:
+        z = summary["zero"] = {**mem["zero"], "bytes_per_step": float(np.mean([r["zero_bytes"] for r in rows_log])),
+                               "theory_bytes_per_step": ddp.traffic_theory(M), "plain_dp_bytes_per_step": theory}
+        ratio = z["bytes_per_step"] / z["theory_bytes_per_step"] if z["theory_bytes_per_step"] else float("nan")
+        calls = {1: "reduce-scatter + all-gather", 2: f"{M} reduce-scatter(s) + all-gather",
+                 3: f"{M} x (2 all-gathers + reduce-scatter)"}[a.zero]
+        lines.append(f"  ZeRO {a.zero}: sent {human_bytes(z['bytes_per_step'])}/step per rank; theory {calls} of "
+                     f"(N-1)/N x {human_bytes(z['P_padded'] * ddp.dtype.itemsize)} = "
+                     f"{human_bytes(z['theory_bytes_per_step'])} (ratio {ratio:.3f}); plain data parallelism "
+                     f"would send {human_bytes(theory)}" + (f" (x{z['bytes_per_step'] / theory:.2f})" if theory else "")
+                     + f"; waiting for reduce-scatters after backward {exposed * 1e3:.1f} ms/step")
+    elif ddp is not None:
+        ratio = grad_sync / theory if theory else float("nan")
+        lines.append(f"  data parallel: gradient all-reduce sent {human_bytes(grad_sync)}/step per rank; theory "
+                     f"2(p-1)/p x {human_bytes(P_bytes)} = {human_bytes(theory)} (ratio {ratio:.3f}); exposed comm "
+                     f"{exposed * 1e3:.1f} ms/step ({exposed / step_time:.0%} of the step)")
+    if digest is not None:
+        lines.append(f"  replicas identical across {dp} dp ranks (weights sha256 {digest})")
+    if stages is not None:                                # pp rank 0 (world rank 0 among them)
+        pl = summary["pipeline"] = pipeline_summary(a, s.pipe, stages, rows_log)
+        lines.append(f"  pipeline: {a.schedule}, p={pp}, m={M}: bubble measured {pl['bubble_measured']:.3f} (mean "
+                     f"over stages; per stage " + " ".join(f"{b:.3f}" for b in pl["bubble_per_stage"])
+                     + f"), theory {pl['bubble_theory']:.3f}; sent {human_bytes(pl['bytes_sent_per_step'])}/step "
+                       f"by stage 0")
+        lines.append("  saved activations at peak per stage: " + ", ".join(
+            f"{human_bytes(b)} ({b / max(u, 1):.1f} micro-batches)" for b, u in
+            zip(pl["peak_activation_bytes"], pl["microbatch_activation_bytes"])))
+        timeline = [r for st in stages for r in st["timeline"]]
+        lines.append(f"  last step's timeline ({pl['step_time_s'][0] * 1e3:.1f} ms on stage 0; F forward, "
+                     f"B backward, digits the micro-batch, '.' idle):")
+        lines += ["    " + line for line in schedules.ascii_gantt(timeline, pp, width=100).splitlines()]
+    if g.tp_size > 1:
+        rows = B // dp // M
+        calls, elems = tensor_parallel.megatron_count(cfg, rows, T)
+        if pp > 1:                                       # stage 0's layers (rank 0 prints)
+            calls, elems = pipeline.megatron_count_stage(cfg, g.pp_rank, pp, rows, T)
+        tp_calls = sum(v["calls"] for k, v in tp_ledger.items() if k != "grad_norm")
+        tp_elems = sum(v["elements"] for k, v in tp_ledger.items() if k != "grad_norm")
+        tp_bytes = float(np.mean([r["tp_bytes"] for r in rows_log]))
+        summary["tensor_parallel"] = {"tp": g.tp_size, "all_reduces_per_step": tp_calls / steps_run,
+                                      "elements_per_step": tp_elems / steps_run, "bytes_per_step": tp_bytes,
+                                      "megatron_all_reduces_per_step": calls * M, "megatron_elements_per_step": elems * M}
+        lines.append(f"  tensor parallel: {tp_calls / steps_run:.0f} all-reduces/step of {tp_elems / steps_run:,.0f} "
+                     f"elements (Megatron: {'(4L+5)' if pp == 1 else 'stage 0, 4 x its layers + 1'} x {M} "
+                     f"micro-batch(es) = {calls * M}, {elems * M:,} elements), {human_bytes(tp_bytes)}/step sent "
+                     f"per rank, + 1 for the global grad norm")
+    if a.save:
+        writers = s.world if a.zero else s.world // dp                # see train.save_checkpoint
+        who = "one process" if s.world == 1 else "every rank" if writers == s.world else "dp rank 0 of each (tp, pp)"
+        lines.append(f"  checkpoint: {a.save} (step {a.steps}): model.npz and {writers} optimizer shard(s) in "
+                     f"{a.save}/optim, written by {who}")
+    return summary, lines
+
+
+def pipeline_summary(args, pipe, stages, rows_log) -> dict:
+    """DESIGN 2.7's `pipeline` figures from every stage's stats (gathered on pp rank 0).
+    bubble_measured: 1 - sum of busy time / (p * makespan), the mean over stages of each
+    stage's idle fraction of the step's longest stage span, averaged over the steps after
+    the first (the first pays for warming caches); pipeline.py's docstring."""
+    return {"schedule": args.schedule, "stages": pipe.model.n_stages, "micro_batches": args.micro_batches,
+            "bubble_measured": float(np.mean([st["bubble_mean"] for st in stages])),
+            "bubble_per_stage": [st["bubble_mean"] for st in stages],
+            "bubble_theory": pipe.bubble_theory,
+            "peak_activation_bytes": [st["peak_activation_bytes"] for st in stages],
+            "microbatch_activation_bytes": [st["microbatch_activation_bytes"] for st in stages],
+            "step_time_s": [st["step_time"] for st in stages],
+            "bytes_sent_per_step": float(np.mean([r["pp_bytes"] for r in rows_log])),
+            "last_step_timeline": [list(r) for st in stages for r in st["timeline"]]}
+
+
+def json_safe(row: dict) -> dict:
+    """inf and NaN (a skipped step's gradient norm) as null: the log stays strict JSON."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+# --- --verify ------------------------------------------------------------------------------------
+
+def judged(name: str, a: np.ndarray) -> np.ndarray:
+    """The part of parameter `name` that --verify judges: all of it, except the key bias.
+    Adding b_k to every key adds q . b_k to all of a query's logits, which softmax cancels,
+    so the key bias's exact gradient is zero and what it receives is rounding noise.
+    AdamW's step, scale-free, turns that noise into moves of up to about lr * g/(|g| + eps)
+    per step, different in every layout: in float32 the key bias (|b_k| ~ 1e-6) differs
+    between layouts by as much as its own size, while every other tensor agrees to ~1e-5."""
+    if name.endswith("attn.c_attn.bias"):
+        q, _, v = np.split(a, 3)
+        return np.concatenate([q, v])
+    return a
+
+
+def compare(losses, ref_losses, state, ref_state) -> dict:
+    """Largest absolute and relative differences; relative = |a - b| / |b| for losses and
+    max|a - b| / max|b| per parameter tensor (biases start at 0: no elementwise ratio),
+    without the key biases (`judged`; their largest difference is key_bias_abs).
+    param_rel_global = ||a - b|| / ||b|| over all parameters at once: what --verify reports
+    with --precision fp16/bf16 (see VERIFY_RTOL)."""
+    la, lb = np.array(losses), np.array(ref_losses)
+    loss_abs = float(np.max(np.abs(la - lb)))
+    loss_rel = float(np.max(np.abs(la - lb) / np.maximum(np.abs(lb), 1e-300)))
+    p_abs = p_rel = key_bias = 0.0
+    worst = None
+    diff_sq = ref_sq = 0.0
+    for name, ref in ref_state.items():
+        diff = state[name].astype(np.float64) - ref
+        if name.endswith("attn.c_attn.bias"):
+            key_bias = max(key_bias, float(np.max(np.abs(np.split(diff, 3)[1]))))
+        diff, ref = judged(name, diff), judged(name, ref)
+        d = float(np.max(np.abs(diff))) if ref.size else 0.0
+        r = d / max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-300)
+        if r > p_rel:
+            worst = name
+        p_abs, p_rel = max(p_abs, d), max(p_rel, r)
+        diff_sq += float(np.sum(diff * diff))
+        ref_sq += float(np.sum(np.square(ref, dtype=np.float64)))
+    return {"loss_abs": loss_abs, "loss_rel": loss_rel, "param_abs": p_abs, "param_rel": p_rel,
+            "worst_param": worst, "param_rel_global": math.sqrt(diff_sq / max(ref_sq, 1e-300)),
+            "key_bias_abs": key_bias}
+
+
+def verdict(s, losses, ref_losses, state, ref_state) -> tuple[dict, str]:
+    """compare() judged at VERIFY_RTOL (fp16/bf16: the losses judged, the parameters only
+    reported), and the line that says so."""
+    a = s.args
+    mixed = a.precision != "fp32"
+    d = compare(losses, ref_losses, state, ref_state)
+    tol = VERIFY_RTOL[a.precision if mixed else a.dtype]
+    d["tolerance"], d["ok"] = tol, d["loss_rel"] <= tol and (mixed or d["param_rel"] <= tol)
+    line = (f"verify: {s.grid.describe()}{f' zero={a.zero}' if a.zero else ''} vs 1 process over {len(losses)} "
+            f"steps: loss max |diff| {d['loss_abs']:.3e} (rel {d['loss_rel']:.3e}), parameters max |diff| "
+            f"{d['param_abs']:.3e} (rel {d['param_rel']:.3e}, {d['worst_param']}"
+            + (f"; whole model rel {d['param_rel_global']:.3e}, not judged" if mixed else "")
+            + f"; key biases, not judged: max |diff| {d['key_bias_abs']:.1e}"
+            + f"); tolerance {tol:g} relative" + (" on losses" if mixed else "")
+            + f" -> {'OK' if d['ok'] else 'FAILED'}")
+    return d, line
