@@ -167,6 +167,33 @@ def check_save_dir(path: str):
         raise ConfigError(f"--save {path} exists and is not a directory")
 
 
+def check_split(cfg: GPTConfig | None, dp: int, tp: int, pp: int, batch_size: int, micro_batches: int):
+    """Can the model and the batch be cut this way? (The trainer and the planner both ask.)
+    cfg None: the model's shape is unknown, only the batch is checked."""
+    if cfg is not None and pp > cfg.n_layer:
+        raise ConfigError(f"--pp {pp} is more than --n-layer {cfg.n_layer}: every pipeline stage needs "
+                          f"at least one layer")
+    if cfg is not None and cfg.n_head % tp:
+        raise ConfigError(f"--n-head {cfg.n_head} is not divisible by --tp {tp}: each tensor-parallel "
+                          f"rank needs whole heads")
+    if batch_size % (dp * micro_batches):
+        raise ConfigError(f"--batch-size {batch_size} is not divisible by dp*micro-batches = "
+                          f"{dp}*{micro_batches} = {dp * micro_batches}")
+
+
+def resolve_dp_flags(args):
+    """--dp-mode and --bucket-mb belong to plain data parallelism: refused with --zero, else
+    set to their defaults (bucketed, 1 MiB) when not given."""
+    if args.zero and (args.dp_mode is not None or args.bucket_mb is not None):
+        flag = "--dp-mode" if args.dp_mode is not None else "--bucket-mb"
+        raise ConfigError(f"{flag} is for plain data parallelism; --zero {args.zero} replaces the gradient "
+                          f"all-reduce by its own reduce-scatters, unit by unit (wte, each block, the rest)")
+    args.dp_mode = args.dp_mode or "bucketed"
+    args.bucket_mb = 1.0 if args.bucket_mb is None else args.bucket_mb
+    if args.bucket_mb <= 0:
+        raise ConfigError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
+
+
 @dataclass
 class Plan:
     """Everything a run needs, decided on every rank before the first message."""
@@ -204,29 +231,14 @@ def prepare(args, world: int) -> Plan:
         dp, tp, pp = check_layout(world, args.dp, args.tp, args.pp)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-    if pp > cfg.n_layer:
-        raise ConfigError(f"--pp {pp} is more than --n-layer {cfg.n_layer}: every pipeline stage needs "
-                          f"at least one layer")
     if args.timeline and pp == 1:
         raise ConfigError(f"--timeline {args.timeline} draws a pipeline: it needs --pp > 1")
-    if cfg.n_head % tp:
-        raise ConfigError(f"--n-head {cfg.n_head} is not divisible by --tp {tp}: each tensor-parallel "
-                          f"rank needs whole heads")
-    if args.batch_size % (dp * args.micro_batches):
-        raise ConfigError(f"--batch-size {args.batch_size} is not divisible by dp*micro-batches = "
-                          f"{dp}*{args.micro_batches} = {dp * args.micro_batches}")
-    if args.zero and (args.dp_mode is not None or args.bucket_mb is not None):
-        flag = "--dp-mode" if args.dp_mode is not None else "--bucket-mb"
-        raise ConfigError(f"{flag} is for plain data parallelism; --zero {args.zero} replaces the gradient "
-                          f"all-reduce by its own reduce-scatters, unit by unit (wte, each block, the rest)")
+    check_split(cfg, dp, tp, pp, args.batch_size, args.micro_batches)
+    resolve_dp_flags(args)
     if args.zero == 3 and pp > 1:
         raise ConfigError(f"--zero 3 does not combine with --pp {pp}: it would all-gather and release every "
                           f"stage's parameters around every micro-batch's forward and backward, as the schedule "
                           f"interleaves them (DeepSpeed does not combine them either); use --zero 1 or 2 with --pp")
-    args.dp_mode = args.dp_mode or "bucketed"
-    args.bucket_mb = 1.0 if args.bucket_mb is None else args.bucket_mb
-    if args.bucket_mb <= 0:
-        raise ConfigError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
     if meta is not None and meta.get("dtype", args.dtype) != args.dtype:
         raise ConfigError(f"--dtype {args.dtype} does not match the checkpoint {args.resume} ({meta['dtype']})")
     if meta is not None and meta.get("precision", "fp32") != args.precision:

@@ -80,8 +80,9 @@ SHAPE_FLAGS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
 INT64 = 8                 # token ids, and the 8-byte scalars (loss, norms, flags) on the wire
 
 
-class PlanError(ValueError):
-    """Flags that describe no run: one line on stderr, exit code 2."""
+class PlanError(config.ConfigError):
+    """Flags that describe no run: one line on stderr, exit code 2 (the checks shared with
+    the trainer raise its ConfigError)."""
 
 
 # --- what a device holds ----------------------------------------------------------------------
@@ -442,20 +443,12 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
             raise PlanError(f"--{flag.replace('_', '-')} must be positive, got {getattr(lay, flag)}")
     if lay.batch_size % lay.micro_batches:
         raise PlanError(f"--batch-size {lay.batch_size} is not divisible by --micro-batches {lay.micro_batches}")
-    if lay.batch_size % (lay.dp * lay.micro_batches) and args.params is None:   # --params: no batch
-        raise PlanError(f"--batch-size {lay.batch_size} is not divisible by dp*micro-batches = "
-                        f"{lay.dp}*{lay.micro_batches} = {lay.dp * lay.micro_batches}")
     if lay.precision != "fp32" and lay.dtype != "float32":
         raise PlanError(f"--precision {lay.precision} needs --dtype float32 (its master weights and "
                         f"optimizer state are float32), got --dtype {lay.dtype}")
-    if lay.zero and (lay.dp_mode is not None or lay.bucket_mb is not None):
-        flag = "--dp-mode" if lay.dp_mode is not None else "--bucket-mb"
-        raise PlanError(f"{flag} is for plain data parallelism; --zero {lay.zero} replaces the gradient "
-                        f"all-reduce by its own reduce-scatters, unit by unit (wte, each block, the rest)")
-    lay.dp_mode = lay.dp_mode or "bucketed"
-    lay.bucket_mb = 1.0 if lay.bucket_mb is None else lay.bucket_mb
-    if lay.bucket_mb <= 0:
-        raise PlanError(f"--bucket-mb must be > 0, got {lay.bucket_mb}")
+    config.resolve_dp_flags(lay)
+    if args.params is None:                                  # --params: no batch to cut
+        config.check_split(None, lay.dp, lay.tp, lay.pp, lay.batch_size, lay.micro_batches)
     if args.device_tflops is not None and not args.device_tflops > 0:
         raise PlanError(f"--device-tflops must be > 0, got {args.device_tflops}")
     if args.params is not None:
@@ -474,12 +467,7 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     cfg = GPTConfig(tie_embeddings=not args.untied, **shape)
     if cfg.n_embd % cfg.n_head:
         raise PlanError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
-    if lay.pp > cfg.n_layer:
-        raise PlanError(f"--pp {lay.pp} is more than --n-layer {cfg.n_layer}: every pipeline stage needs "
-                        f"at least one layer")
-    if cfg.n_head % lay.tp:
-        raise PlanError(f"--n-head {cfg.n_head} is not divisible by --tp {lay.tp}: each tensor-parallel "
-                        f"rank needs whole heads")
+    config.check_split(cfg, lay.dp, lay.tp, lay.pp, lay.batch_size, lay.micro_batches)
     return cfg, lay, None
 
 
@@ -560,7 +548,7 @@ def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
         cfg, lay, params = resolve(args)
-    except PlanError as e:
+    except config.ConfigError as e:
         print(f"minipar.plan: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     r = plan(cfg, lay, params, args.device_tflops)
