@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+FLOOR_MAX_BYTES = 64 << 10                      # the floor column, for small messages (floor())
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 OPS = ["all_reduce", "reduce_scatter", "all_gather"]
 BUS = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
@@ -72,6 +73,42 @@ def timed(world, variants, budget, rounds):
     return {name: world.allreduce(float(np.median(s)), op=MPI.MAX) for name, s in samples.items()}
 
 
+def floor(world, op, x, mine, full, piece):
+    """The least a collective written on mpi4py's non-blocking point-to-point must do: one
+    round of direct exchange (each pair of ranks one message each way: for all_reduce the
+    whole x, for reduce_scatter piece j to rank j, for all_gather the own piece), polled with
+    Testall and sched_yield as minipar waits, then the reduction; no ledger, tags, timeouts
+    or argument checks. What Python and mpi4py cost before any library code runs."""
+    from mpi4py import MPI
+    p, r = world.Get_size(), world.Get_rank()
+    B, testall = MPI.BYTE, MPI.Request.Testall
+    k = x.size // p
+    got = np.empty((p, x.size if op == "all_reduce" else k), np.float32)
+
+    def run():
+        reqs = []
+        for j in range(1, p):
+            src, dst = (r - j) % p, (r + j) % p
+            if op == "all_gather":
+                reqs.append(world.Irecv([full[src * k:(src + 1) * k], B], src, 99))
+                reqs.append(world.Isend([mine, B], dst, 99))
+            else:
+                reqs.append(world.Irecv([got[src], B], src, 99))
+                reqs.append(world.Isend([x if op == "all_reduce" else x[dst * k:(dst + 1) * k], B], dst, 99))
+        while not testall(reqs):
+            os.sched_yield()
+        if op == "all_gather":
+            full[r * k:(r + 1) * k] = mine
+            return
+        out = full if op == "all_reduce" else piece
+        acc = x if op == "all_reduce" else x[r * k:(r + 1) * k]
+        for j in range(p):
+            if j != r:
+                np.add(acc, got[j], out=out)
+                acc = out
+    return run
+
+
 def compare(world, g, op, size, budget, rounds):
     """minipar (out= and new array) and MPI's built-in on one op and size."""
     import minipar.comm as comm
@@ -97,6 +134,8 @@ def compare(world, g, op, size, budget, rounds):
                     "mpi": lambda: world.Allgather(mine, full)}
         algorithm = comm._all_gather_algorithm(g, mine, None).__name__.split(".")[-1]
         algorithm = "bruck" if algorithm == "doubling" else algorithm
+    if size <= FLOOR_MAX_BYTES:
+        variants["floor"] = floor(world, op, x, mine, full, piece)
     t = timed(world, variants, budget, rounds)
     ours = variants["new"]()                    # a benchmark of wrong answers means nothing
     variants["mpi"]()
@@ -195,7 +234,7 @@ def table(rows):
         return ""
     if "minipar" in rows[0]:
         head = ("| p | op | size | algorithm | minipar us | MPI us | ratio | minipar algbw GB/s | "
-                "busbw GB/s | MPI busbw GB/s | new us |")
+                "busbw GB/s | MPI busbw GB/s | new us | floor us | floor ratio |")
         lines = [head, "|" + "---|" * (head.count("|") - 1)]
         for r in rows:
             s, p = r["bytes"], r["p"]
@@ -204,7 +243,8 @@ def table(rows):
                 f"| {p} | {r['op']} | {human(s)} | {r['algorithm']} | {r['minipar'] * 1e6:.0f} | "
                 f"{r['mpi'] * 1e6:.0f} | {r['mpi'] / r['minipar']:.2f} | "
                 f"{s / r['minipar'] / 1e9:.2f} | {s / r['minipar'] * bus / 1e9:.2f} | "
-                f"{s / r['mpi'] * bus / 1e9:.2f} | {r['new'] * 1e6:.0f} |")
+                f"{s / r['mpi'] * bus / 1e9:.2f} | {r['new'] * 1e6:.0f} | "
+                + (f"{r['floor'] * 1e6:.1f} | {r['mpi'] / r['floor']:.2f} |" if "floor" in r else "| |"))
         return "\n".join(lines)
     out = []
     for op in dict.fromkeys(r["op"] for r in rows):     # one table per op, in order
