@@ -485,10 +485,7 @@ def end_job(code: int):
     waiting for this one; one process: return, and the caller exits."""
     from mpi4py import MPI                                   # noqa: PLC0415
     if MPI.COMM_WORLD.Get_size() > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(code)
-        os._exit(code)             # Abort returns if another rank's abort is already ending the job
+        comm.abort_world(code)
 
 
 def main(argv=None):

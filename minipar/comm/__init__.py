@@ -29,7 +29,7 @@ doubling.all_reduce, direct.all_reduce, ... (the tests run each of them).
 """
 from . import direct, doubling, ring, small, tree
 from .group import (CollectiveMismatch, CommError, CommTimeout, Group, Handle, abort_on_error,
-                    array, recv, recv_async, reset_traffic, run, send, send_async, traffic)
+                    abort_world, array, recv, recv_async, reset_traffic, run, send, send_async, traffic)
 from .tree import broadcast, gather, reduce, scatter
 
 # Measured crossovers (bytes of x, or of the result for all_gather): up to and including
@@ -46,7 +46,7 @@ __all__ = [
     "Group", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "scatter",
     "gather", "send", "recv", "send_async", "recv_async", "traffic", "reset_traffic", "all_reduce_async",
     "reduce_scatter_async", "all_gather_async", "Handle", "CommError", "CommTimeout",
-    "CollectiveMismatch", "abort_on_error",
+    "CollectiveMismatch", "abort_on_error", "abort_world",
 ]
 
 

@@ -41,8 +41,8 @@ def _abort(config, what, text):
     if capman is not None:
         capman.suspend_global_capture(in_=True)
     sys.__stderr__.write(message)
-    sys.__stderr__.flush()
-    WORLD.Abort(1)
+    from minipar.comm import abort_world
+    abort_world(1)
 
 
 @pytest.hookimpl(hookwrapper=True)
