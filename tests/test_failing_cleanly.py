@@ -21,7 +21,7 @@ import pytest
 
 from minipar import checkpoint, train
 
-from trainer_runs import MPIRUN, REPO, TINY, TINY_MPI, assert_exit_2_one_line, mpirun
+from trainer_runs import MPIRUN, REPO, TINY, TINY_MPI, assert_exit_2_one_line, assert_main_exits_2, mpirun
 
 HANG = 30.0            # seconds: a run that takes longer than this was left waiting
 
@@ -244,14 +244,7 @@ def test_bad_checkpoint_one_line_exit_2(tmp_path, single, capsys, case):
     d = str(tmp_path / "D")
     shutil.copytree(single, d)
     flags, needles = bad_checkpoint_case(case, d, tmp_path)
-    with pytest.raises(SystemExit) as e:
-        train.main(TINY + ["--steps", "6", "--resume", d, *flags])
-    out, err = capsys.readouterr()
-    assert e.value.code == 2, f"{case}: exit code {e.value.code}, stderr {err!r}"
-    assert err.startswith("minipar.train: error: ") and err.count("\n") == 1, f"{case}: stderr {err!r}"
-    for s in needles:
-        assert s in err, f"{case}: {s!r} not in {err!r}"
-    assert "minipar:" not in out, f"{case}: training output before the error: {out!r}"
+    assert_main_exits_2(TINY + ["--steps", "6", "--resume", d, *flags], needles, capsys, case)
 
 
 def test_the_checkpoint_left_by_a_failed_save_resumes(tmp_path, single):

@@ -20,7 +20,7 @@ import pytest
 
 from minipar import train
 
-from trainer_runs import REPO, TINY, read_log, run_tiny as run  # noqa: F401
+from trainer_runs import REPO, TINY, assert_main_exits_2, read_log, run_tiny as run  # noqa: F401
 
 TINY_CFG = dict(L=1, H=2, C=16, T=16, V=256)
 pytestmark = pytest.mark.usefixtures("fixed_peak")
@@ -278,14 +278,7 @@ BAD_FLAGS = ["n-embd-n-head", "n-layer-0", "micro-batches", "missing-data", "emp
 @pytest.mark.parametrize("case", BAD_FLAGS)
 def test_bad_flags_one_line_exit_2(tmp_path, ckpt, capsys, case):
     argv, needles = bad_flag_case(case, tmp_path, ckpt)
-    with pytest.raises(SystemExit) as e:
-        train.main(TINY + argv)
-    out, err = capsys.readouterr()
-    assert e.value.code == 2, f"{case}: exit code {e.value.code}, stderr {err!r}"
-    assert err.startswith("minipar.train: error: ") and err.count("\n") == 1, f"{case}: stderr {err!r}"
-    for s in needles:
-        assert s in err, f"{case}: {s!r} not in {err!r}"
-    assert "minipar:" not in out, f"{case}: training output before the error: {out!r}"
+    assert_main_exits_2(TINY + argv, needles, capsys, case)
 
 
 @pytest.mark.parametrize("case", ["n-embd-n-head", "missing-data", "resume-steps"])

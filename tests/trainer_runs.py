@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from minipar import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,3 +47,16 @@ def assert_exit_2_one_line(p, message):
     assert p.returncode == 2, (p.returncode, p.stderr)
     assert p.stderr.count("minipar.train: error:") == 1 and message in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and p.stdout == "", (p.stdout, p.stderr)
+
+
+def assert_main_exits_2(argv, needles, capsys, case):
+    """train.main(argv) in process: exit code 2, one `minipar.train: error:` line on stderr
+    holding every needle, and no training output before it."""
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2, f"{case}: exit code {e.value.code}, stderr {err!r}"
+    assert err.startswith("minipar.train: error: ") and err.count("\n") == 1, f"{case}: stderr {err!r}"
+    for s in needles:
+        assert s in err, f"{case}: {s!r} not in {err!r}"
+    assert "minipar:" not in out, f"{case}: training output before the error: {out!r}"
