@@ -261,15 +261,27 @@ def judged(name: str, a: np.ndarray) -> np.ndarray:
     return a
 
 
-def compare(losses, ref_losses, state, ref_state) -> dict:
+def max_diff(a, b) -> tuple[float, float]:
+    """(max |a - b|, max |a - b| / |b|). An entry non-finite in both (a gradient norm of a
+    step that both runs skipped: inf) is left out; non-finite in one only, or a NaN loss,
+    makes the difference NaN, which no tolerance accepts."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    keep = ~(np.isinf(a) & (a == b))
+    if not keep.any():
+        return 0.0, 0.0
+    d = np.abs(a[keep] - b[keep])
+    return float(d.max()), float(np.max(d / np.maximum(np.abs(b[keep]), 1e-300)))
+
+
+def compare(losses, ref_losses, state, ref_state, norms=(), ref_norms=()) -> dict:
     """Largest absolute and relative differences; relative = |a - b| / |b| for losses and
-    max|a - b| / max|b| per parameter tensor (biases start at 0: no elementwise ratio),
-    without the key biases (`judged`; their largest difference is key_bias_abs).
+    gradient norms (before clipping: the norm over every rank's gradients, each parameter
+    once), and max|a - b| / max|b| per parameter tensor (biases start at 0: no elementwise
+    ratio), without the key biases (`judged`; their largest difference is key_bias_abs).
     param_rel_global = ||a - b|| / ||b|| over all parameters at once: what --verify reports
     with --precision fp16/bf16 (see VERIFY_RTOL)."""
-    la, lb = np.array(losses), np.array(ref_losses)
-    loss_abs = float(np.max(np.abs(la - lb)))
-    loss_rel = float(np.max(np.abs(la - lb) / np.maximum(np.abs(lb), 1e-300)))
+    loss_abs, loss_rel = max_diff(losses, ref_losses)
+    norm_abs, norm_rel = max_diff(norms, ref_norms)
     p_abs = p_rel = key_bias = 0.0
     worst = None
     diff_sq = ref_sq = 0.0
@@ -285,21 +297,25 @@ def compare(losses, ref_losses, state, ref_state) -> dict:
         p_abs, p_rel = max(p_abs, d), max(p_rel, r)
         diff_sq += float(np.sum(diff * diff))
         ref_sq += float(np.sum(np.square(ref, dtype=np.float64)))
-    return {"loss_abs": loss_abs, "loss_rel": loss_rel, "param_abs": p_abs, "param_rel": p_rel,
+    return {"loss_abs": loss_abs, "loss_rel": loss_rel, "norm_abs": norm_abs, "norm_rel": norm_rel,
+            "param_abs": p_abs, "param_rel": p_rel,
             "worst_param": worst, "param_rel_global": math.sqrt(diff_sq / max(ref_sq, 1e-300)),
             "key_bias_abs": key_bias}
 
 
-def verdict(s, losses, ref_losses, state, ref_state) -> tuple[dict, str]:
-    """compare() judged at VERIFY_RTOL (fp16/bf16: the losses judged, the parameters only
-    reported), and the line that says so."""
+def verdict(s, rows_log, ref_losses, ref_norms, state, ref_state) -> tuple[dict, str]:
+    """compare() judged at VERIFY_RTOL (fp16/bf16: the losses judged, the gradient norms and
+    parameters only reported), and the line that says so."""
     a = s.args
     mixed = a.precision != "fp32"
-    d = compare(losses, ref_losses, state, ref_state)
+    d = compare([r["loss"] for r in rows_log], ref_losses, state, ref_state,
+                [r["grad_norm"] for r in rows_log], ref_norms)
     tol = VERIFY_RTOL[a.precision if mixed else a.dtype]
-    d["tolerance"], d["ok"] = tol, d["loss_rel"] <= tol and (mixed or d["param_rel"] <= tol)
-    line = (f"verify: {s.grid.describe()}{f' zero={a.zero}' if a.zero else ''} vs 1 process over {len(losses)} "
-            f"steps: loss max |diff| {d['loss_abs']:.3e} (rel {d['loss_rel']:.3e}), parameters max |diff| "
+    d["tolerance"] = tol
+    d["ok"] = d["loss_rel"] <= tol and (mixed or (d["norm_rel"] <= tol and d["param_rel"] <= tol))
+    line = (f"verify: {s.grid.describe()}{f' zero={a.zero}' if a.zero else ''} vs 1 process over {len(rows_log)} "
+            f"steps: loss max |diff| {d['loss_abs']:.3e} (rel {d['loss_rel']:.3e}), grad norm rel "
+            f"{d['norm_rel']:.3e}, parameters max |diff| "
             f"{d['param_abs']:.3e} (rel {d['param_rel']:.3e}, {d['worst_param']}"
             + (f"; whole model rel {d['param_rel_global']:.3e}, not judged" if mixed else "")
             + f"; key biases, not judged: max |diff| {d['key_bias_abs']:.1e}"

@@ -293,11 +293,12 @@ def clip_grads(model, opt, max_norm: float) -> float:
 
 def run_twin(plan: Plan, args, start: int, stop: int):
     """--verify: the same steps on one process, from the same weights and data (and the
-    same --precision: the fp32 master weights are compared)."""
+    same --precision: the fp32 master weights are compared). -> (losses, gradient norms
+    before clipping, the final canonical state)."""
     model, opt = init_model(plan, args)
     sampler = data.Sampler(plan.tokens, plan.cfg.block_size, args.batch_size, args.seed)
-    losses = [r["loss"] for r in train_steps(model, opt, sampler, args, start, stop, (0, args.batch_size))]
-    return losses, canonical_state(model, opt)
+    rows = list(train_steps(model, opt, sampler, args, start, stop, (0, args.batch_size)))
+    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows], canonical_state(model, opt)
 
 
 def open_rank0_outputs(args):
@@ -423,14 +424,14 @@ def draw_timeline(s: Session, summary: dict):
     s.say(f"  timeline drawn in {a.timeline}")
 
 
-def verify(s: Session, losses, summary: dict):
+def verify(s: Session, rows_log, summary: dict):
     """--verify: rank 0 re-runs the steps on one process and compares (report.verdict)."""
     state = canonical_state(s.model, s.opt)                 # collective over tp, pp (and dp with ZeRO)
     if s.rank != 0:
         return
     s.say(f"verify: re-running steps {s.plan.start}..{s.args.steps - 1} on one process ...")
-    ref_losses, ref_state = run_twin(s.plan, s.args, s.plan.start, s.args.steps)
-    summary["verify"], line = report.verdict(s, losses, ref_losses, state, ref_state)
+    ref_losses, ref_norms, ref_state = run_twin(s.plan, s.args, s.plan.start, s.args.steps)
+    summary["verify"], line = report.verdict(s, rows_log, ref_losses, ref_norms, state, ref_state)
     s.say(line)
 
 
@@ -472,7 +473,7 @@ def run(args) -> dict:
     if args.timeline and s.rank == 0:
         draw_timeline(s, summary)
     if args.verify:
-        verify(s, losses, summary)
+        verify(s, rows_log, summary)
     if s.logf:
         s.logf.write(json.dumps(summary) + "\n")
         s.logf.close()

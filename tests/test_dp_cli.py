@@ -40,14 +40,31 @@ def test_verify_fails_with_exit_1_beyond_tolerance(monkeypatch, capsys):
     real = train.run_twin
 
     def off_twin(*a, **k):
-        losses, state = real(*a, **k)
-        return [x * (1 + 1e-9) for x in losses], state
+        losses, norms, state = real(*a, **k)
+        return [x * (1 + 1e-9) for x in losses], norms, state
 
     monkeypatch.setattr(train, "run_twin", off_twin)
     with pytest.raises(SystemExit) as e:
         train.main(TINY + ["--dtype", "float64", "--verify"])
     assert e.value.code == 1
     assert "-> FAILED" in capsys.readouterr().out
+
+
+def test_verify_judges_the_gradient_norms(monkeypatch, capsys):
+    """The same with the twin's gradient norms off by 1e-9 relative, losses exact: the norm
+    (what clipping uses, over every rank's gradients) is judged in float64 too."""
+    real = train.run_twin
+
+    def off_twin(*a, **k):
+        losses, norms, state = real(*a, **k)
+        return losses, [x * (1 + 1e-9) for x in norms], state
+
+    monkeypatch.setattr(train, "run_twin", off_twin)
+    with pytest.raises(SystemExit) as e:
+        train.main(TINY + ["--dtype", "float64", "--verify"])
+    assert e.value.code == 1
+    out = capsys.readouterr().out
+    assert "-> FAILED" in out and "grad norm rel 1.000e-09" in out, out
 
 
 def test_verify_single_process_passes_exactly(capsys):
