@@ -45,13 +45,21 @@ def cases(ranks, precisions):
                 yield n, flags
 
 
+def relative(line: str) -> dict:
+    """The relative differences of a `verify:` line: loss, grad norm, parameters."""
+    loss = float(line.split("(rel ")[1].split(")")[0])
+    norm = float(line.split("grad norm rel ")[1].split(",")[0])
+    params = float(line.split("parameters max |diff| ")[1].split("(rel ")[1].split(",")[0])
+    return {"loss": loss, "norm": norm, "params": params}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[4, 8], choices=(4, 8))
     ap.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "bf16"])
     args = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MINIPAR_COMM_TIMEOUT="60")
-    failed, total, t0 = [], 0, time.time()
+    failed, total, t0, worst = [], 0, time.time(), {}
     for n, flags in cases(args.ranks, args.precisions):
         total += 1
         cmd = [MPIRUN, "-n", str(n), sys.executable, "-m", "minipar.train", *TINY, *flags, "--verify"]
@@ -63,11 +71,18 @@ def main():
             out, code = "", "timeout"
         verdict = [line for line in out.splitlines() if line.startswith("verify: dp=")]
         ok = code == 0 and verdict and verdict[0].endswith("-> OK")
-        rel = verdict[0].split("(rel ")[1].split(")")[0] if verdict else "-"
-        print(f"{'ok    ' if ok else 'FAILED'} -n {n} {' '.join(flags):95s} loss rel {rel}", flush=True)
+        figures = relative(verdict[0]) if verdict else {}
+        print(f"{'ok    ' if ok else 'FAILED'} -n {n} {' '.join(flags):95s} "
+              + " ".join(f"{k} {v:.1e}" for k, v in figures.items()), flush=True)
         if not ok:
             failed.append((n, flags, code))
-    print(f"{total - len(failed)} of {total} layouts pass --verify ({time.time() - t0:.0f} s)")
+        else:
+            key = "fp32" if "float64" in flags else "fp16/bf16"
+            for k, v in figures.items():
+                worst.setdefault(key, {})[k] = max(v, worst.get(key, {}).get(k, 0.0))
+    print(f"{total - len(failed)} of {total} layouts pass --verify ({time.time() - t0:.0f} s); largest relative "
+          "differences: " + "; ".join(f"{key}: " + ", ".join(f"{k} {v:.1e}" for k, v in w.items())
+                                      for key, w in worst.items()))
     sys.exit(1 if failed else 0)
 
 
