@@ -1,5 +1,5 @@
-"""The small-message fast path: blocking all_reduce, reduce_scatter and all_gather without
-the generator machinery.
+"""The generator-free path: blocking all_reduce, reduce_scatter and all_gather written
+straight-line.
 
 For a message of a few KiB the wire time is a microsecond or two, and what a call costs is
 the Python around it. The general path (doubling.py, direct.py, ring.py) writes each
@@ -9,8 +9,10 @@ costs a few microseconds per call, as much as MPICH's whole collective at 4 KiB.
 ranks on 2 cores each microsecond of CPU is paid about twice, since the rank we wait for
 needs our core.
 
-So the blocking calls the user makes on small messages (minipar/comm/__init__.py:
-SMALL_MAX_BYTES) run these plain functions instead. They are the same algorithms as the
+So the blocking calls the user makes run these plain functions instead: recursive doubling
+on small messages (minipar/comm/__init__.py: SMALL_MAX_BYTES), and the one-round direct
+reduce-scatter and all-gather at any size (a 1 MiB one was a few microseconds faster
+here too). They are the same algorithms as the
 general path, message for message (same peers, sizes, steps, tags, ledger entries and trace
 lines), written straight-line: post one step's Isend/Irecv, `c.wait` for them, reduce,
 next step. Timeouts, MINIPAR_TRACE and MINIPAR_DEBUG work the same, since they live in

@@ -463,21 +463,21 @@ def test_small_fast_path_matches_the_general_path(groups, capfd):
     rng = rng_for(7)
     cases = [rng.standard_normal(n).astype(dt) for n, dt in
              [(1000, np.float32), (7, np.float64), (p * 300, np.float16), (1, np.int64),
-              (5000, np.float64), (1000, np.float32)]]
+              (5000, np.float64), (1000, np.float32), (300_001, np.float32)]]
     for x in cases:
-        assert x.nbytes <= comm.SMALL_MAX_BYTES
+        large = x.nbytes > comm.SMALL_MAX_BYTES     # direct reduce-scatter, all-gather only
         pieces = [len(a) for a in np.array_split(np.arange(x.size), p)]
         mine = np.array_split(x, p)[r].copy()
         runs = {}
         for label, calls in [
-                ("small", [lambda: small.all_reduce_into(g, x, "sum", None),
-                           lambda: small.reduce_scatter_into(g, x, "max", None),
-                           lambda: small.all_gather_into(g, mine, pieces, None),
-                           lambda: small.all_gather_into(g, mine, pieces, None, bruck=True)]),
-                ("general", [lambda: doubling.all_reduce(g, x, "sum"),
-                             lambda: direct.reduce_scatter(g, x, "max"),
-                             lambda: direct.all_gather(g, mine, pieces),
-                             lambda: doubling.all_gather(g, mine, pieces)])]:
+                ("small", [lambda: small.reduce_scatter_into(g, x, "max", None),
+                           lambda: small.all_gather_into(g, mine, pieces, None)]
+                 + ([] if large else [lambda: small.all_reduce_into(g, x, "sum", None),
+                                      lambda: small.all_gather_into(g, mine, pieces, None, bruck=True)])),
+                ("general", [lambda: direct.reduce_scatter(g, x, "max"),
+                             lambda: direct.all_gather(g, mine, pieces)]
+                 + ([] if large else [lambda: doubling.all_reduce(g, x, "sum"),
+                                      lambda: doubling.all_gather(g, mine, pieces)]))]:
             comm.reset_traffic()
             capfd.readouterr()
             results = [f() for f in calls]
@@ -491,13 +491,14 @@ def test_small_fast_path_matches_the_general_path(groups, capfd):
             for field in ("calls", "bytes_sent", "bytes_recv"):
                 assert led_s[name][field] == led_g[name][field], (name, field)
         assert tr_s == tr_g
-        every = g.comm.allgather(res_s[0].tobytes())
+        every = g.comm.allgather(res_s[1].tobytes())   # the all-gather: the same on every rank
         assert all(b == every[0] for b in every)
 
 
 def test_small_fast_path_is_what_blocking_calls_use(groups):
     """comm.all_reduce & co. on a small message go through small.py (and the async calls do
-    not): checked by counting calls into it."""
+    not), and so do the one-round direct reduce-scatter and all-gather of a large one:
+    checked by counting calls into it."""
     from minipar.comm import small
     g = world(groups)
     x = np.ones(64, np.float32)
@@ -513,6 +514,12 @@ def test_small_fast_path_is_what_blocking_calls_use(groups):
         assert seen == list(originals)
         comm.all_reduce_async(g, x).wait()
         assert seen == list(originals)
+        big = np.ones(100_000, np.float32)              # 400 KB: above SMALL_MAX_BYTES
+        seen.clear()
+        comm.all_reduce(g, big)                         # two rounds: the generator
+        comm.reduce_scatter(g, big)                     # one round: straight-line at any size
+        comm.all_gather(g, big)
+        assert seen == ["reduce_scatter_into", "all_gather_into"], seen
     finally:
         for name, f in originals.items():
             setattr(small, name, f)
