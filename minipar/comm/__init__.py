@@ -24,8 +24,8 @@ were measured with scripts/bench_collectives.py --crossover (README, "Collective
     scatter, gather    binomial tree
 
 Blocking calls run the same algorithms without the generator machinery (small.py) where
-that is simple: the one-round direct reduce-scatter and all-gather at any size, Bruck, and
-recursive doubling up to SMALL_MAX_BYTES. Every algorithm is also callable on its own,
+that is simple: direct exchange (reduce-scatter, all-gather, all-reduce) at any size, Bruck,
+and recursive doubling up to SMALL_MAX_BYTES. Every algorithm is also callable on its own,
 whatever the size: ring.all_reduce, doubling.all_reduce, direct.all_reduce, ... (the tests
 run each of them).
 """
@@ -72,6 +72,8 @@ def all_reduce(g, x, op="sum", *, out=None):
     algorithm = _all_reduce_algorithm(g, x)
     if algorithm is doubling and x.nbytes <= SMALL_MAX_BYTES:
         return small.all_reduce_into(g, x, op, out)
+    if algorithm is direct:                     # two rounds: straight-line at any size
+        return small.all_reduce_direct_into(g, x, op, out)
     return run(*algorithm.start_all_reduce(g, x, op, out))
 
 

@@ -19,7 +19,8 @@ next step. Timeouts, MINIPAR_TRACE and MINIPAR_DEBUG work the same, since they l
 `Call`. Receive buffers are the group's reused scratch (Group.scratch). The non-blocking
 calls (all_reduce_async, ...) always take the general path.
 
-    all_reduce       recursive doubling (doubling.py), fix-up steps when p is not a power of 2
+    all_reduce       recursive doubling (doubling.py), fix-up steps when p is not a power of 2;
+                     or direct exchange (direct.py), reduce-scatter then all-gather
     reduce_scatter   direct exchange (direct.py): one round of p-1 messages each way
     all_gather       direct exchange, or Bruck (doubling.py) when bruck=True
 """
@@ -76,27 +77,65 @@ def reduce_scatter_into(g, x, op, out):
     p, r = g.size, g.rank
     xf = x.ravel()
     off = split_offsets(xf.size, p)
-    lo, hi = off[r], off[r + 1]
-    res = result(out, (hi - lo,), x.dtype, "reduce_scatter")
+    res = result(out, (off[r + 1] - off[r],), x.dtype, "reduce_scatter")
     c = g.begin("reduce_scatter", 1, describe(x, op=op) if g.debug else None)
-    mine = xf[lo:hi]
+    _reduce_scatter(c, xf, off, res, f, 1)
+    c.done()
+    return res
+
+
+def all_reduce_direct_into(g, x, op, out):
+    """Direct-exchange all-reduce (as direct.all_reduce): the reduce-scatter round into this
+    rank's piece of the result, then the all-gather round of the pieces, in place."""
+    f = reduce_op(op)
+    res = result(out, x.shape, x.dtype, "all_reduce")      # out may be x: piece r is written
+    p, r = g.size, g.rank                                   # only after every send completed
+    c = g.begin("all_reduce", 2, describe(x, op=op) if g.debug else None)
+    xf, flat = x.ravel(), res.reshape(-1)
+    if p == 1 or xf.size == 0:
+        flat[...] = xf
+    else:
+        off = split_offsets(xf.size, p)
+        _reduce_scatter(c, xf, off, flat[off[r]:off[r + 1]], f, 1)
+        _all_gather(c, flat, off, None, 2)
+    c.done()
+    return res
+
+
+def _reduce_scatter(c, xf, off, res, f, step):
+    """One round: piece j of xf to rank j; op over the p copies of piece r into res."""
+    p, r = c.g.size, c.g.rank
+    mine = xf[off[r]:off[r + 1]]
     if p == 1:
         res[...] = mine
-        c.done()
-        return res
-    got = g.scratch(0, (p, hi - lo), xf.dtype)  # got[j]: rank j's copy of piece r
+        return
+    got = c.g.scratch(0, (p, mine.size), xf.dtype)         # got[j]: rank j's copy of piece r
     reqs = []
     for k in range(1, p):                       # receive from r-1, r-2, ...; send to r+1, ...
         src, dst = (r - k) % p, (r + k) % p
-        reqs += c.irecv(1, got[src], src)
-        reqs += c.isend(1, xf[off[dst]:off[dst + 1]], dst)
+        reqs += c.irecv(step, got[src], src)
+        reqs += c.isend(step, xf[off[dst]:off[dst + 1]], dst)
     c.wait(reqs)
     for j in range(p):                          # reduce in rank order, starting from mine
         if j != r:
             f(mine, got[j], out=res)
             mine = res
-    c.done()
-    return res
+
+
+def _all_gather(c, res, off, mine, step):
+    """One round: this rank's piece (mine, or already in place in res) to every rank, and
+    theirs into res."""
+    p, r = c.g.size, c.g.rank
+    send = res[off[r]:off[r + 1]] if mine is None else mine
+    reqs = []
+    for k in range(1, p):
+        src, dst = (r - k) % p, (r + k) % p
+        reqs += c.irecv(step, res[off[src]:off[src + 1]], src)
+        reqs += c.isend(step, send, dst)
+    if mine is not None:
+        res[off[r]:off[r + 1]] = mine           # the local copy, while the messages travel
+    if reqs:
+        c.wait(reqs)
 
 
 def all_gather_into(g, x, sizes, out, bruck=False):
@@ -104,20 +143,13 @@ def all_gather_into(g, x, sizes, out, bruck=False):
     xf = x.ravel()
     off = gather_layout(g, xf.size, sizes)
     res = result(out, (off[-1],), x.dtype, "all_gather")
-    p, r = g.size, g.rank
+    p = g.size
     c = g.begin("all_gather", (p - 1).bit_length() if bruck else 1,
                 describe_gather(x, sizes) if g.debug else None)
     if bruck:
         _bruck(c, xf, off, res)
     else:
-        reqs = []
-        for k in range(1, p):
-            src, dst = (r - k) % p, (r + k) % p
-            reqs += c.irecv(1, res[off[src]:off[src + 1]], src)
-            reqs += c.isend(1, xf, dst)
-        res[off[r]:off[r + 1]] = xf             # the local copy, while the messages travel
-        if reqs:
-            c.wait(reqs)
+        _all_gather(c, res, off, xf, 1)
     c.done()
     return res
 

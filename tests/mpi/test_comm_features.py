@@ -471,11 +471,13 @@ def test_small_fast_path_matches_the_general_path(groups, capfd):
         runs = {}
         for label, calls in [
                 ("small", [lambda: small.reduce_scatter_into(g, x, "max", None),
-                           lambda: small.all_gather_into(g, mine, pieces, None)]
+                           lambda: small.all_gather_into(g, mine, pieces, None),
+                           lambda: small.all_reduce_direct_into(g, x, "sum", None)]
                  + ([] if large else [lambda: small.all_reduce_into(g, x, "sum", None),
                                       lambda: small.all_gather_into(g, mine, pieces, None, bruck=True)])),
                 ("general", [lambda: direct.reduce_scatter(g, x, "max"),
-                             lambda: direct.all_gather(g, mine, pieces)]
+                             lambda: direct.all_gather(g, mine, pieces),
+                             lambda: direct.all_reduce(g, x, "sum")]
                  + ([] if large else [lambda: doubling.all_reduce(g, x, "sum"),
                                       lambda: doubling.all_gather(g, mine, pieces)]))]:
             comm.reset_traffic()
@@ -497,29 +499,28 @@ def test_small_fast_path_matches_the_general_path(groups, capfd):
 
 def test_small_fast_path_is_what_blocking_calls_use(groups):
     """comm.all_reduce & co. on a small message go through small.py (and the async calls do
-    not), and so do the one-round direct reduce-scatter and all-gather of a large one:
-    checked by counting calls into it."""
+    not), and so does direct exchange on a large one: checked by counting calls into it."""
     from minipar.comm import small
     g = world(groups)
     x = np.ones(64, np.float32)
     seen = []
     originals = {name: getattr(small, name) for name in
-                 ("all_reduce_into", "reduce_scatter_into", "all_gather_into")}
+                 ("all_reduce_into", "reduce_scatter_into", "all_gather_into", "all_reduce_direct_into")}
     try:
         for name, f in originals.items():
             setattr(small, name, (lambda f, name: lambda *a, **k: (seen.append(name), f(*a, **k))[1])(f, name))
         comm.all_reduce(g, x)
         comm.reduce_scatter(g, x)
         comm.all_gather(g, x)
-        assert seen == list(originals)
+        assert seen == list(originals)[:3]
         comm.all_reduce_async(g, x).wait()
-        assert seen == list(originals)
+        assert seen == list(originals)[:3]
         big = np.ones(100_000, np.float32)              # 400 KB: above SMALL_MAX_BYTES
         seen.clear()
-        comm.all_reduce(g, big)                         # two rounds: the generator
-        comm.reduce_scatter(g, big)                     # one round: straight-line at any size
+        comm.all_reduce(g, big)                         # direct exchange: straight-line at any size
+        comm.reduce_scatter(g, big)
         comm.all_gather(g, big)
-        assert seen == ["reduce_scatter_into", "all_gather_into"], seen
+        assert seen == ["all_reduce_direct_into", "reduce_scatter_into", "all_gather_into"], seen
     finally:
         for name, f in originals.items():
             setattr(small, name, f)
