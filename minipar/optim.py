@@ -17,14 +17,22 @@ import numpy as np
 
 
 def adamw_update(p, g, m, v, step: int, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay=0.0, chunk: int = 65536):
+                 weight_decay=0.0, chunk: int = 65536, grad_scale: float = 1.0):
     """One AdamW step in place on contiguous arrays p, m, v (g any layout). step counts
     from 1. weight_decay is a float, or an array broadcastable to p (0 where a parameter is
-    not decayed). The arrays are walked in chunks of `chunk` elements so that the dozen
-    elementwise passes of each chunk run in cache (2-3x faster on large models)."""
+    not decayed). grad_scale multiplies g (gradient clipping's factor, mixed precision's
+    unscaling) inside the two passes that read g, instead of in a pass of its own.
+
+    The arrays are walked in chunks of `chunk` elements so that the elementwise passes of
+    each chunk run in cache (2-3x faster on large models). The bias corrections are folded
+    into two scalars, the same quantity as the module docstring's:
+        lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps) = k * m / (sqrt(v) + eps * sqrt(bc2)),
+        k = lr * sqrt(bc2) / bc1."""
     b1, b2 = betas
     bc1 = 1.0 - b1 ** step
     bc2 = 1.0 - b2 ** step
+    k, eps_hat = lr * math.sqrt(bc2) / bc1, eps * math.sqrt(bc2)
+    gm, gv = (1.0 - b1) * grad_scale, (1.0 - b2) * grad_scale * grad_scale
     pf, mf, vf = p.reshape(-1), m.reshape(-1), v.reshape(-1)
     gf = np.ascontiguousarray(g).reshape(-1)
     wdf = np.broadcast_to(weight_decay, p.shape).reshape(-1) if np.ndim(weight_decay) else None
@@ -39,16 +47,15 @@ def adamw_update(p, g, m, v, step: int, lr: float, betas=(0.9, 0.95), eps: float
         elif weight_decay:
             pc *= 1.0 - lr * weight_decay
         mc *= b1
-        mc += np.multiply(gc, 1.0 - b1, out=a)              # m = b1 m + (1 - b1) g
+        mc += np.multiply(gc, gm, out=a)                    # m = b1 m + (1 - b1) s g
         vc *= b2
         np.multiply(gc, gc, out=a)
-        a *= 1.0 - b2
-        vc += a                                             # v = b2 v + (1 - b2) g^2
+        a *= gv
+        vc += a                                             # v = b2 v + (1 - b2) s^2 g^2
         np.sqrt(vc, out=b)
-        b *= 1.0 / math.sqrt(bc2)
-        b += eps                                            # sqrt(v / bc2) + eps
+        b += eps_hat
         np.divide(mc, b, out=b)
-        b *= lr / bc1
+        b *= k
         pc -= b
 
 
@@ -66,13 +73,16 @@ class AdamW:
         self.m = [np.zeros_like(p.data) for p in self.params]
         self.v = [np.zeros_like(p.data) for p in self.params]
 
-    def step(self):
+    def step(self, grad_scale: float = 1.0):
+        """grad_scale: every gradient counts as grad_scale * p.grad (the clip factor: the
+        trainer clips here, in AdamW's own passes, instead of rewriting p.grad)."""
         self.step_count += 1
         for p, m, v in zip(self.params, self.m, self.v):
             if p.grad is None:
                 continue
             wd = self.weight_decay if p.data.ndim >= 2 else 0.0
-            adamw_update(p.data, p.grad, m, v, self.step_count, self.lr, self.betas, self.eps, wd)
+            adamw_update(p.data, p.grad, m, v, self.step_count, self.lr, self.betas, self.eps, wd,
+                         grad_scale=grad_scale)
 
     def zero_grad(self):
         for p in self.params:

@@ -49,9 +49,9 @@ minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm
     pp     per boundary M activations down and M gradients up (b*T*C*s + a 128-byte
            header each), the tied wte gradient between the two ends (with ZeRO: the
            rank's shard of it), the loss broadcast
-    other  8-byte all-reduces: the loss over dp, the gradient norm over pp (and with
-           ZeRO over dp, each rank holding a shard), the fp16/bf16 overflow flag over
-           the world
+    other  8-byte all-reduces: the loss over dp, the gradient norm over pp and over dp
+           (ZeRO: each rank squares its shard; bucketed dp: its piece of each bucket;
+           not with --dp-mode naive), the fp16/bf16 overflow flag over the world
 bubble: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/p for the naive schedule.
 """
 from __future__ import annotations
@@ -285,8 +285,8 @@ def pp_bytes(cfg: GPTConfig, stage: int, lay, s: int) -> int:
 def other_bytes(stage: int, lay) -> int:
     """The step's 8-byte all-reduces outside the three mechanisms (train.train_step)."""
     out = all_reduce_sent(1, INT64, lay.dp)               # the loss, summed over dp
-    if lay.zero:                                          # the gradient norm of the dp shards
-        out += all_reduce_sent(1, INT64, lay.dp)
+    if lay.zero or lay.dp_mode != "naive":                # the gradient norm over dp: each rank
+        out += all_reduce_sent(1, INT64, lay.dp)          # squares its ZeRO shard / bucket pieces
     out += all_reduce_sent(1, INT64, lay.pp, stage)       # the gradient norm over the stages
     if lay.precision != "fp32":                           # the overflow flag, over the world
         world = lay.dp * lay.tp * lay.pp

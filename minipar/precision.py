@@ -163,10 +163,9 @@ class MixedPrecisionAdamW(AdamW):
             if p.grad is None:
                 continue
             g = p.grad.astype(np.float32)                             # (..) fp32
-            if grad_scale != 1.0:
-                g *= grad_scale                                       # unscale (and clip) in fp32
-            wd = self.weight_decay if w.ndim >= 2 else 0.0
-            adamw_update(w, g, m, v, self.step_count, self.lr, self.betas, self.eps, wd)
+            wd = self.weight_decay if w.ndim >= 2 else 0.0            # unscale (and clip) in fp32:
+            adamw_update(w, g, m, v, self.step_count, self.lr, self.betas, self.eps, wd,
+                         grad_scale=grad_scale)                       # inside AdamW's passes
             p.data[...] = w                                           # round into the model
 
     def load_master(self, arrays):

@@ -30,7 +30,7 @@ import numpy as np
 
 from minipar import checkpoint, comm, data, precision, report
 from minipar.model import GPT, GPTConfig, param_specs, train_flops_per_token
-from minipar.optim import AdamW, clip_coef, clip_grad_norm, lr_at
+from minipar.optim import AdamW, clip_coef, grad_norm, lr_at
 from minipar.perf import keep_freed_memory, matmul_peak_flops
 from minipar.parallel import data_parallel, pipeline, tensor_parallel, zero
 from minipar.config import ConfigError, Plan, agree_on_errors, build_parser, prepare, tokens_digest
@@ -240,17 +240,15 @@ def train_step(model, opt, sampler, args, step: int, rows, dp=None, group=None, 
     grad_bytes = (comm_sent() - sent0) - (tp_sent() - tp0) - pp_bytes   # dp's share of what was sent
     loss_sum = loss_local if group is None else float(comm.all_reduce(group, np.array([loss_local]))[0])
     skipped = False
-    if scaler is None:
-        norm = clip_grads(model, opt, args.grad_clip)   # grads are identical on every dp rank
-        opt.step()
-    else:
-        norm = clip_grads(model, opt, 0.0) / scale  # measure only: the 2-byte grads stay as they are
+    norm = global_grad_norm(model, opt, dp) / scale     # of the unscaled gradients; grads are the
+    if scaler is not None:                          # same on every dp rank
         skipped = opt.local_found_inf() if isinstance(opt, zero.Zero) else \
             precision.local_found_inf(model.parameters())
         if world is not None and world.size > 1:    # any rank's overflow skips the step everywhere
             skipped = bool(comm.all_reduce(world, np.array([skipped], dtype=np.int64), op="max")[0])
-        if not skipped:
-            opt.step(grad_scale=clip_coef(norm, args.grad_clip) / scale)   # unscale + clip in fp32
+    if not skipped:                                 # clip (and unscale) inside AdamW's passes:
+        opt.step(grad_scale=clip_coef(norm, args.grad_clip) / scale)   # the grads stay as they are
+    if scaler is not None:
         scaler.update(skipped)                      # a skipped step: nothing in opt has changed
     dt = time.perf_counter() - t0
     return {"step": step, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens_per_s": B * T / dt,
@@ -281,14 +279,17 @@ def pp_sent() -> int:
     return sum(t.get(op, {}).get("bytes_sent", 0) for op in ("send", "broadcast"))
 
 
-def clip_grads(model, opt, max_norm: float) -> float:
-    """Global-norm clipping; a tensor-parallel model counts each parameter once across tp,
-    ZeRO each gradient shard once across dp."""
+def global_grad_norm(model, opt, dp=None) -> float:
+    """The global L2 norm of the gradients that clipping uses: a tensor-parallel model counts
+    each parameter once across tp, ZeRO each gradient shard once across dp, bucketed data
+    parallelism each bucket piece once across dp (every dp rank holds the same sums)."""
     if isinstance(opt, zero.Zero):
-        return opt.clip_grad_norm(max_norm)
+        return math.sqrt(opt.grad_norm_sq())
+    if hasattr(dp, "grad_norm_sq"):
+        return math.sqrt(dp.grad_norm_sq(model))
     if hasattr(model, "grad_norm_sq"):
-        return tensor_parallel.clip_grad_norm(model, max_norm)
-    return clip_grad_norm(model.parameters(), max_norm)
+        return math.sqrt(model.grad_norm_sq())
+    return grad_norm([p.grad for p in model.parameters()])
 
 
 def run_twin(plan: Plan, args, start: int, stop: int):

@@ -59,15 +59,14 @@ either, and minipar refuses it).
 """
 from __future__ import annotations
 
-import math
 import re
 import time
 
 import numpy as np
 
 from minipar import comm
-from minipar.optim import adamw_update, clip_coef, sum_of_squares
-from minipar.tensor import Function, Tensor, is_grad_enabled
+from minipar.optim import adamw_update, sum_of_squares
+from minipar.tensor import Function, is_grad_enabled
 
 STAGES = (0, 1, 2, 3)
 _BLOCK = re.compile(r"h\.(\d+)\.")
@@ -178,7 +177,7 @@ class Regather(Function):
 class Zero:
     """ZeRO over the dp group: a data-parallel synchroniser (zero_grad, start_step,
     sync_now, finish: the trainer's dp interface) and the sharded optimizer (lr, step,
-    step_count, clip_grad_norm, state) in one object.
+    step_count, grad_norm_sq, state) in one object.
 
     Built from a model and its plain optimizer (AdamW or MixedPrecisionAdamW) after any
     checkpoint has been loaded into them: each rank keeps its shard of their state and the
@@ -390,34 +389,21 @@ class Zero:
         total = comm.all_reduce(self.group, np.array([local]))[0] if self.N > 1 else local
         return self.model.reduce_norm_sq(float(total))
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """optim.clip_grad_norm on the gradient shards: returns the global norm and scales
-        the shards by the clip factor (max_norm 0: measure only)."""
-        total = math.sqrt(self.grad_norm_sq())
-        c = clip_coef(total, max_norm)
-        if c < 1.0:
-            for u in self.units:
-                u.grad_shard *= c
-        return total
-
     def local_found_inf(self) -> bool:
         return any(not np.isfinite(u.grad_shard).all() for u in self.units)
 
     def step(self, grad_scale: float = 1.0):
         """AdamW on this rank's shards, then (stages 1 and 2) the all-gather that rebuilds
-        the full parameters. grad_scale: mixed precision's unscale-and-clip factor."""
+        the full parameters. grad_scale: the clip factor (over the loss scale with mixed precision)."""
         self.step_count += 1
         for u in self.units:
             w_shard = u.param_shard if self.stage == 3 else u.param_flat[u.lo:u.hi]   # a view
             for p, sh, _ in u.segments:
-                g = u.grad_shard[sh]
-                if self.mixed or grad_scale != 1.0:
-                    g = g.astype(np.float32 if self.mixed else g.dtype)
-                    if grad_scale != 1.0:
-                        g *= grad_scale
+                g = u.grad_shard[sh].astype(np.float32) if self.mixed else u.grad_shard[sh]
                 wd = self.weight_decay if p.data.ndim >= 2 else 0.0
                 target = u.master[sh] if self.mixed else w_shard[sh]
-                adamw_update(target, g, u.m[sh], u.v[sh], self.step_count, self.lr, self.betas, self.eps, wd)
+                adamw_update(target, g, u.m[sh], u.v[sh], self.step_count, self.lr, self.betas, self.eps, wd,
+                             grad_scale=grad_scale)
                 if self.mixed:
                     w_shard[sh] = target                                  # round into the model
             if self.stage != 3:

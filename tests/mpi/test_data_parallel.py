@@ -30,7 +30,8 @@ def tokens():
 
 
 def run(args, dp_comm=None, mode="bucketed", bucket_mb=1.0, check=None):
-    """3 steps; dp_comm None is the single-process twin. -> (losses, grads, params, ddp)."""
+    """3 steps; dp_comm None is the single-process twin.
+    -> (losses, grads, params, ddp, gradient norms, model)."""
     model = GPT(CFG, seed=args.seed, dtype=np.float64)
     opt = train.build_optimizer(model, args)
     sampler = data.Sampler(tokens(), CFG.block_size, args.batch_size, args.seed)
@@ -44,9 +45,9 @@ def run(args, dp_comm=None, mode="bucketed", bucket_mb=1.0, check=None):
         if check is not None:
             ddp.finish = check(ddp, ddp.finish)
         rows = (grid.dp_rank * B // grid.dp_size, (grid.dp_rank + 1) * B // grid.dp_size)
-    losses = [r["loss"] for r in train.train_steps(model, opt, sampler, args, 0, STEPS, rows, ddp, group)]
+    log = list(train.train_steps(model, opt, sampler, args, 0, STEPS, rows, ddp, group))
     grads = {n: p.grad.copy() for n, p in model.named_parameters()}
-    return losses, grads, model.state_dict(), ddp
+    return [r["loss"] for r in log], grads, model.state_dict(), ddp, [r["grad_norm"] for r in log], model
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +61,8 @@ def split(k):
 
 
 def assert_twin(out, ref, what):
-    losses, grads, params, _ = out
-    rlosses, rgrads, rparams, _ = ref
+    losses, grads, params = out[:3]
+    rlosses, rgrads, rparams = ref[:3]
     np.testing.assert_allclose(losses, rlosses, rtol=1e-12, atol=0, err_msg=f"losses {what} rank={RANK}")
     for n in rparams:
         scale = max(np.abs(rgrads[n]).max(), 1e-30)
@@ -92,6 +93,32 @@ def test_micro_batches_match(twin, m):
     sub.Free()
 
 
+@pytest.fixture(scope="module")
+def twin_clipped():
+    return run(flags("--batch-size", "12", "--grad-clip", "0.05"))
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("dp", [2, 3, 4])
+@pytest.mark.parametrize("bucket_mb", [1.0, 1e-3, 1e3])
+def test_clipping_norm_split_over_dp(twin_clipped, dp, bucket_mb):
+    """Bucketed dp squares only each rank's piece of each bucket and all-reduces the sum:
+    every step's norm equals the twin's at 1e-12, clipping (active) gives the same
+    parameters, and grad_norm_sq equals the sum over all gradients. (On 4 ranks, dp=3
+    leaves rank 3 alone: a group of one.)"""
+    sub = split(dp)
+    args = flags("--batch-size", "12", "--grad-clip", "0.05")
+    out = run(args, sub, "bucketed", bucket_mb)
+    ref_norms = twin_clipped[4]
+    assert min(ref_norms) > 0.05, f"clipping is not active: norms {ref_norms}"
+    np.testing.assert_allclose(out[4], ref_norms, rtol=1e-12, atol=0, err_msg=f"grad norms dp={dp} rank={RANK}")
+    assert_twin(out, twin_clipped, f"dp={dp} bucket_mb={bucket_mb} clipped")
+    ddp, model = out[3], out[5]
+    full = sum(float(np.sum(p.grad ** 2)) for p in model.parameters())
+    np.testing.assert_allclose(ddp.grad_norm_sq(model), full, rtol=1e-13, atol=0)
+    sub.Free()
+
+
 @pytest.mark.mpi(min_size=4)
 def test_buckets_launch_during_backward_in_reverse_order():
     """With tiny buckets every bucket's all-reduce has been started from a gradient hook
@@ -106,7 +133,7 @@ def test_buckets_launch_during_backward_in_reverse_order():
         return wrapped
 
     sub = split(4)
-    _, _, _, ddp = run(flags(), sub, "bucketed", 1e-4, check)
+    ddp = run(flags(), sub, "bucketed", 1e-4, check)[3]
     assert seen["total"] > 10 and seen["launched"] == seen["total"], seen
     first = ddp.buckets[0].params[0]
     assert first.name == "ln_f.bias", f"first bucket starts with {first.name}, expected the last parameter"
