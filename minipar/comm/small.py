@@ -132,10 +132,11 @@ def _all_gather(c, res, off, mine, step):
         src, dst = (r - k) % p, (r + k) % p
         reqs += c.irecv(step, res[off[src]:off[src + 1]], src)
         reqs += c.isend(step, send, dst)
-    if mine is not None:
-        res[off[r]:off[r + 1]] = mine           # the local copy, while the messages travel
     if reqs:
         c.wait(reqs)
+    if mine is not None:                        # the local copy after the wait: this rank
+        res[off[r]:off[r + 1]] = mine           # reads its incoming pieces itself (MPICH's
+                                                # single-copy CMA), so it polls first
 
 
 def all_gather_into(g, x, sizes, out, bruck=False):
