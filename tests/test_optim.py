@@ -239,6 +239,49 @@ def test_lr_at():
         lr_at(0, 1.0, "linear")
 
 
+def test_grad_scale_is_a_scaled_gradient():
+    """adamw_update(..., grad_scale=s) applies the reference update to s * g: the clip factor
+    and mixed precision's 1/S, folded into AdamW's passes (s in m, s^2 in v)."""
+    for s in (1.0, 0.3, 2.0 ** -16, 7.5):
+        p0 = rnd(6, 7, seed=3)
+        ref = TorchAdamWReference(p0, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+        p, m, v = p0.copy(), np.zeros_like(p0), np.zeros_like(p0)
+        for step in range(1, 6):
+            g = rnd(6, 7, seed=40 + step) * 10.0 ** (step % 3 - 1)
+            adamw_update(p, g, m, v, step, 1e-2, (0.9, 0.95), 1e-8, 0.1, grad_scale=s)
+            ref.step(s * g)
+            np.testing.assert_allclose(p, ref.theta, rtol=1e-14, atol=1e-16, err_msg=f"s={s} step {step}")
+            np.testing.assert_allclose(m, ref.m, rtol=1e-14, atol=1e-30, err_msg=f"s={s} m")
+            np.testing.assert_allclose(v, ref.v, rtol=1e-14, atol=1e-40, err_msg=f"s={s} v")
+
+
+def test_trainer_clips_as_clip_grad_norm_then_step():
+    """train_step clips inside AdamW (grad_scale = clip_coef) and leaves p.grad alone: the
+    same parameters as the textbook clip_grad_norm (which rewrites p.grad) then step()."""
+    from minipar import data, train
+    args = train.build_parser().parse_args(
+        ["--batch-size", "4", "--steps", "4", "--warmup", "0", "--lr", "1e-2", "--lr-schedule", "constant", "--grad-clip", "0.05",
+         "--dtype", "float64", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8"])
+    cfg = GPTConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    tokens = data.load_tokens(None, cfg.block_size)
+    model = GPT(cfg, seed=0, dtype=np.float64)
+    rows = list(train.train_steps(model, train.build_optimizer(model, args),
+                                  data.Sampler(tokens, 8, 4, 0), args, 0, 4, (0, 4)))
+    ref = GPT(cfg, seed=0, dtype=np.float64)
+    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=args.weight_decay)
+    sampler = data.Sampler(tokens, 8, 4, 0)
+    for step, row in enumerate(rows):
+        x, y = sampler.batch(step, 0, 4)
+        opt.zero_grad()
+        ref(x, y).backward()
+        norm = clip_grad_norm(ref.parameters(), 0.05)
+        assert norm > 0.05, "clipping must be active for this test to mean anything"
+        opt.step()
+        np.testing.assert_allclose(row["grad_norm"], norm, rtol=1e-12)
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        np.testing.assert_allclose(a.data, b.data, rtol=1e-12, atol=1e-14, err_msg=n)
+
+
 # --- end to end --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
