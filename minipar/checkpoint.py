@@ -1,10 +1,10 @@
-"""Checkpoints (DESIGN 2.8): sharded, atomic, readable on any layout. A checkpoint is a
+"""Checkpoints (docs/design.md §9): sharded, atomic, readable on any layout. A checkpoint is a
 directory DIR:
 
     meta.json              config, layout, the step to resume at, data position, seeds, the
                            loss scaler, and under "optimizer": Adam's step, the canonical
                            parameter list [name, shape] and the shard files with their sizes
-    model.npz              the consolidated canonical model {name: array} (DESIGN 2.2) in the
+    model.npz              the consolidated canonical model {name: array} (docs/design.md §2) in the
                            run's dtype (--precision fp16/bf16: the fp32 master weights)
     optim/rank-00003.npz   one per writing rank: the Adam state that rank holds, flat
                              index  (n,) int64  where each element sits in the canonical flat

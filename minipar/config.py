@@ -1,4 +1,4 @@
-"""What a run is asked to do, checked before anything runs: the trainer's flags (DESIGN 2.7),
+"""What a run is asked to do, checked before anything runs: the trainer's flags (docs/design.md §7),
 their validation, and the Plan every rank derives from them on its own.
 
 `prepare` reads the flags, the checkpoint (if resuming) and the data, and raises

@@ -5,7 +5,7 @@
     logits = ln_f(x) @ wte.T      (untied: @ lm_head.weight.T) # (B, t, V)
     loss = mean cross-entropy over every position of the global batch
 
-Parameters carry the canonical GPT-2 / Hugging Face names and shapes of DESIGN 2.2,
+Parameters carry the canonical GPT-2 / Hugging Face names and shapes of docs/design.md §2,
 weights stored (in, out). Each is drawn from its own generator seeded by (seed, name), so
 a shard on any dp/tp/pp layout is a slice of the very same full tensor.
 """
@@ -95,7 +95,7 @@ class GPT:
             for name, shape, init in param_specs(cfg)
         }
 
-    # --- the Python API of DESIGN 2.4 ---------------------------------------------------
+    # --- the Python API of docs/design.md §4 ---------------------------------------------------
     def named_parameters(self):
         return list(self.params.items())
 

@@ -326,7 +326,7 @@ class CausalSelfAttention(Function):
     The scores are kept transposed, P^T (B, nh, T_key, T_query): the softmax then reduces
     over axis -2, which NumPy vectorises across the contiguous last axis, instead of over
     64- or 128-element rows one at a time (3x faster for the row max). The maths is
-    softmax(q k^T / sqrt(hs)) @ v, exactly as written in DESIGN 2.1."""
+    softmax(q k^T / sqrt(hs)) @ v, exactly as written in docs/design.md §1."""
 
     def forward(self, qkv, n_head):
         self.dtype, qkv = qkv.dtype, compute(qkv)          # fp16/bf16: attend in fp32

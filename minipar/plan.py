@@ -7,10 +7,10 @@
 Layout flags are the trainer's (same names, same defaults), so one set of flags describes
 one run; tests/test_plan*.py hold every figure to what minipar measures on such runs.
 
-Memory per device (the seeds; ZeRO, Rajbhandari et al. 2020, section 3):
+Memory per device (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054, section 3):
     s   bytes per stored parameter and gradient: 4 (fp32), 8 (float64), 2 (fp16, bf16)
     K   optimizer bytes per parameter: AdamW's m and v, 2s; fp16/bf16 12 (fp32 master, m, v),
-        which gives the seeds' 2P + 2P + KP with K = 12
+        which gives the paper's 2P + 2P + KP with K = 12
     P_local  parameters the device holds after tp and pp slicing: the stage's tensors
              (schedules.stage_param_names; the last stage keeps a copy of a tied wte), split
              ones / tp, vocabulary ones padded to Vp = tp*ceil(V/tp) rows first
@@ -26,8 +26,8 @@ Memory per device (the seeds; ZeRO, Rajbhandari et al. 2020, section 3):
     micro-batch of b = B/(dp*M) sequences, times the micro-batches in flight: 1 without a
     pipeline and with the naive schedule, M with GPipe, min(M, pp - stage) with 1F1B.
 
-FLOPs of a forward pass over one sequence of T tokens, the seed's count (Hoffmann et al.
-2022, "Chinchilla", appendix F), C channels, H heads, V vocabulary, 4C MLP width:
+FLOPs of a forward pass over one sequence of T tokens, the count of Hoffmann et al.
+2022 (arXiv:2203.15556, "Chinchilla", appendix F), C channels, H heads, V vocabulary, 4C MLP width:
     embeddings 2TVC;  per layer: K,Q,V projections 2*3TCC, key-query logits 2TTC,
     softmax 3HTT, softmax-value reduction 2TTC, final linear 2TCC, dense block 2T(4CC + 4CC);
     final logits 2TCV.   backward = 2 x forward;  6ND beside it (N params, D = B*T).
@@ -156,7 +156,7 @@ def in_flight(schedule: str, stage: int, pp: int, M: int) -> int:
 # --- FLOPs ------------------------------------------------------------------------------------
 
 def flop_components(cfg: GPTConfig, tp: int = 1, stage: int = 0, pp: int = 1) -> dict:
-    """The seed's forward FLOPs of one sequence, by component, on one device of `stage`."""
+    """The Chinchilla appendix F forward FLOPs of one sequence, by component, on one device of `stage`."""
     T, C, H, V = cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size
     Vl = V if tp == 1 else -(-V // tp)                    # vocabulary rows on this device
     L = len(schedules.partition(cfg.n_layer, pp)[stage])

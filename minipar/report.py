@@ -1,5 +1,5 @@
 """What a training run tells its user: the start-up description, the progress line, the
-closing summary (DESIGN 2.7's `summary` object and its printed lines), and --verify's
+closing summary (docs/design.md §8's `summary` object and its printed lines), and --verify's
 comparison with the single-process twin.
 
 Every function here reads a trainer session `s` (train.Session: args, cfg, grid, model,
@@ -127,7 +127,7 @@ def progress_line(s, row: dict) -> str:
 
 
 def summarize(s, rows_log, losses, elapsed, val_loss, digest, stages, tp_ledger) -> tuple[dict, list[str]]:
-    """DESIGN 2.7's summary object and the lines that print it. stages: every pipeline
+    """docs/design.md §8's summary object and the lines that print it. stages: every pipeline
     stage's stats on pp rank 0 (else None); tp_ledger: tensor_parallel.traffic() of the
     training steps."""
     a, cfg, g, model, opt, ddp = s.args, s.cfg, s.grid, s.model, s.opt, s.ddp
@@ -226,7 +226,7 @@ def summarize(s, rows_log, losses, elapsed, val_loss, digest, stages, tp_ledger)
 
 
 def pipeline_summary(args, pipe, stages, rows_log) -> dict:
-    """DESIGN 2.7's `pipeline` figures from every stage's stats (gathered on pp rank 0).
+    """docs/design.md §8's `pipeline` figures from every stage's stats (gathered on pp rank 0).
     bubble_measured: 1 - sum of busy time / (p * makespan), the mean over stages of each
     stage's idle fraction of the step's longest stage span, averaged over the steps after
     the first (the first pays for warming caches); pipeline.py's docstring."""

@@ -1,4 +1,4 @@
-"""The trainer: python -m minipar.train [flags]   (see --help, and DESIGN 2.7; the flags
+"""The trainer: python -m minipar.train [flags]   (see --help, and docs/design.md §7; the flags
 and their validation live in config.py)
 
 The model, AdamW, the step-indexed sampler, gradient accumulation over micro-batches,

@@ -6,7 +6,7 @@ For each config it prints tokens/s and MFU = model FLOPs per second (median step
 float32 matmul peak that this same process measures between the steps (the median of
 three measurements: same BLAS, same thread, same load).
 Model FLOPs per token are minipar.model.train_flops_per_token: 3x the forward matmuls.
-Targets (issue 2): MFU >= 0.40 on small, >= 0.60 on medium.
+Targets: MFU >= 0.40 on small, >= 0.60 on medium.
 """
 import os
 

@@ -1,4 +1,4 @@
-"""DESIGN 2.2's canonical parameter names and shapes, typed in from its table (shared by
+"""docs/design.md §2's canonical parameter names and shapes, typed in from its table (shared by
 the tests of every layout, so each compares against the contract, not against the code)."""
 
 

@@ -1,4 +1,4 @@
-"""minipar.checkpoint (DESIGN 2.8): round trip, pickle-free loading, resharding from any set
+"""minipar.checkpoint (docs/design.md §9): round trip, pickle-free loading, resharding from any set
 of shards, atomic save, clear errors.
 
 A checkpoint is a directory DIR with meta.json, model.npz and optim/rank-NNNNN.npz (one

@@ -1,4 +1,4 @@
-"""Sharded checkpoints across layouts (DESIGN 2.8, issue 9): each rank writes the optimizer
+"""Sharded checkpoints across layouts (docs/design.md §9): each rank writes the optimizer
 state it holds, with every element's canonical position, and any layout resumes from any
 other exactly as the uninterrupted run in the target layout (float64: 1e-12 relative).
 

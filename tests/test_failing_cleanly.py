@@ -1,4 +1,4 @@
-"""Failing cleanly (DESIGN 3, issue 9): an exception on any rank ends the whole job within
+"""Failing cleanly (docs/design.md §10): an exception on any rank ends the whole job within
 seconds, with that rank's traceback and a non-zero exit code; a problem that can be found
 before training (a checkpoint that is missing a shard, one that a rank cannot read, a path
 rank 0 cannot write) stops every rank with one line and exit code 2; a save that fails on

@@ -1,4 +1,4 @@
-"""The single-process GPT: names and shapes (DESIGN 2.2), init (2.3), a full-model
+"""The single-process GPT: names and shapes (docs/design.md §2), init (§3), a full-model
 finite-difference check, loss conventions, state dicts, config errors, generate, FLOPs."""
 import math
 
@@ -159,7 +159,7 @@ def test_model_gradcheck(tied):
 
 
 def test_model_forward_matches_numpy_reference():
-    """An independent NumPy forward of DESIGN 2.1 (no minipar ops) gives the same loss."""
+    """An independent NumPy forward of docs/design.md §1 (no minipar ops) gives the same loss."""
     m = GPT(cfg_(tie_embeddings=True), seed=0)
     randomize(m, 3)
     P = {n: p.data for n, p in m.named_parameters()}

@@ -2,9 +2,9 @@
 
 - parameters: the exact count of the architecture, and each device's share equals
   pipeline.local_param_count;
-- memory: the seeds' formulas (2P + 2P + KP, each ZeRO stage's division by N) and the
-  seeds' embedding example; activations equal Tensor.saved_bytes of real forward passes;
-- FLOPs: the seed's per-component count, 6ND, and the matmul part equal to a count taken
+- memory: ZeRO's formulas (2P + 2P + KP, each ZeRO stage's division by N) and a
+  vocabulary-parallel embedding example; activations equal Tensor.saved_bytes of real forward passes;
+- FLOPs: Chinchilla's per-component count (arXiv:2203.15556, appendix F), 6ND, and the matmul part equal to a count taken
   by instrumenting minipar's ops (Linear, MatMul, attention) on the whole model and on one
   device of tp and pp layouts;
 - the command line: JSON keys, --params mode, one-line errors with exit code 2.
@@ -76,14 +76,14 @@ def test_device_params_equal_pipeline_local_param_count(V, tied):
         assert sum(n for _, n in plan.local_tensors(cfg, 0, 1, tp)) == tensor_parallel.local_param_count(cfg, tp)
 
 
-# ---------------------------------------------------------------- memory: the seeds
+# ---------------------------------------------------------------- memory: worked examples
 
-def test_seed_embedding_example():
-    """The seed: a 640000 x 5120 embedding in FP32 takes 640000*5120*4/1024/1024 = 1250MB,
+def test_embedding_example():
+    """A 640000 x 5120 embedding in FP32 takes 640000*5120*4/1024/1024 = 1250MB,
     as much again for gradients and for each of Adam's two moments, 5GB in all, and 2.5GB
-    per device split in two along the vocabulary. The seed's own expression evaluates to
-    12500 (MiB), not 1250: its figures are those of 64,000 rows (a common vocabulary size),
-    which we reproduce, in MiB, with the seed's 1 GB = 1000 MB."""
+    per device split in two along the vocabulary. The expression 640000*5120*4/1024/1024
+    evaluates to 12500 (MiB), not 1250: those figures are those of 64,000 rows (a common
+    vocabulary size), which we reproduce, in MiB, with 1 GB = 1000 MB."""
     assert 640000 * 5120 * 4 / 1024 / 1024 == 12500      # the expression as printed
     rows, C = 64000, 5120
     r = run_plan("--params", str(rows * C))             # the embedding alone, fp32, AdamW
@@ -98,9 +98,9 @@ def test_seed_embedding_example():
 
 
 @pytest.mark.parametrize("N", [1, 2, 4, 8])
-def test_seed_zero_formulas_fp16(N):
-    """2P + 2P + KP with K = 12; ZeRO 1: KP/N; 2: 2P + (2P + KP)/N; 3: (4P + KP)/N, the
-    seed's Stage 1/2/3 (Rajbhandari et al., figure 1). C = 64, T = 64: every ZeRO unit
+def test_zero_formulas_fp16(N):
+    """2P + 2P + KP with K = 12; ZeRO 1: KP/N; 2: 2P + (2P + KP)/N; 3: (4P + KP)/N, ZeRO's
+    Stage 1/2/3 (Rajbhandari et al., arXiv:1910.02054, figure 1). C = 64, T = 64: every ZeRO unit
     (wte, each block, the rest) divides by 8, so no padding."""
     cfg = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "64", "--batch-size", "16"]
     P = run_plan(*cfg)["params"]
@@ -209,8 +209,8 @@ def test_micro_batches_in_flight_follow_the_schedule():
 
 # ---------------------------------------------------------------- FLOPs
 
-def test_flops_follow_the_seed_component_by_component():
-    """T=4, C=8, H=2, V=10, L=1, B=3 by hand: the seed's table, backward 2x, 6ND."""
+def test_flops_follow_chinchilla_component_by_component():
+    """T=4, C=8, H=2, V=10, L=1, B=3 by hand: Chinchilla's appendix F table, backward 2x, 6ND."""
     T, C, H, V, B = 4, 8, 2, 10, 3
     r = run_plan("--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--block-size", "4",
                  "--vocab-size", "10", "--batch-size", "3")
@@ -238,7 +238,7 @@ def matmul_counter(monkeypatch):
     """Wraps the forwards of ops.Linear, ops.MatMul and ops.CausalSelfAttention (every matmul
     of the model: the projections, the MLP, the head, and attention's k q^T and P v) and adds
     2*m*n*k per product, read from the operands' shapes. LayerNorm's row-mean GEMV is not a
-    model FLOP in the seed's count (a reduction); the embedding is a lookup."""
+    model FLOP in Chinchilla's count (a reduction); the embedding is a lookup."""
     count = {"flops": 0}
 
     def wrap(cls, flops_of):

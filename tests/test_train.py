@@ -1,4 +1,4 @@
-"""minipar.train (DESIGN 2.7, 2.8): exact resume, gradient accumulation, the JSONL log,
+"""minipar.train (docs/design.md §7 to §9): exact resume, gradient accumulation, the JSONL log,
 one-line errors for bad flags, learning on the built-in corpus, and the progress output.
 
 Runs call the trainer in-process on a tiny model; only the few tests that check what a
@@ -37,7 +37,7 @@ def read_npz(path) -> dict:
 
 
 def param_count(L, C, T, V, tied=True, **_):
-    """P from the shapes of DESIGN 2.2, independently of minipar.model."""
+    """P from the shapes of docs/design.md §2, independently of minipar.model."""
     per_block = (C + C            # ln_1 weight, bias
                  + C * 3 * C + 3 * C  # attn.c_attn
                  + C * C + C      # attn.c_proj
@@ -189,7 +189,7 @@ def test_jsonl_log_rows_and_summary(tmp_path, dtype, tied):
 
     P = param_count(**TINY_CFG, tied=tied)
     s = np.dtype(dtype).itemsize
-    assert summary["params_count"] == P, f"params_count {summary['params_count']} != {P} from DESIGN 2.2"
+    assert summary["params_count"] == P, f"params_count {summary['params_count']} != {P} from docs/design.md §2"
     mem = summary["memory"]
     got = {k: mem[k] for k in ("params", "grads", "optimizer")}
     assert got == {"params": s * P, "grads": s * P, "optimizer": 2 * s * P}, \

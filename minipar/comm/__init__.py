@@ -1,4 +1,4 @@
-"""minipar.comm: collectives written by hand on MPI point-to-point messages (DESIGN 2.5).
+"""minipar.comm: collectives written by hand on MPI point-to-point messages (docs/design.md §5).
 
     g = Group(MPI.COMM_WORLD)                 # or any sub-communicator, of any size
     y = all_reduce(g, x, op="sum")            # op: sum, max, min; out=y to reuse a buffer

@@ -1,6 +1,6 @@
 """The process grid: world = dp x tp x pp ranks, and one communicator per axis.
 
-Rank order (DESIGN 2.6): tp varies fastest, then dp, then pp,
+Rank order (docs/design.md §6): tp varies fastest, then dp, then pp,
 
     rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
 

@@ -67,7 +67,7 @@ the eager mode of `check()`, in which sends never block and receives wait. naive
 GPipe pass both modes.
 
 Also here: `partition()`, the contiguous layer split, and `stage_param_names()`, the
-canonical parameter names (DESIGN 2.2) a stage owns.
+canonical parameter names (docs/design.md §2) a stage owns.
 """
 from __future__ import annotations
 
@@ -426,7 +426,7 @@ def partition(n_layer: int, n_stages: int) -> list:
 
 
 def stage_param_names(cfg: GPTConfig, stage: int, n_stages: int) -> list:
-    """Canonical names (DESIGN 2.2) of the parameters `stage` holds, in model order: its
+    """Canonical names (docs/design.md §2) of the parameters `stage` holds, in model order: its
     blocks; the first stage wte and wpe; the last ln_f and lm_head (untied) or, tied, its
     own copy of wte (Megatron's embedding group: both ends hold wte and all-reduce its
     gradient). With one stage that is every name once."""

@@ -367,7 +367,7 @@ class TensorParallelGPT:
         parts = np.stack([s.reshape(*lead, 3, -1) for s in shards], axis=-2)   # (..., 3, tp, C/tp)
         return parts.reshape(*lead, -1)
 
-    # --- the Python API of DESIGN 2.4, on shards ---------------------------------------------
+    # --- the Python API of docs/design.md §4, on shards ---------------------------------------------
     def named_parameters(self):
         return list(self.params.items())
 

@@ -291,7 +291,7 @@ def design_shapes(tied):
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_state_dict_is_canonical(groups, tp, tied):
-    """Before training: the consolidated state has DESIGN 2.2's names and shapes and is the
+    """Before training: the consolidated state has docs/design.md §2's names and shapes and is the
     single-process model's, bit for bit (same init); load_state_dict keeps only the shard."""
     model = TensorParallelGPT(config(tied), groups[tp])
     twin = GPT(config(tied))
