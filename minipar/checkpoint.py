@@ -15,7 +15,7 @@ directory DIR:
 The canonical flat vector is every parameter of meta.json's list (the order of
 minipar.model.param_specs), each flattened in C order, concatenated: P elements. A rank
 learns where its own elements sit by cutting an index tensor exactly as it cuts the
-parameters (train.optimizer_shard): the tensor-parallel slice, the pipeline stage, the ZeRO
+parameters (optimizer_shard, below): the tensor-parallel slice, the pipeline stage, the ZeRO
 shard of a padded unit. So a shard is self-describing, and loading needs to know nothing of
 the layout that wrote it: scatter every shard into full m and v,
 
@@ -34,8 +34,10 @@ write fails on any rank, that rank prints its traceback at once and every rank r
 SaveFailed (the trainer then ends the job).
 
 Everything is read with allow_pickle=False, and every problem found while reading raises
-CheckpointError naming the file and the mismatch. Format 1 (one optim.npz with "step",
-"m/<name>", "v/<name>" of the full canonical tensors) is still read.
+CheckpointError naming the file and the mismatch.
+
+The trainer's side is at the end of this file: canonical_state (the model as checkpoints and
+--verify see it), optimizer_shard (this rank's shard and its index), save_run and restore.
 """
 from __future__ import annotations
 
@@ -49,8 +51,12 @@ import traceback
 
 import numpy as np
 
+from minipar import data, precision
+from minipar.model import param_specs
+from minipar.parallel import zero
+
 FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+READABLE_FORMATS = (FORMAT_VERSION,)
 SHARD_DIR = "optim"
 _SHARD_NAME = re.compile(r"optim/rank-\d{5,}\.npz")
 
@@ -271,19 +277,7 @@ def load(directory: str):
             raise CheckpointError(f"checkpoint directory {directory} not found")
     meta = _read_meta(directory)
     model_state = _read_npz(os.path.join(directory, "model.npz"))
-    if meta["format"] == 1:
-        return model_state, _load_format_1(directory), meta
     return model_state, _load_shards(directory, meta, model_state), meta
-
-
-def _load_format_1(directory: str) -> dict:
-    path = os.path.join(directory, "optim.npz")
-    opt = _read_npz(path)
-    if "step" not in opt:
-        raise CheckpointError(f"checkpoint file {path} has no 'step'")
-    return {"step": int(opt["step"]),
-            "m": {k[2:]: a for k, a in opt.items() if k.startswith("m/")},
-            "v": {k[2:]: a for k, a in opt.items() if k.startswith("v/")}}
 
 
 def _optimizer_toc(directory: str, meta: dict):
@@ -357,3 +351,97 @@ def _load_shards(directory: str, meta: dict, model_state: dict) -> dict:
         out["v"][n] = v_full[off:off + size].reshape(shape)
         off += size
     return out
+
+
+# ------------------------------------------------------------------------------ the trainer's side
+
+def local_state(model, opt, kind: str) -> dict:
+    """{canonical name: this rank's (tp slice, pp stage) array} of "params" (the fp32 master
+    weights with --precision fp16/bf16), "m" or "v". With ZeRO, gathered from the dp
+    group's shards (collective over dp)."""
+    names = [n for n, _ in model.named_parameters()]
+    if isinstance(opt, zero.Zero):
+        return opt.gather_local("master" if kind == "params" and opt.mixed else kind)
+    if kind == "params":
+        if isinstance(opt, precision.MixedPrecisionAdamW):
+            return dict(zip(names, opt.master))
+        return {n: p.data for n, p in model.named_parameters()}
+    return dict(zip(names, getattr(opt, kind)))
+
+
+def canonical_state(model, opt) -> dict:
+    """The model as checkpoints and --verify see it: {canonical name: full array}. With
+    --precision fp16/bf16 that is the fp32 master weights (the 2-byte parameters are their
+    rounding). Collective over tp and pp (and dp with ZeRO), like model.state_dict()."""
+    return model.consolidate(local_state(model, opt, "params"))
+
+
+def optimizer_shard(model, opt) -> dict:
+    """This rank's Adam state for its shard file: m and v flat, exactly as this rank holds
+    them, and `index`: where each element sits in the canonical flat vector (every parameter
+    of param_specs, C order, concatenated), -1 for padding. No communication.
+
+    The index comes from cutting an index tensor the way the parameters are cut: for each
+    local parameter, model.shard (the tp slice; the whole tensor on one rank) of the tensor
+    1..size shifted by the parameter's canonical offset, minus 1, so tensor parallelism's
+    zero padding of the vocabulary rows comes out as -1; with ZeRO each unit is then
+    flattened and padded like the parameters (Unit.flatten, zeros -> -1 again) and cut to
+    this rank's [lo, hi)."""
+    where, off = {}, 0                                  # {name: (canonical offset, full shape)}
+    for name, shape, _ in param_specs(model.cfg):
+        where[name], off = (off, shape), off + math.prod(shape)
+    index = {}                                          # {name: this rank's slice of 1 + index}
+    for name, _ in model.named_parameters():
+        start, shape = where[name]
+        full = np.arange(start + 1, start + math.prod(shape) + 1, dtype=np.int64).reshape(shape)
+        index[name] = np.asarray(model.shard(name, full))
+    if isinstance(opt, zero.Zero):                      # its flat shard of every unit
+        parts = [(u.flatten([index[n] for n in u.names])[u.lo:u.hi], u.m, u.v) for u in opt.units]
+    else:
+        parts = [(index[n].ravel(), m.ravel(), v.ravel())
+                 for (n, _), m, v in zip(model.named_parameters(), opt.m, opt.v)]
+    return {"step": opt.step_count, "index": np.concatenate([i for i, _, _ in parts]) - 1,
+            "m": np.concatenate([m for _, m, _ in parts]), "v": np.concatenate([v for _, _, v in parts])}
+
+
+def save_run(path: str, s, next_step: int):
+    """A training session's checkpoint (s: train.Session), called on every rank. model.npz:
+    the canonical model, consolidated on rank 0 (collective: tp all-gathers, pp sends to
+    stage 0, ZeRO all-gathers over dp). The optimizer: each rank writes the shard it holds
+    (optimizer_shard), with ZeRO every rank, without it dp rank 0 of each (tp, pp) position
+    (its dp replicas hold the same). Then save() agrees that every write succeeded before
+    rank 0 commits."""
+    model, opt, args, grid = s.model, s.opt, s.args, s.grid
+    state = canonical_state(model, opt)
+    writes = isinstance(opt, zero.Zero) or grid.dp_rank == 0
+    shard = optimizer_shard(model, opt) if writes else None
+    meta = None
+    if grid.rank == 0:
+        state = {n: state[n] for n, _, _ in param_specs(s.cfg)}          # canonical order
+        scaler = opt.scaler if isinstance(opt, (zero.Zero, precision.MixedPrecisionAdamW)) else None
+        tokens = s.spec.tokens
+        meta = {"config": s.cfg.to_dict(), "step": next_step, "dtype": args.dtype, "precision": args.precision,
+                **({"loss_scaler": scaler.state_dict()} if scaler is not None else {}),
+                "layout": {"dp": grid.dp_size, "tp": grid.tp_size, "pp": grid.pp_size, "zero": args.zero},
+                "data": {"source": args.data or data.BUILTIN_NAME, "tokens": int(len(tokens)),
+                         "sha256_16": data.tokens_digest(tokens), "position": next_step},
+                "seed": args.seed, "batch_size": args.batch_size}
+    save(path, state if grid.rank == 0 else None, shard, meta, grid.world)
+
+
+def restore(model, opt, state: dict, ostate: dict, path: str):
+    """Load a checkpoint's canonical model and optimizer state into this rank's model and
+    plain optimizer (before ZeRO shards it): each takes its own slice (model.shard)."""
+    try:
+        model.load_state_dict(state)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}/model.npz does not match the model: {e}") from None
+    names = [n for n, _ in model.named_parameters()]
+    missing = [n for n in names if n not in ostate["m"] or n not in ostate["v"]]
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: the optimizer state lacks {missing[:3]}")
+    opt.step_count = ostate["step"]
+    for n, m, v in zip(names, opt.m, opt.v):
+        m[...], v[...] = model.shard(n, ostate["m"][n]), model.shard(n, ostate["v"][n])
+    if isinstance(opt, precision.MixedPrecisionAdamW):         # model.npz holds the fp32 master weights
+        opt.load_master([model.shard(n, state[n]) for n in names])

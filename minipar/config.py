@@ -1,5 +1,5 @@
-"""What a run is asked to do, checked before anything runs: the trainer's flags (docs/design.md §7),
-their validation, and the Plan every rank derives from them on its own.
+"""What a run is asked to do, checked before anything runs: the trainer's flags
+(docs/design.md §7), their validation, and the RunSpec every rank derives from them on its own.
 
 `prepare` reads the flags, the checkpoint (if resuming) and the data, and raises
 ConfigError with the numbers in one line for anything that cannot run: a layout whose
@@ -12,7 +12,6 @@ rank could not read, say).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -29,11 +28,13 @@ DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
 class ConfigError(ValueError):
-    """Bad flags: reported as one line, exit code 2. quiet: another rank reports it."""
+    """Bad flags: reported as one line, exit code 2. quiet: another rank reports it.
+    agreed: every rank already knows of it (agree_on_errors), so none needs aborting."""
 
     def __init__(self, msg, quiet=False):
         super().__init__(msg)
         self.quiet = quiet
+        self.agreed = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,22 +50,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage over the dp group: shard the optimizer state (1), and the "
                         "gradients (2), and the parameters (3); 0: plain data parallelism [%(default)s]")
     g.add_argument("--dp-mode", choices=("bucketed", "naive"),
-                   help="--zero 0: gradient all-reduce per bucket during backward, or per parameter after [bucketed]")
-    g.add_argument("--bucket-mb", type=float, metavar="X", help="--zero 0, bucketed: bucket size in MiB [1.0]")
+                   help="--zero 0: gradient all-reduce per bucket during backward, or per parameter "
+                        "after [bucketed]")
+    g.add_argument("--bucket-mb", type=float, metavar="X",
+                   help="--zero 0, bucketed: bucket size in MiB [1.0]")
     g.add_argument("--schedule", choices=tuple(schedules.SCHEDULES), default="1f1b",
                    help="pipeline schedule with --pp > 1 [%(default)s]")
     g.add_argument("--verify", action="store_true",
                    help="re-run the same steps on one process and compare (exit 1 beyond tolerance)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="check the flags, the layout, any checkpoint and the data, print the run's "
+                        "description, and exit 0 without training or writing anything")
     m = p.add_argument_group("model (unset: the checkpoint's value on --resume, else the default shown)")
-    m.add_argument("--n-layer", type=int, metavar="L", help=f"transformer blocks [{MODEL_DEFAULTS['n_layer']}]")
-    m.add_argument("--n-head", type=int, metavar="H", help=f"attention heads [{MODEL_DEFAULTS['n_head']}]")
-    m.add_argument("--n-embd", type=int, metavar="C", help=f"channels, divisible by H [{MODEL_DEFAULTS['n_embd']}]")
-    m.add_argument("--block-size", type=int, metavar="T", help=f"context length [{MODEL_DEFAULTS['block_size']}]")
+    d = MODEL_DEFAULTS
+    m.add_argument("--n-layer", type=int, metavar="L", help=f"transformer blocks [{d['n_layer']}]")
+    m.add_argument("--n-head", type=int, metavar="H", help=f"attention heads [{d['n_head']}]")
+    m.add_argument("--n-embd", type=int, metavar="C", help=f"channels, divisible by H [{d['n_embd']}]")
+    m.add_argument("--block-size", type=int, metavar="T", help=f"context length [{d['block_size']}]")
     m.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
     t = p.add_argument_group("training")
-    t.add_argument("--batch-size", type=int, metavar="B", default=16, help="global batch B, in sequences [%(default)s]")
-    t.add_argument("--micro-batches", type=int, metavar="M", default=1, help="gradient accumulation: B is split into M [%(default)s]")
-    t.add_argument("--steps", type=int, metavar="S", default=600, help="the step number the run ends at (steps count from 0) [%(default)s]")
+    t.add_argument("--batch-size", type=int, metavar="B", default=16,
+                   help="global batch B, in sequences [%(default)s]")
+    t.add_argument("--micro-batches", type=int, metavar="M", default=1,
+                   help="gradient accumulation: B is split into M [%(default)s]")
+    t.add_argument("--steps", type=int, metavar="S", default=600,
+                   help="the step number the run ends at (steps count from 0) [%(default)s]")
     t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate [%(default)s]")
     t.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine", help="[%(default)s]")
     t.add_argument("--warmup", type=int, default=20, help="linear warm-up steps [%(default)s]")
@@ -136,10 +146,6 @@ def validate(args, cfg: GPTConfig):
             raise ConfigError(f"--loss-scale must be a finite number > 0, got {args.loss_scale}")
 
 
-def tokens_digest(tokens: np.ndarray) -> str:
-    return hashlib.sha256(tokens.tobytes()).hexdigest()[:16]
-
-
 def check_checkpoint(args, cfg: GPTConfig, state: dict, meta: dict):
     """The checkpoint's model.npz holds the model of the flags: every canonical tensor, with
     its shape and the run's dtype (checkpoint.load has already checked that the optimizer
@@ -195,21 +201,21 @@ def resolve_dp_flags(args):
 
 
 @dataclass
-class Plan:
+class RunSpec:
     """Everything a run needs, decided on every rank before the first message."""
-    cfg: GPTConfig
-    dtype: type
-    tokens: np.ndarray
-    start: int
-    meta: dict | None
-    state: dict | None
-    ostate: dict | None
-    dp: int
+    cfg: GPTConfig              # the model: flags > the checkpoint's > defaults
+    dtype: type                 # np.float32 or np.float64 (--dtype)
+    tokens: np.ndarray          # the whole corpus as byte tokens (--data or the built-in one)
+    start: int                  # the first step to train: 0, or the checkpoint's step
+    meta: dict | None           # --resume: the checkpoint's meta.json, else None
+    state: dict | None          # --resume: its canonical model {name: array}
+    ostate: dict | None         # --resume: its canonical optimizer state {"step", "m", "v"}
+    dp: int                     # the layout, world = dp * tp * pp
     tp: int
     pp: int
 
 
-def prepare(args, world: int) -> Plan:
+def prepare(args, world: int) -> RunSpec:
     """Validate flags, layout, checkpoint and data. Raises ConfigError; sends nothing."""
     meta = state = ostate = None
     if args.resume:
@@ -253,13 +259,13 @@ def prepare(args, world: int) -> Plan:
         raise ConfigError(str(e)) from None
     if meta is not None:
         want = meta.get("data", {})
-        if want.get("sha256_16") not in (None, tokens_digest(tokens)):
+        if want.get("sha256_16") not in (None, data.tokens_digest(tokens)):
             raise ConfigError(f"data {args.data or data.BUILTIN_NAME!r} ({len(tokens):,} tokens) is not the data of the "
                               f"checkpoint {args.resume} ({want.get('source')!r}, {want.get('tokens'):,} tokens)")
     start = 0 if meta is None else int(meta["step"])
     if start >= args.steps:
         raise ConfigError(f"--steps {args.steps} is not beyond the checkpoint's step {start}: nothing to train")
-    return Plan(cfg, DTYPES[args.dtype], tokens, start, meta, state, ostate, dp, tp, pp)
+    return RunSpec(cfg, DTYPES[args.dtype], tokens, start, meta, state, ostate, dp, tp, pp)
 
 
 def agree_on_errors(world_comm, err: ConfigError | None):

@@ -22,6 +22,7 @@ step k needs no saved RNG state: the step number is the data position.
 """
 
 import functools
+import hashlib
 import math
 
 import numpy as np
@@ -97,6 +98,11 @@ def load_tokens(path: str | None, block_size: int) -> np.ndarray:
         raise DataError(f"data file '{path}' has {len(raw)} bytes; "
                         f"--block-size {block_size} needs at least {need} bytes")
     return np.frombuffer(raw, dtype=np.uint8).copy()
+
+
+def tokens_digest(tokens: np.ndarray) -> str:
+    """The first 16 hex digits of the tokens' sha256: a checkpoint records the data it trained on."""
+    return hashlib.sha256(tokens.tobytes()).hexdigest()[:16]
 
 
 def unigram_entropy(tokens) -> float:

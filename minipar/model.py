@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from minipar import ops
+from minipar.interfaces import Model
 from minipar.tensor import Tensor, no_grad
 
 
@@ -84,7 +85,7 @@ def train_flops_per_token(cfg: GPTConfig, t: int | None = None) -> float:
     return 3.0 * (L * per_layer + 2 * C * V)
 
 
-class GPT:
+class GPT(Model):
     """The single-process model. Parameters are leaf Tensors in `self.params`."""
 
     def __init__(self, cfg: GPTConfig, seed: int = 0, dtype=np.float64):
@@ -94,44 +95,10 @@ class GPT:
             name: Tensor(init_param(name, shape, init, seed, self.dtype), requires_grad=True, name=name)
             for name, shape, init in param_specs(cfg)
         }
+        self.full_shapes = {name: tuple(shape) for name, shape, _ in param_specs(cfg)}
 
-    # --- the Python API of docs/design.md §4 ---------------------------------------------------
-    def named_parameters(self):
-        return list(self.params.items())
-
-    def parameters(self):
-        return list(self.params.values())
-
-    def num_params(self) -> int:
-        return sum(p.size for p in self.params.values())
-
-    def state_dict(self) -> dict:
-        return {n: p.data.copy() for n, p in self.params.items()}
-
-    def load_state_dict(self, state: dict):
-        missing = sorted(set(self.params) - set(state))
-        extra = sorted(set(state) - set(self.params))
-        if missing or extra:
-            raise ValueError(f"state_dict mismatch: missing {missing[:4]}, unexpected {extra[:4]}")
-        for n, p in self.params.items():                    # check all before changing any
-            if tuple(state[n].shape) != p.shape:
-                raise ValueError(f"{n}: checkpoint shape {tuple(state[n].shape)} != model shape {p.shape}")
-        for n, p in self.params.items():
-            p.data[...] = state[n]
-
-    def zero_grad(self):
-        for p in self.params.values():
-            p.grad = None
-
-    # --- the global gradient norm, when gradients are split (ZeRO) ---------------------------
-    def counts_in_norm(self, name: str) -> bool:
-        """Does this process count `name` in the global gradient norm? (Parallel models skip
-        the copies another rank counts.)"""
-        return True
-
-    def reduce_norm_sq(self, local: float) -> float:
-        """The sum of squares over the whole model from this process's part: itself."""
-        return local
+    # The Python API of docs/design.md §4 (parameters, state_dict, load_state_dict, the
+    # gradient norm) is interfaces.Model's: this whole model holds every tensor whole.
 
     # --- forward, in pieces that the pipeline can cut between -----------------------------
     def embed(self, idx) -> Tensor:

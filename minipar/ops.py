@@ -5,6 +5,13 @@ N = B*T rows. Every op keeps its input dtype (float32 or float64): constants are
 floats, which NumPy never lets upcast an array. Backward formulas are checked against
 central finite differences in tests/test_ops.py.
 
+Plain maths beside fast code: every op tuned for speed (Linear, LayerNorm, GELU, causal
+attention, cross-entropy) has a class `<Op>Reference` right above it with the textbook
+forward and backward in plain NumPy: `forward(...) -> (out, cache)` and
+`backward(dout, cache) -> one gradient per differentiable input`. Read those for the maths.
+tests/test_ops.py checks each reference against finite differences and each fast op against
+its reference (float64, rtol 1e-12), so the formula you read is the one that checks the code.
+
 Mixed precision (minipar/precision.py): with float16 or bfloat16 inputs an op computes in
 float32 and rounds its outputs and input gradients back to the input's 2-byte dtype:
 `compute(...)` widens the inputs (float32 and float64 pass through as the same objects),
@@ -121,7 +128,8 @@ class Sum(Function):
 
 class MatMul(Function):
     """a @ b with numpy's batched broadcasting. A 2-D b (a weight) takes the fast path:
-    its gradient is one GEMM over all rows, a.reshape(N, K).T @ g.reshape(N, M)."""
+    its gradient is one GEMM over all rows, a.reshape(N, K).T @ g.reshape(N, M); the
+    maths without the flattening is LinearReference's (below) without the bias."""
 
     def forward(self, a, b):
         self.save(a, b)                                    # in the storage dtype
@@ -149,9 +157,29 @@ class MatMul(Function):
         return da, db
 
 
+class LinearReference:
+    """y = x @ w + b, as written. x (B, T, Cin), w (Cin, Cout), b (Cout,) or None."""
+
+    @staticmethod
+    def forward(x, w, b=None):
+        out = x @ w                                        # (B, T, Cout)
+        if b is not None:
+            out = out + b
+        return out, (x, w, b is not None)
+
+    @staticmethod
+    def backward(dout, cache):
+        x, w, has_bias = cache
+        dx = dout @ w.T                                    # (B, T, Cin)
+        dw = np.einsum("bti,btj->ij", x, dout)             # (Cin, Cout): sum over b, t of x[b,t] dout[b,t]^T
+        db = dout.sum((0, 1)) if has_bias else None        # (Cout,)
+        return dx, dw, db
+
+
 class Linear(Function):
     """y = x @ w + b with x (..., Cin), w (Cin, Cout), b (Cout,) or None. Rows are
-    flattened to one (N, Cin) @ (Cin, Cout) GEMM: numpy would otherwise loop over B."""
+    flattened to one (N, Cin) @ (Cin, Cout) GEMM: numpy would otherwise loop over B.
+    The maths without the flattening: LinearReference above."""
 
     def forward(self, x, w, b=None):
         x2 = x.reshape(-1, x.shape[-1])                    # (N, Cin)
@@ -199,8 +227,36 @@ def _row_blocks(n_rows: int, row_len: int, target: int = 65536):
     return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
 
 
+class LayerNormReference:
+    """(x - mean) / sqrt(var + eps) * w + b over the last axis, biased variance, as written."""
+
+    @staticmethod
+    def forward(x, w, b, eps=1e-5):
+        mean = x.mean(-1, keepdims=True)                   # (B, T, 1)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)    # (B, T, 1), biased: divide by C
+        rstd = 1.0 / np.sqrt(var + eps)                    # (B, T, 1)
+        xhat = (x - mean) * rstd                           # (B, T, C)
+        out = xhat * w + b                                 # (B, T, C)
+        return out, (xhat, w, rstd)
+
+    @staticmethod
+    def backward(dout, cache):
+        xhat, w, rstd = cache
+        C = xhat.shape[-1]
+        db = dout.reshape(-1, C).sum(0)                    # (C,)
+        dw = (dout * xhat).reshape(-1, C).sum(0)           # (C,)
+        dxhat = dout * w                                   # (B, T, C)
+        # x reaches xhat directly and through mean and rstd; the two indirect paths
+        # subtract the mean of dxhat and the part of dxhat along xhat
+        dx = rstd * (dxhat - dxhat.mean(-1, keepdims=True)
+                     - xhat * (dxhat * xhat).mean(-1, keepdims=True))   # (B, T, C)
+        return dx, dw, db
+
+
 class LayerNorm(Function):
-    """(x - mean) / sqrt(var + eps) * w + b over the last axis, biased variance."""
+    """(x - mean) / sqrt(var + eps) * w + b over the last axis, biased variance.
+    Tuned: rows in cache-sized blocks, row means as a GEMV, every temporary in an `out=`
+    buffer. The same maths in a few plain lines: LayerNormReference above."""
 
     def forward(self, x, w, b, eps=1e-5):
         self.dtype, (x, w, b) = x.dtype, compute(x, w, b)  # fp16/bf16: normalise in fp32
@@ -244,10 +300,30 @@ _GELU_K = math.sqrt(2.0 / math.pi)
 _GELU_A = 0.044715
 
 
+class GELUReference:
+    """0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3): GPT-2's tanh form, as written."""
+
+    @staticmethod
+    def forward(x):
+        u = _GELU_K * (x + _GELU_A * x ** 3)               # (B, T, 4C)
+        th = np.tanh(u)
+        out = 0.5 * x * (1.0 + th)                         # (B, T, 4C)
+        return out, (x, th)
+
+    @staticmethod
+    def backward(dout, cache):
+        x, th = cache
+        du = _GELU_K * (1.0 + 3.0 * _GELU_A * x ** 2)      # du/dx
+        # product rule on 0.5 x (1 + tanh(u)), and tanh' = 1 - tanh^2
+        return dout * (0.5 * (1.0 + th) + 0.5 * x * (1.0 - th ** 2) * du)   # (B, T, 4C)
+
+
 class GELU(Function):
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's tanh form, computed as
     x * s with s = sigmoid(2u) = 0.5 (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3):
-    one exp instead of a tanh, and s is all that backward needs besides x."""
+    one exp instead of a tanh, and s is all that backward needs besides x. Rows in
+    cache-sized blocks, temporaries in `out=` buffers. The tanh form as written:
+    GELUReference above."""
 
     def forward(self, x):
         self.dtype = x.dtype
@@ -318,6 +394,47 @@ def _causal_mask_t(t: int, dtype) -> np.ndarray:
     return _MASKS[key]
 
 
+class CausalSelfAttentionReference:
+    """y = softmax(q k^T / sqrt(hs) + causal mask) @ v per head, as written (docs/design.md §1).
+    qkv (B, T, 3C) = [q | k | v], nh heads of hs = C/nh; returns y (B, T, C)."""
+
+    @staticmethod
+    def forward(qkv, n_head):
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        hs = C // n_head
+
+        def heads(a):                                      # (B, T, C) -> (B, nh, T, hs)
+            return a.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
+
+        q, k, v = (heads(a) for a in np.split(qkv, 3, axis=-1))
+        scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hs)          # (B, nh, T, T): [query, key]
+        allowed = np.tril(np.ones((T, T), dtype=bool))                # query i sees keys j <= i
+        scores = np.where(allowed, scores, -np.inf)
+        att = np.exp(scores - scores.max(-1, keepdims=True))
+        att = att / att.sum(-1, keepdims=True)                        # softmax over the keys
+        y = att @ v                                                   # (B, nh, T, hs)
+        out = y.transpose(0, 2, 1, 3).reshape(B, T, C)                # heads side by side
+        return out, (q, k, v, att)
+
+    @staticmethod
+    def backward(dout, cache):
+        q, k, v, att = cache
+        B, nh, T, hs = q.shape
+        dy = dout.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)         # (B, nh, T, hs)
+        datt = dy @ v.transpose(0, 1, 3, 2)                           # (B, nh, T, T)
+        dv = att.transpose(0, 1, 3, 2) @ dy                           # (B, nh, T, hs)
+        # softmax backward per query row; masked entries have att = 0, so they get no gradient
+        dscores = att * (datt - (datt * att).sum(-1, keepdims=True))  # (B, nh, T, T)
+        dq = dscores @ k / math.sqrt(hs)                              # (B, nh, T, hs)
+        dk = dscores.transpose(0, 1, 3, 2) @ q / math.sqrt(hs)        # (B, nh, T, hs)
+
+        def merge(a):                                      # (B, nh, T, hs) -> (B, T, C)
+            return a.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
+
+        return np.concatenate([merge(dq), merge(dk), merge(dv)], axis=-1)   # (B, T, 3C)
+
+
 class CausalSelfAttention(Function):
     """Fused causal attention on the packed projection qkv (B, T, 3C') = [q | k | v],
     with nh heads of hs = C'/nh. Returns y (B, T, C'). C' = C, or C/tp on a
@@ -326,7 +443,8 @@ class CausalSelfAttention(Function):
     The scores are kept transposed, P^T (B, nh, T_key, T_query): the softmax then reduces
     over axis -2, which NumPy vectorises across the contiguous last axis, instead of over
     64- or 128-element rows one at a time (3x faster for the row max). The maths is
-    softmax(q k^T / sqrt(hs)) @ v, exactly as written in docs/design.md §1."""
+    softmax(q k^T / sqrt(hs)) @ v, exactly as written in docs/design.md §1, and untransposed
+    in CausalSelfAttentionReference above."""
 
     def forward(self, qkv, n_head):
         self.dtype, qkv = qkv.dtype, compute(qkv)          # fp16/bf16: attend in fp32
@@ -371,12 +489,36 @@ class CausalSelfAttention(Function):
 
 # --- loss -----------------------------------------------------------------------------------
 
+class CrossEntropyReference:
+    """loss = -sum over rows of log softmax(logits)[target], divided by denom (default: the
+    number of rows), as written. logits (B, T, V), targets int (B, T)."""
+
+    @staticmethod
+    def forward(logits, targets, denom=None):
+        V = logits.shape[-1]
+        z = logits.reshape(-1, V)                          # (N, V)
+        t = targets.reshape(-1)                            # (N,)
+        denom = t.shape[0] if denom is None else denom
+        z = z - z.max(-1, keepdims=True)                   # softmax is shift invariant; exp cannot overflow
+        logp = z - np.log(np.exp(z).sum(-1, keepdims=True))   # (N, V) log softmax
+        loss = -logp[np.arange(t.shape[0]), t].sum() / denom
+        return loss, (np.exp(logp), t, denom, logits.shape)
+
+    @staticmethod
+    def backward(dloss, cache):
+        probs, t, denom, shape = cache
+        dlogits = probs.copy()                             # (N, V)
+        dlogits[np.arange(t.shape[0]), t] -= 1.0           # softmax - onehot(target), per row
+        return (dlogits * (dloss / denom)).reshape(shape)  # (B, T, V)
+
+
 class CrossEntropy(Function):
     """sum over rows of -log softmax(logits)[target], divided by `denom`.
     logits (..., V), targets int (...). Stable for large logits: log-sum-exp after
     subtracting the row max. denom defaults to the number of rows (the mean); a
     data-parallel or micro-batched caller passes the global row count instead.
-    fp16/bf16 logits: computed in fp32, and the loss stays fp32."""
+    fp16/bf16 logits: computed in fp32, and the loss stays fp32. The softmax is normalised
+    in place and kept for backward; the same maths, step by step: CrossEntropyReference above."""
 
     def forward(self, logits, targets, denom=None):
         self.dtype, logits = logits.dtype, compute(logits)

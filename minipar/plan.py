@@ -6,17 +6,22 @@
 
 Layout flags are the trainer's (same names, same defaults), so one set of flags describes
 one run; tests/test_plan*.py hold every figure to what minipar measures on such runs.
+Where a mechanism has a formula of its own, the planner calls it rather than restating it:
+pipeline.local_tensors (what a device holds), zero.formula and zero.collectives_per_step
+(ZeRO's memory and collectives), tensor_parallel.megatron_calls, schedules.bubble_theory.
 
 Memory per device (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054, section 3):
-    s   bytes per stored parameter and gradient: 4 (fp32), 8 (float64), 2 (fp16, bf16)
+    s   bytes per stored parameter and gradient (`itemsize`): 4 (fp32), 8 (float64),
+        2 (fp16, bf16)
     K   optimizer bytes per parameter: AdamW's m and v, 2s; fp16/bf16 12 (fp32 master, m, v),
         which gives the paper's 2P + 2P + KP with K = 12
-    P_local  parameters the device holds after tp and pp slicing: the stage's tensors
-             (schedules.stage_param_names; the last stage keeps a copy of a tied wte), split
-             ones / tp, vocabulary ones padded to Vp = tp*ceil(V/tp) rows first
+    P_local  parameters the device holds after tp and pp slicing (pipeline.local_tensors):
+             the stage's tensors (schedules.stage_param_names; the last stage keeps a copy
+             of a tied wte), split ones / tp, vocabulary ones padded to Vp = tp*ceil(V/tp)
+             rows first
     P_pad    ZeRO's layout: P_local cut into units (zero.unit_names), each padded to a
              multiple of N = dp (zero.padded)
-                   params        grads         optimizer
+                   params        grads         optimizer        (zero.formula)
         zero 0     s P_local     s P_local     K P_local
         zero 1     s P_pad       s P_pad       K P_pad / N
         zero 2     s P_pad       s P_pad / N   K P_pad / N
@@ -42,17 +47,19 @@ minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm
            recursive doubling's log2(p) n up to 64 KiB); with ZeRO, unit by unit of its
            padded size: zero 1 reduce-scatter + all-gather once, zero 2 a reduce-scatter
            per micro-batch + one all-gather, zero 3 per micro-batch 2 all-gathers + 1
-           reduce-scatter, (p-1)/p n each
+           reduce-scatter, (p-1)/p n each (zero.collectives_per_step)
     tp     per micro-batch Megatron's 4 all-reduces per layer of b*T*C, the embedding's g,
-           the head's f and the vocab-parallel cross-entropy's 3 of b*T (4L + 5 in all),
-           and the 8-byte gradient-norm all-reduce once per step
+           the head's f and the vocab-parallel cross-entropy's 3 of b*T (4L + 5 in all,
+           tensor_parallel.megatron_calls), and the 8-byte gradient-norm all-reduce once
+           per step
     pp     per boundary M activations down and M gradients up (b*T*C*s + a 128-byte
            header each), the tied wte gradient between the two ends (with ZeRO: the
            rank's shard of it), the loss broadcast
     other  8-byte all-reduces: the loss over dp, the gradient norm over pp and over dp
            (ZeRO: each rank squares its shard; bucketed dp: its piece of each bucket;
            not with --dp-mode naive), the fp16/bf16 overflow flag over the world
-bubble: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/p for the naive schedule.
+bubble: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/p for the naive schedule
+(schedules.bubble_theory).
 """
 from __future__ import annotations
 
@@ -63,10 +70,9 @@ import sys
 
 from minipar import comm, config, precision
 from minipar.comm import direct, tree
-from minipar.comm.group import HEADER_BYTES
+from minipar.comm.group import HEADER_BYTES, split_offsets
 from minipar.model import GPTConfig, param_specs
-from minipar.parallel import schedules, zero
-from minipar.parallel.tensor_parallel import layout_of
+from minipar.parallel import pipeline, schedules, tensor_parallel, zero
 from minipar.perf import human_bytes
 
 PRESETS = {   # name: (n_layer, n_head, n_embd, vocab_size, block_size)
@@ -87,62 +93,47 @@ class PlanError(config.ConfigError):
 
 # --- what a device holds ----------------------------------------------------------------------
 
-def local_tensors(cfg: GPTConfig, stage: int, pp: int, tp: int) -> list:
-    """[(canonical name, elements on one device)] of a stage, model order: tp splits each
-    tensor as tensor_parallel does (vocab: Vp/tp rows, replicated: whole, others: / tp)."""
-    Vp = -(-cfg.vocab_size // tp) * tp
-    names = set(schedules.stage_param_names(cfg, stage, pp))
-    out = []
-    for name, shape, _ in param_specs(cfg):
-        if name not in names:
-            continue
-        kind = layout_of(name) if tp > 1 else "replicated"
-        n = math.prod(shape)
-        out.append((name, Vp * shape[1] // tp if kind == "vocab" else n if kind == "replicated" else n // tp))
-    return out
-
-
 def zero_units(tensors: list, N: int) -> list:
     """Element count of each ZeRO unit (zero.unit_names) of the device, padded for N ranks."""
     size = dict(tensors)
     return [zero.padded(sum(size[n] for n in unit), N) for unit in zero.unit_names([n for n, _ in tensors])]
 
 
-def model_states(P_local: int, P_pad: int, s: int, K: int, stage: int, N: int) -> dict:
-    """Bytes of parameters, gradients and optimizer state on one device (module docstring)."""
-    if stage == 0:
-        p, g, o = s * P_local, s * P_local, K * P_local
-    else:
-        p = s * P_pad if stage < 3 else s * P_pad // N
-        g = s * P_pad if stage < 2 else s * P_pad // N
-        o = K * P_pad // N
-    return {"params": p, "grads": g, "optimizer": o, "model_states": p + g + o}
+def model_states(P_local: int, P_pad: int, itemsize: int, K: int, zero_stage: int, N: int) -> dict:
+    """Bytes of parameters, gradients and optimizer state on one device (zero.formula), and
+    their sum."""
+    f = zero.formula(zero_stage, P_local, P_pad, N, itemsize, K)
+    return {"params": f["params"], "grads": f["grads"], "optimizer": f["optimizer"],
+            "model_states": f["params"] + f["grads"] + f["optimizer"]}
 
 
-def activation_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, s: int, c: int) -> int:
+def activation_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsize: int,
+                     compute_itemsize: int) -> int:
     """Bytes one micro-batch of `rows` sequences leaves saved for backward on a device of
     `stage`: what each op of ops.py / tensor_parallel.py keeps (Function.save), counted as
-    Tensor.saved_bytes counts it (parameters excluded, views once). s: storage itemsize,
-    c: compute itemsize (4 for fp16/bf16, else s). N = rows*T, C/tp and H/tp per device.
-    Exact for tp = 1; with tp > 1 the masked embedding and cross-entropy keep the ids of the
-    tokens this rank's vocabulary slice owns, which depends on the data: N/tp assumed."""
+    Tensor.saved_bytes counts it (parameters excluded, views once). itemsize: the storage
+    bytes per element, compute_itemsize the compute's (4 for fp16/bf16, else itemsize).
+    N = rows*T, C/tp and H/tp per device. Exact for tp = 1; with tp > 1 the masked
+    embedding and cross-entropy keep the ids of the tokens this rank's vocabulary slice
+    owns, which depends on the data: N/tp assumed."""
     T, C, V = cfg.block_size, cfg.n_embd, cfg.vocab_size
     N, Ct, Ht = rows * T, cfg.n_embd // tp, cfg.n_head // tp
-    low = 4 * C if c != s else 0                          # fp16/bf16: LayerNorm keeps w in fp32
-    ln = N * C * c + N * c + low                          # xhat (N, C), rstd (N, 1)
-    layer = (2 * ln                                       # ln_1, ln_2
-             + N * C * s + N * Ct * s                     # c_attn's input (N, C), c_proj's (N, C/tp)
-             + 3 * N * Ct * c + rows * Ht * T * T * c     # q, k, v (b, H/tp, T, hs); P (b, H/tp, T, T)
-             + N * C * s                                  # c_fc's input (N, C)
-             + 2 * N * 4 * Ct * c                         # GELU: x and sigmoid (N, 4C/tp)
-             + N * 4 * Ct * s)                            # mlp c_proj's input (N, 4C/tp)
+    store, comp = itemsize, compute_itemsize                      # bytes per element kept, computed
+    low = 4 * C if comp != store else 0                           # fp16/bf16: LayerNorm keeps w in fp32
+    ln = N * C * comp + N * comp + low                            # xhat (N, C), rstd (N, 1)
+    layer = (2 * ln                                               # ln_1, ln_2
+             + N * C * store + N * Ct * store                     # c_attn's input (N, C), c_proj's (N, C/tp)
+             + 3 * N * Ct * comp + rows * Ht * T * T * comp       # q, k, v (b, H/tp, T, hs); P (b, H/tp, T, T)
+             + N * C * store                                      # c_fc's input (N, C)
+             + 2 * N * 4 * Ct * comp                              # GELU: x and sigmoid (N, 4C/tp)
+             + N * 4 * Ct * store)                                # mlp c_proj's input (N, 4C/tp)
     total = len(schedules.partition(cfg.n_layer, pp)[stage]) * layer
     owned = -(-N // tp)                                   # ids this tp rank's vocab slice holds
     if stage == 0:                                        # token ids (N,), positions (T,)
         total += (N * INT64 if tp == 1 else owned * INT64 + N) + T * INT64
     if stage == pp - 1:                                   # ln_f, the head's input, the loss
         Vl = V if tp == 1 else -(-V // tp)
-        total += ln + N * C * s + N * Vl * c + (N * INT64 if tp == 1 else 2 * owned * INT64)
+        total += ln + N * C * store + N * Vl * comp + (N * INT64 if tp == 1 else 2 * owned * INT64)
     return total
 
 
@@ -185,8 +176,9 @@ def flops(components: dict, sequences: int) -> dict:
 # --- communication, as minipar.comm sends it ---------------------------------------------------
 
 def pieces(n: int, p: int) -> list:
-    """Element counts of np.array_split(range(n), p)."""
-    return [n // p + (1 if i < n % p else 0) for i in range(p)]
+    """Element counts of np.array_split(range(n), p), the pieces comm cuts (split_offsets)."""
+    offsets = split_offsets(n, p)
+    return [offsets[i + 1] - offsets[i] for i in range(p)]
 
 
 def all_reduce_sent(n: int, itemsize: int, p: int, rank: int = 0) -> int:
@@ -232,53 +224,52 @@ def broadcast_sent(nbytes: int, p: int, rank: int, root: int) -> int:
     return kids * (HEADER_BYTES + nbytes)
 
 
-def dp_bytes(tensors: list, units: list, lay, s: int) -> int:
+def dp_bytes(tensors: list, units: list, lay, itemsize: int) -> int:
     """Gradient synchronisation over the dp group (data_parallel.py, or ZeRO's units)."""
     N, M = lay.dp, lay.micro_batches
     if N == 1:
         return 0
     if lay.zero:
-        rs = sum(reduce_scatter_sent(n, s, N) for n in units)
-        ag = sum(all_gather_sent(n // N, s, N) for n in units)
-        return {1: rs + ag, 2: M * rs + ag, 3: M * (rs + 2 * ag)}[lay.zero]
+        rs = sum(reduce_scatter_sent(n, itemsize, N) for n in units)
+        ag = sum(all_gather_sent(n // N, itemsize, N) for n in units)
+        rs_calls, ag_calls = zero.collectives_per_step(lay.zero, M)
+        return rs_calls * rs + ag_calls * ag
     if lay.dp_mode == "naive":                            # one all-reduce per parameter
-        return sum(all_reduce_sent(n, s, N) for _, n in tensors)
+        return sum(all_reduce_sent(n, itemsize, N) for _, n in tensors)
     limit, buckets, size, count = max(1, int(lay.bucket_mb * 1024 * 1024)), [], 0, 0
     for _, n in reversed(tensors):                        # DataParallelBucketed's buckets
-        size, count = size + n * s, count + n
+        size, count = size + n * itemsize, count + n
         if size >= limit:
             buckets.append(count)
             size = count = 0
     if count:
         buckets.append(count)
-    return sum(all_reduce_sent(n, s, N) for n in buckets)
+    return sum(all_reduce_sent(n, itemsize, N) for n in buckets)
 
 
-def tp_bytes(cfg: GPTConfig, stage: int, lay, s: int, c: int) -> int:
-    """Megatron's all-reduces of one step on tp rank 0 (tensor_parallel.megatron_count)."""
+def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: int) -> int:
+    """Megatron's all-reduces of one step on tp rank 0 (tensor_parallel.megatron_calls)."""
     tp, pp, M = lay.tp, lay.pp, lay.micro_batches
     if tp == 1:
         return 0
     rows, T, C = lay.rows, cfg.block_size, cfg.n_embd
-    act = all_reduce_sent(rows * T * C, s, tp)            # one (b, T, C) activation or gradient
-    per_mb = 4 * len(schedules.partition(cfg.n_layer, pp)[stage]) * act
-    if stage == 0:
-        per_mb += act                                     # the embedding's g
-    if stage == pp - 1:
-        per_mb += act + 3 * all_reduce_sent(rows * T, c, tp)   # the head's f, cross-entropy's 3
+    n_layers = len(schedules.partition(cfg.n_layer, pp)[stage])
+    act_calls, row_calls = tensor_parallel.megatron_calls(n_layers, stage == 0, stage == pp - 1)
+    per_mb = (act_calls * all_reduce_sent(rows * T * C, itemsize, tp)       # (b, T, C) activations, gradients
+              + row_calls * all_reduce_sent(rows * T, compute_itemsize, tp))  # the cross-entropy's (b*T,)
     return M * per_mb + all_reduce_sent(1, INT64, tp)     # + the gradient norm
 
 
-def pp_bytes(cfg: GPTConfig, stage: int, lay, s: int) -> int:
+def pp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int) -> int:
     """Point-to-point messages and the loss broadcast of one step (pipeline.py)."""
     pp, M = lay.pp, lay.micro_batches
     if pp == 1:
         return 0
-    msg = HEADER_BYTES + lay.rows * cfg.block_size * cfg.n_embd * s
+    msg = HEADER_BYTES + lay.rows * cfg.block_size * cfg.n_embd * itemsize
     sent = M * msg * ((stage < pp - 1) + (stage > 0))     # activations down, gradients up
-    if cfg.tie_embeddings and stage in (0, pp - 1):       # wte's gradient to the other end;
-        n = -(-cfg.vocab_size // lay.tp) * cfg.n_embd     # with ZeRO only this rank's shard of it
-        sent += HEADER_BYTES + (zero.padded(n, lay.dp) // lay.dp if lay.zero else n) * s
+    if cfg.tie_embeddings and stage in (0, pp - 1):       # wte's gradient to the other end (ZeRO: its shard)
+        n = tensor_parallel.local_size("wte.weight", (cfg.vocab_size, cfg.n_embd), lay.tp)
+        sent += HEADER_BYTES + (zero.padded(n, lay.dp) // lay.dp if lay.zero else n) * itemsize
     return sent + broadcast_sent(INT64, pp, stage, pp - 1)
 
 
@@ -306,60 +297,63 @@ class Layout(argparse.Namespace):
 
 
 def itemsizes(lay) -> tuple[int, int, int]:
-    """(s, c, K): storage and compute bytes per element, optimizer bytes per parameter."""
+    """(itemsize, compute_itemsize, K): storage and compute bytes per element, optimizer
+    bytes per parameter."""
     if lay.precision != "fp32":
         return 2, 4, 12
-    s = 8 if lay.dtype == "float64" else 4
-    return s, s, 2 * s
+    itemsize = 8 if lay.dtype == "float64" else 4
+    return itemsize, itemsize, 2 * itemsize
 
 
 def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: float | None = None) -> dict:
     """The whole estimate as a dict (what --json prints). cfg None: `params` alone, model
     states only (no shapes: P/(tp*pp) per device, one ZeRO unit)."""
-    s, c, K = itemsizes(lay)
+    itemsize, compute_itemsize, K = itemsizes(lay)
     N, pp, M = lay.dp, lay.pp, lay.micro_batches
+    bubble = schedules.bubble_theory(lay.schedule, pp, M)
     out = {"model": None, "layout": {**vars(lay), "world": lay.dp * lay.tp * lay.pp,
-                                     "micro_batch_rows": lay.rows if cfg else None, "bytes_per_param": s,
+                                     "micro_batch_rows": lay.rows if cfg else None, "bytes_per_param": itemsize,
                                      "optimizer_bytes_per_param": K},
            "params": params, "notes": []}
     if cfg is None:
         P_local = -(-params // (lay.tp * pp))
-        mem = {**model_states(P_local, zero.padded(P_local, N), s, K, lay.zero, N),
+        mem = {**model_states(P_local, zero.padded(P_local, N), itemsize, K, lay.zero, N),
                "activations": None, "total": None, "stage": None, "micro_batches_in_flight": None,
                "params_local": P_local, "params_padded": zero.padded(P_local, N)}
         out.update(memory=mem, memory_per_stage=[mem], flops=None, flops_per_stage=None, comm=None,
-                   comm_per_stage=None, bubble=bubble(lay), step_time_s=None)
+                   comm_per_stage=None, bubble=bubble, step_time_s=None)
         out["notes"].append("--params alone: model states only, spread evenly over tp*pp "
                             "(no shapes: FLOPs, activations and communication unavailable)")
         return out
     out["model"] = {k: getattr(cfg, k) for k in (*SHAPE_FLAGS, "tie_embeddings")}
     out["params"] = sum(math.prod(shape) for _, shape, _ in param_specs(cfg))
     mem_st, flops_st, comm_st = [], [], []
-    for st in range(pp):
-        tensors = local_tensors(cfg, st, pp, lay.tp)
+    for stage in range(pp):
+        tensors = pipeline.local_tensors(cfg, stage, pp, lay.tp)
         units = zero_units(tensors, N)
         P_local, P_pad = sum(n for _, n in tensors), sum(units)
-        k = in_flight(lay.schedule, st, pp, M)
-        act = k * activation_bytes(cfg, st, pp, lay.tp, lay.rows, s, c)
-        ms = model_states(P_local, P_pad, s, K, lay.zero, N)
-        mem_st.append({**ms, "activations": act, "total": ms["model_states"] + act, "stage": st,
-                       "micro_batches_in_flight": k, "params_local": P_local, "params_padded": P_pad})
-        f = flops(flop_components(cfg, lay.tp, st, pp), lay.batch_size // N)
-        flops_st.append({"stage": st, **f})
-        axes = {"dp": dp_bytes(tensors, units, lay, s), "tp": tp_bytes(cfg, st, lay, s, c),
-                "pp": pp_bytes(cfg, st, lay, s), "other": other_bytes(st, lay)}
-        comm_st.append({"stage": st, "bytes_per_step": sum(axes.values()), **axes})
+        held = in_flight(lay.schedule, stage, pp, M)
+        act = held * activation_bytes(cfg, stage, pp, lay.tp, lay.rows, itemsize, compute_itemsize)
+        states = model_states(P_local, P_pad, itemsize, K, lay.zero, N)
+        mem_st.append({**states, "activations": act, "total": states["model_states"] + act, "stage": stage,
+                       "micro_batches_in_flight": held, "params_local": P_local, "params_padded": P_pad})
+        stage_flops = flops(flop_components(cfg, lay.tp, stage, pp), lay.batch_size // N)
+        flops_st.append({"stage": stage, **stage_flops})
+        axes = {"dp": dp_bytes(tensors, units, lay, itemsize),
+                "tp": tp_bytes(cfg, stage, lay, itemsize, compute_itemsize),
+                "pp": pp_bytes(cfg, stage, lay, itemsize), "other": other_bytes(stage, lay)}
+        comm_st.append({"stage": stage, "bytes_per_step": sum(axes.values()), **axes})
     whole = flop_components(cfg)
     out["flops"] = {**flops(whole, lay.batch_size), "six_nd": 6 * out["params"] * lay.batch_size * cfg.block_size,
                     "per_device": max(flops_st, key=lambda r: r["total"])}
     out.update(memory=max(mem_st, key=lambda r: r["total"]), memory_per_stage=mem_st,
                flops_per_stage=flops_st, comm=max(comm_st, key=lambda r: r["bytes_per_step"]),
-               comm_per_stage=comm_st, bubble=bubble(lay), step_time_s=None)
+               comm_per_stage=comm_st, bubble=bubble, step_time_s=None)
     if device_tflops:
         out["layout"]["device_tflops"] = device_tflops
-        t = out["flops"]["per_device"]["total"] / (device_tflops * 1e12)
-        out["step_time_s"] = t
-        out["step_time_with_bubble_s"] = t / (1 - out["bubble"])
+        seconds = out["flops"]["per_device"]["total"] / (device_tflops * 1e12)
+        out["step_time_s"] = seconds
+        out["step_time_with_bubble_s"] = seconds / (1 - out["bubble"])
     if lay.zero == 3 and pp > 1:
         out["notes"].append("minipar's trainer refuses --zero 3 with --pp > 1 (as DeepSpeed does): "
                             "these are the formulas' figures")
@@ -367,14 +361,6 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
         out["notes"].append("activations with tp > 1: the token ids a vocabulary slice keeps "
                             "depend on the data; 1/tp of them assumed")
     return out
-
-
-def bubble(lay) -> float:
-    """The idle fraction of a pipelined step in theory (schedules.py)."""
-    p, m = lay.pp, lay.micro_batches
-    if p == 1:
-        return 0.0
-    return (p - 1) / p if lay.schedule == "naive" else (p - 1) / (m + p - 1)
 
 
 # --- the command line -------------------------------------------------------------------------
@@ -385,48 +371,51 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    t = config.build_parser()                             # the trainer's defaults
-    d = {k: t.get_default(k) for k in ("batch_size", "micro_batches", "schedule", "dtype", "precision",
-                                       "tp", "pp", "zero")}
-    p = Parser(prog="python -m minipar.plan",
-               description="Memory, FLOPs and communication per device of training a GPT-2 shaped "
-                           "model on a dp x tp x pp layout, as minipar would run it.")
-    m = p.add_argument_group("model: --model, or the trainer's shape flags, or --params alone")
-    m.add_argument("--model", choices=tuple(PRESETS), help="a standard shape (shape flags override it)")
-    m.add_argument("--params", type=float, metavar="N",
-                   help="a parameter count alone (e.g. 7.5e9): model states only")
-    m.add_argument("--vocab-size", type=int, metavar="V", help="vocabulary [256: minipar's bytes]")
+    trainer = config.build_parser()                       # the trainer's defaults
+    default = {k: trainer.get_default(k) for k in ("batch_size", "micro_batches", "schedule", "dtype",
+                                                    "precision", "tp", "pp", "zero")}
+    parser = Parser(prog="python -m minipar.plan",
+                    description="Memory, FLOPs and communication per device of training a GPT-2 shaped "
+                                "model on a dp x tp x pp layout, as minipar would run it.")
+    model = parser.add_argument_group("model: --model, or the trainer's shape flags, or --params alone")
+    model.add_argument("--model", choices=tuple(PRESETS), help="a standard shape (shape flags override it)")
+    model.add_argument("--params", type=float, metavar="N",
+                       help="a parameter count alone (e.g. 7.5e9): model states only")
+    model.add_argument("--vocab-size", type=int, metavar="V", help="vocabulary [256: minipar's bytes]")
     for key, letter, what in (("n_layer", "L", "transformer blocks"), ("n_head", "H", "attention heads"),
                               ("n_embd", "C", "channels"), ("block_size", "T", "context length")):
-        m.add_argument(f"--{key.replace('_', '-')}", type=int, metavar=letter,
-                       help=f"{what} [{config.MODEL_DEFAULTS[key]}]")
-    m.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
-    g = p.add_argument_group("layout (the trainer's flags and defaults)")
-    g.add_argument("--dp", type=int, default=1, metavar="D",
-                   help="data-parallel replicas (the trainer's world/(tp*pp)) [%(default)s]")
-    g.add_argument("--tp", type=int, default=d["tp"], metavar="T", help="tensor-parallel ranks [%(default)s]")
-    g.add_argument("--pp", type=int, default=d["pp"], metavar="P", help="pipeline stages [%(default)s]")
-    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=d["zero"], metavar="{0,1,2,3}",
-                   help="ZeRO stage over the dp group: shard the optimizer state (1), and the gradients "
-                        "(2), and the parameters (3) [%(default)s]")
-    g.add_argument("--micro-batches", type=int, default=d["micro_batches"], metavar="M",
-                   help="micro-batches per step on each dp rank [%(default)s]")
-    g.add_argument("--batch-size", type=int, default=d["batch_size"], metavar="B",
-                   help="global batch in sequences [%(default)s]")
-    g.add_argument("--precision", choices=tuple(precision.PRECISIONS), default=d["precision"],
-                   help="fp16/bf16: 2-byte parameters, gradients, activations; 12-byte optimizer [%(default)s]")
-    g.add_argument("--dtype", choices=tuple(config.DTYPES), default=d["dtype"],
-                   help="parameter dtype with --precision fp32 (8 bytes for float64) [%(default)s]")
-    g.add_argument("--schedule", choices=tuple(schedules.SCHEDULES), default=d["schedule"],
-                   help="pipeline schedule [%(default)s]")
-    g.add_argument("--dp-mode", choices=("bucketed", "naive"),
-                   help="--zero 0: gradient all-reduce per bucket or per parameter [bucketed]")
-    g.add_argument("--bucket-mb", type=float, metavar="X", help="--zero 0, bucketed: bucket size in MiB [1.0]")
-    o = p.add_argument_group("output")
-    o.add_argument("--device-tflops", type=float, metavar="X",
-                   help="sustained TFLOP/s of one device: adds a step-time estimate")
-    o.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    return p
+        model.add_argument(f"--{key.replace('_', '-')}", type=int, metavar=letter,
+                           help=f"{what} [{config.MODEL_DEFAULTS[key]}]")
+    model.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
+    layout = parser.add_argument_group("layout (the trainer's flags and defaults)")
+    layout.add_argument("--dp", type=int, default=1, metavar="D",
+                        help="data-parallel replicas (the trainer's world/(tp*pp)) [%(default)s]")
+    layout.add_argument("--tp", type=int, default=default["tp"], metavar="T",
+                        help="tensor-parallel ranks [%(default)s]")
+    layout.add_argument("--pp", type=int, default=default["pp"], metavar="P", help="pipeline stages [%(default)s]")
+    layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=default["zero"], metavar="{0,1,2,3}",
+                        help="ZeRO stage over the dp group: shard the optimizer state (1), and the gradients "
+                             "(2), and the parameters (3) [%(default)s]")
+    layout.add_argument("--micro-batches", type=int, default=default["micro_batches"], metavar="M",
+                        help="micro-batches per step on each dp rank [%(default)s]")
+    layout.add_argument("--batch-size", type=int, default=default["batch_size"], metavar="B",
+                        help="global batch in sequences [%(default)s]")
+    layout.add_argument("--precision", choices=tuple(precision.PRECISIONS), default=default["precision"],
+                        help="fp16/bf16: 2-byte parameters, gradients, activations; 12-byte optimizer "
+                             "[%(default)s]")
+    layout.add_argument("--dtype", choices=tuple(config.DTYPES), default=default["dtype"],
+                        help="parameter dtype with --precision fp32 (8 bytes for float64) [%(default)s]")
+    layout.add_argument("--schedule", choices=tuple(schedules.SCHEDULES), default=default["schedule"],
+                        help="pipeline schedule [%(default)s]")
+    layout.add_argument("--dp-mode", choices=("bucketed", "naive"),
+                        help="--zero 0: gradient all-reduce per bucket or per parameter [bucketed]")
+    layout.add_argument("--bucket-mb", type=float, metavar="X",
+                        help="--zero 0, bucketed: bucket size in MiB [1.0]")
+    output = parser.add_argument_group("output")
+    output.add_argument("--device-tflops", type=float, metavar="X",
+                        help="sustained TFLOP/s of one device: adds a step-time estimate")
+    output.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return parser
 
 
 def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
@@ -493,10 +482,10 @@ def table(r: dict, name: str | None = None) -> str:
     if r["model"] is None:
         out.append(f"minipar.plan: {r['params']:,} parameters (--params: model states only)")
     else:
-        m = r["model"]
-        out.append(f"minipar.plan: {what}GPT L={m['n_layer']} H={m['n_head']} C={m['n_embd']} "
-                   f"T={m['block_size']} V={m['vocab_size']} ({'tied' if m['tie_embeddings'] else 'untied'}), "
-                   f"{r['params']:,} parameters")
+        shape = r["model"]
+        out.append(f"minipar.plan: {what}GPT L={shape['n_layer']} H={shape['n_head']} C={shape['n_embd']} "
+                   f"T={shape['block_size']} V={shape['vocab_size']} "
+                   f"({'tied' if shape['tie_embeddings'] else 'untied'}), {r['params']:,} parameters")
     prec = lay["precision"] if lay["precision"] != "fp32" else lay["dtype"]
     devices = f"{lay['world']} device{'s' if lay['world'] > 1 else ''}"
     out.append(f"  layout: dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} ({devices}), ZeRO {lay['zero']}, {prec}: "
@@ -507,33 +496,33 @@ def table(r: dict, name: str | None = None) -> str:
                    f"{lay['micro_batch_rows']}" + (f"; {lay['schedule']} schedule, bubble {r['bubble']:.3f}"
                                                    if lay["pp"] > 1 else ""))
     cols = _columns(lay["pp"]) if r["model"] is not None else [0]
-    mem = [r["memory_per_stage"][s] for s in cols]
-    heads = [f"stage {s}" for s in cols] if r["model"] is not None else [""]
+    mem = [r["memory_per_stage"][stage] for stage in cols]
+    heads = [f"stage {stage}" for stage in cols] if r["model"] is not None else [""]
     out.append("")
     out.append(_row("memory per device", heads))
-    out.append(_row("parameters held", [f"{m['params_local']:,}" for m in mem]))
+    out.append(_row("parameters held", [f"{row['params_local']:,}" for row in mem]))
     for key in ("params", "grads", "optimizer", "model_states"):
-        out.append(_row(key.replace("_", " "), [human_bytes(m[key]) for m in mem]))
+        out.append(_row(key.replace("_", " "), [human_bytes(row[key]) for row in mem]))
     if r["model"] is not None:
-        out.append(_row("activations", [human_bytes(m["activations"]) for m in mem]))
-        out.append(_row("  micro-batches held", [m["micro_batches_in_flight"] for m in mem]))
-        out.append(_row("total", [human_bytes(m["total"]) for m in mem]))
+        out.append(_row("activations", [human_bytes(row["activations"]) for row in mem]))
+        out.append(_row("  micro-batches held", [row["micro_batches_in_flight"] for row in mem]))
+        out.append(_row("total", [human_bytes(row["total"]) for row in mem]))
         fl = r["flops"]
         out.append("")
-        out.append(_row("FLOPs per step", ["whole model"] + [f"stage {s}" for s in cols]))
-        per = [r["flops_per_stage"][s] for s in cols]
+        out.append(_row("FLOPs per step", ["whole model"] + [f"stage {stage}" for stage in cols]))
+        per = [r["flops_per_stage"][stage] for stage in cols]
         for key, v in fl["components"].items():
-            out.append(_row(key.replace("_", " "), [_sci(v)] + [_sci(p["components"][key]) for p in per]))
+            out.append(_row(key.replace("_", " "), [_sci(v)] + [_sci(st["components"][key]) for st in per]))
         for key in ("forward", "backward", "total"):
             out.append(_row(key + (" (2x fwd)" if key == "backward" else ""),
-                            [_sci(fl[key])] + [_sci(p[key]) for p in per]))
+                            [_sci(fl[key])] + [_sci(st[key]) for st in per]))
         out.append(_row("6ND", [_sci(fl["six_nd"])]))
         out.append("")
         out.append(_row("comm sent per step", heads))
-        cs = [r["comm_per_stage"][s] for s in cols]
+        sent = [r["comm_per_stage"][stage] for stage in cols]
         for key, label in (("dp", "dp (grads; ZeRO's)"), ("tp", "tp (Megatron)"), ("pp", "pp (point-to-point)"),
                            ("other", "other (8-byte scalars)"), ("bytes_per_step", "total")):
-            out.append(_row(label, [human_bytes(c[key]) for c in cs]))
+            out.append(_row(label, [human_bytes(st[key]) for st in sent]))
     if lay["pp"] > 4 and r["model"] is not None:
         out.append(f"  (stages {', '.join(map(str, cols))} of {lay['pp']} shown; --json has every stage)")
     if r.get("step_time_s") is not None:

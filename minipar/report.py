@@ -3,7 +3,7 @@ closing summary (docs/design.md §8's `summary` object and its printed lines), a
 comparison with the single-process twin.
 
 Every function here reads a trainer session `s` (train.Session: args, cfg, grid, model,
-opt, ddp, pipe, ...) and the figures the run measured; none sends a message. Each
+opt, sync, pipe, ...) and the figures the run measured; none sends a message. Each
 mechanism reports the same way: what was measured (bytes from nbytes and the ledger,
 seconds from the clock) beside its formula.
 """
@@ -13,19 +13,11 @@ import math
 
 import numpy as np
 
-from minipar import data, precision
+from minipar import data, draw, precision
 from minipar.optim import AdamW
 from minipar.parallel import pipeline, schedules, tensor_parallel, zero
 from minipar.perf import human_bytes
 
-# --verify's relative tolerances (compare()). float64 and float32: losses and every parameter
-# tensor. fp16/bf16: the twin is a different rounding of the same computation (its gradients
-# are summed over the whole batch before the 2-byte rounding, not per dp rank), and two such
-# trajectories drift apart in weight space while learning equally well: measured on
-# L=2 C=64 with dp=2, losses agree to 2e-6 (fp16) / 4e-5 (bf16) over 20 steps and to
-# 1e-2 to 2e-2 over 100 to 400 steps, while the whole-model parameter difference grows from
-# 1e-4 to 1e-1. So the losses are judged, at 5e-2, and the parameters only reported.
-VERIFY_RTOL = {"float64": 1e-10, "float32": 1e-4, "fp16": 5e-2, "bf16": 5e-2}
 
 
 def memory_report(model, opt: AdamW) -> dict:
@@ -36,7 +28,7 @@ def memory_report(model, opt: AdamW) -> dict:
     With --zero, the ZeRO object's own report: its shards, beside zero.formula."""
     if isinstance(opt, zero.Zero):
         return opt.memory_report()
-    tp = getattr(model, "tp_size", 1)
+    tp = model.tp_size
     if isinstance(model, pipeline.PipelineStage):
         P = pipeline.local_param_count(model.cfg, model.stage, model.n_stages, tp)
     else:
@@ -87,8 +79,8 @@ def describe(s) -> list[str]:
                      + (f"dynamic loss scale from {sc.scale:g}, x{sc.growth_factor:g} after {sc.growth_interval} "
                         f"clean steps, x{sc.backoff_factor:g} and skip on inf/NaN" if sc.dynamic
                         else "no loss scaling (a step with an inf/NaN gradient is skipped)"))
-    mode = "" if s.ddp is None or a.zero else (f", {a.dp_mode} gradient all-reduce" + (
-        f" in {len(s.ddp.buckets)} bucket(s) of <= {a.bucket_mb:g} MiB" if a.dp_mode == "bucketed" else ""))
+    mode = "" if not s.has_dp or a.zero else (f", {a.dp_mode} gradient all-reduce" + (
+        f" in {len(s.sync.buckets)} bucket(s) of <= {a.bucket_mb:g} MiB" if a.dp_mode == "bucketed" else ""))
     lines.append(f"  layout: {s.world} process(es), {g.describe()}{mode}")
     if g.tp_size > 1:
         lines.append(f"  tensor parallel: each tp rank holds {cfg.n_head // g.tp_size} of {cfg.n_head} heads, "
@@ -107,30 +99,31 @@ def describe(s) -> list[str]:
         lines.append(f"  ZeRO stage {a.zero} over {dp} dp rank(s): "
                      + {1: "optimizer state", 2: "optimizer state and gradients",
                         3: "optimizer state, gradients and parameters"}[a.zero]
-                     + f" sharded in {len(s.ddp.units)} units (wte, each block, the rest), each padded to a "
-                       f"multiple of {dp} ({s.ddp.padding} padding elements on this rank)")
+                     + f" sharded in {len(s.sync.units)} units (wte, each block, the rest), each padded to a "
+                       f"multiple of {dp} ({s.sync.padding} padding elements on this rank)")
     lines.append(f"  batch: {B} x {T} tokens; each dp rank {B // dp} sequences in {M} micro-batch(es) of "
                  f"{B // dp // M}")
-    lines.append(f"  data: {a.data or data.BUILTIN_NAME + ' corpus'}, {len(s.plan.tokens):,} tokens; steps "
-                 f"{s.plan.start}..{a.steps - 1}; lr {a.lr:g} {a.lr_schedule}, warm-up {a.warmup}"
-                 + (f"; resumed from {a.resume}" if s.plan.meta is not None else ""))
+    lines.append(f"  data: {a.data or data.BUILTIN_NAME + ' corpus'}, {len(s.spec.tokens):,} tokens; steps "
+                 f"{s.spec.start}..{a.steps - 1}; lr {a.lr:g} {a.lr_schedule}, warm-up {a.warmup}"
+                 + (f"; resumed from {a.resume}" if s.spec.meta is not None else ""))
     return lines
 
 
 def progress_line(s, row: dict) -> str:
-    exposed = f" (exposed {row['exposed_comm_s'] * 1e3:.1f} ms)" if s.ddp is not None else ""
-    scaler = getattr(s.opt, "scaler", None)
-    scaling = f" | scale {row['loss_scale']:g}" if scaler is not None and scaler.dynamic else ""
+    exposed = f" (exposed {row['exposed_comm_s'] * 1e3:.1f} ms)" if s.has_dp else ""
+    dynamic = s.args.precision != "fp32" and s.opt.scaler.dynamic
+    scaling = f" | scale {row['loss_scale']:g}" if dynamic else ""
     return (f"step {row['step']:5d} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | norm {row['grad_norm']:7.3f} | "
             f"{row['tokens_per_s']:8.0f} tok/s | MFU {row['mfu']:5.1%} | comm {human_bytes(row['comm_bytes'])}"
             + exposed + scaling + (" | skipped (inf/NaN gradient)" if row["skipped"] else ""))
 
 
-def summarize(s, rows_log, losses, elapsed, val_loss, digest, stages, tp_ledger) -> tuple[dict, list[str]]:
+def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tuple[dict, list[str]]:
     """docs/design.md §8's summary object and the lines that print it. stages: every pipeline
     stage's stats on pp rank 0 (else None); tp_ledger: tensor_parallel.traffic() of the
     training steps."""
-    a, cfg, g, model, opt, ddp = s.args, s.cfg, s.grid, s.model, s.opt, s.ddp
+    a, cfg, g, model, opt, sync = s.args, s.cfg, s.grid, s.model, s.opt, s.sync
+    losses = [r["loss"] for r in rows_log]
     B, T, M, dp, pp = a.batch_size, cfg.block_size, a.micro_batches, g.dp_size, g.pp_size
     steps_run = len(rows_log)
     mixed = a.precision != "fp32"
@@ -142,13 +135,13 @@ def summarize(s, rows_log, losses, elapsed, val_loss, digest, stages, tp_ledger)
     step_time = float(np.mean([r["step_time"] for r in rows_log]))
     summary = {"summary": True, "params_count": model.num_params(), "steps": steps_run,
                "first_loss": losses[0], "final_loss": losses[-1], "val_loss": val_loss,
-               "unigram_entropy": data.unigram_entropy(s.plan.tokens),
+               "unigram_entropy": data.unigram_entropy(s.spec.tokens),
                "tokens_per_s": B * T * steps_run / elapsed, "mfu": s.flops_step * steps_run / elapsed / s.peak,
                "peak_flops": s.peak, "seconds": elapsed, "memory": mem,
                "layout": {"dp": dp, "tp": g.tp_size, "pp": pp, "zero": a.zero},
-               "data_parallel": {"mode": f"zero{a.zero}" if a.zero else a.dp_mode if ddp else None,
-                                 "buckets": len(ddp.units) if a.zero else
-                                 len(ddp.buckets) if ddp is not None and a.dp_mode == "bucketed" else 0,
+               "data_parallel": {"mode": f"zero{a.zero}" if a.zero else a.dp_mode if s.has_dp else None,
+                                 "buckets": len(sync.units) if a.zero else
+                                 len(sync.buckets) if s.has_dp and a.dp_mode == "bucketed" else 0,
                                  "grad_sync_bytes_per_step": grad_sync, "theory_bytes_per_step": theory,
                                  "exposed_comm_s_per_step": exposed, "step_time_s": step_time,
                                  "replicas_sha256_16": digest}}
@@ -173,16 +166,16 @@ def summarize(s, rows_log, losses, elapsed, val_loss, digest, stages, tp_ledger)
                         if sc.dynamic else ""))
     if a.zero:
         z = summary["zero"] = {**mem["zero"], "bytes_per_step": float(np.mean([r["zero_bytes"] for r in rows_log])),
-                               "theory_bytes_per_step": ddp.traffic_theory(M), "plain_dp_bytes_per_step": theory}
+                               "theory_bytes_per_step": sync.traffic_theory(M), "plain_dp_bytes_per_step": theory}
         ratio = z["bytes_per_step"] / z["theory_bytes_per_step"] if z["theory_bytes_per_step"] else float("nan")
         calls = {1: "reduce-scatter + all-gather", 2: f"{M} reduce-scatter(s) + all-gather",
                  3: f"{M} x (2 all-gathers + reduce-scatter)"}[a.zero]
         lines.append(f"  ZeRO {a.zero}: sent {human_bytes(z['bytes_per_step'])}/step per rank; theory {calls} of "
-                     f"(N-1)/N x {human_bytes(z['P_padded'] * ddp.dtype.itemsize)} = "
+                     f"(N-1)/N x {human_bytes(z['P_padded'] * sync.dtype.itemsize)} = "
                      f"{human_bytes(z['theory_bytes_per_step'])} (ratio {ratio:.3f}); plain data parallelism "
                      f"would send {human_bytes(theory)}" + (f" (x{z['bytes_per_step'] / theory:.2f})" if theory else "")
                      + f"; waiting for reduce-scatters after backward {exposed * 1e3:.1f} ms/step")
-    elif ddp is not None:
+    elif s.has_dp:
         ratio = grad_sync / theory if theory else float("nan")
         lines.append(f"  data parallel: gradient all-reduce sent {human_bytes(grad_sync)}/step per rank; theory "
                      f"2(p-1)/p x {human_bytes(P_bytes)} = {human_bytes(theory)} (ratio {ratio:.3f}); exposed comm "
@@ -201,7 +194,7 @@ def summarize(s, rows_log, losses, elapsed, val_loss, digest, stages, tp_ledger)
         timeline = [r for st in stages for r in st["timeline"]]
         lines.append(f"  last step's timeline ({pl['step_time_s'][0] * 1e3:.1f} ms on stage 0; F forward, "
                      f"B backward, digits the micro-batch, '.' idle):")
-        lines += ["    " + line for line in schedules.ascii_gantt(timeline, pp, width=100).splitlines()]
+        lines += ["    " + line for line in draw.ascii_gantt(timeline, pp, width=100).splitlines()]
     if g.tp_size > 1:
         rows = B // dp // M
         calls, elems = tensor_parallel.megatron_count(cfg, rows, T)
@@ -246,79 +239,11 @@ def json_safe(row: dict) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
 
-# --- --verify ------------------------------------------------------------------------------------
-
-def judged(name: str, a: np.ndarray) -> np.ndarray:
-    """The part of parameter `name` that --verify judges: all of it, except the key bias.
-    Adding b_k to every key adds q . b_k to all of a query's logits, which softmax cancels,
-    so the key bias's exact gradient is zero and what it receives is rounding noise.
-    AdamW's step, scale-free, turns that noise into moves of up to about lr * g/(|g| + eps)
-    per step, different in every layout: in float32 the key bias (|b_k| ~ 1e-6) differs
-    between layouts by as much as its own size, while every other tensor agrees to ~1e-5."""
-    if name.endswith("attn.c_attn.bias"):
-        q, _, v = np.split(a, 3)
-        return np.concatenate([q, v])
-    return a
-
-
-def max_diff(a, b) -> tuple[float, float]:
-    """(max |a - b|, max |a - b| / |b|). An entry non-finite in both (a gradient norm of a
-    step that both runs skipped: inf) is left out; non-finite in one only, or a NaN loss,
-    makes the difference NaN, which no tolerance accepts."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    keep = ~(np.isinf(a) & (a == b))
-    if not keep.any():
-        return 0.0, 0.0
-    d = np.abs(a[keep] - b[keep])
-    return float(d.max()), float(np.max(d / np.maximum(np.abs(b[keep]), 1e-300)))
-
-
-def compare(losses, ref_losses, state, ref_state, norms=(), ref_norms=()) -> dict:
-    """Largest absolute and relative differences; relative = |a - b| / |b| for losses and
-    gradient norms (before clipping: the norm over every rank's gradients, each parameter
-    once), and max|a - b| / max|b| per parameter tensor (biases start at 0: no elementwise
-    ratio), without the key biases (`judged`; their largest difference is key_bias_abs).
-    param_rel_global = ||a - b|| / ||b|| over all parameters at once: what --verify reports
-    with --precision fp16/bf16 (see VERIFY_RTOL)."""
-    loss_abs, loss_rel = max_diff(losses, ref_losses)
-    norm_abs, norm_rel = max_diff(norms, ref_norms)
-    p_abs = p_rel = key_bias = 0.0
-    worst = None
-    diff_sq = ref_sq = 0.0
-    for name, ref in ref_state.items():
-        diff = state[name].astype(np.float64) - ref
-        if name.endswith("attn.c_attn.bias"):
-            key_bias = max(key_bias, float(np.max(np.abs(np.split(diff, 3)[1]))))
-        diff, ref = judged(name, diff), judged(name, ref)
-        d = float(np.max(np.abs(diff))) if ref.size else 0.0
-        r = d / max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-300)
-        if r > p_rel:
-            worst = name
-        p_abs, p_rel = max(p_abs, d), max(p_rel, r)
-        diff_sq += float(np.sum(diff * diff))
-        ref_sq += float(np.sum(np.square(ref, dtype=np.float64)))
-    return {"loss_abs": loss_abs, "loss_rel": loss_rel, "norm_abs": norm_abs, "norm_rel": norm_rel,
-            "param_abs": p_abs, "param_rel": p_rel,
-            "worst_param": worst, "param_rel_global": math.sqrt(diff_sq / max(ref_sq, 1e-300)),
-            "key_bias_abs": key_bias}
-
-
-def verdict(s, rows_log, ref_losses, ref_norms, state, ref_state) -> tuple[dict, str]:
-    """compare() judged at VERIFY_RTOL (fp16/bf16: the losses judged, the gradient norms and
-    parameters only reported), and the line that says so."""
-    a = s.args
-    mixed = a.precision != "fp32"
-    d = compare([r["loss"] for r in rows_log], ref_losses, state, ref_state,
-                [r["grad_norm"] for r in rows_log], ref_norms)
-    tol = VERIFY_RTOL[a.precision if mixed else a.dtype]
-    d["tolerance"] = tol
-    d["ok"] = d["loss_rel"] <= tol and (mixed or (d["norm_rel"] <= tol and d["param_rel"] <= tol))
-    line = (f"verify: {s.grid.describe()}{f' zero={a.zero}' if a.zero else ''} vs 1 process over {len(rows_log)} "
-            f"steps: loss max |diff| {d['loss_abs']:.3e} (rel {d['loss_rel']:.3e}), grad norm rel "
-            f"{d['norm_rel']:.3e}, parameters max |diff| "
-            f"{d['param_abs']:.3e} (rel {d['param_rel']:.3e}, {d['worst_param']}"
-            + (f"; whole model rel {d['param_rel_global']:.3e}, not judged" if mixed else "")
-            + f"; key biases, not judged: max |diff| {d['key_bias_abs']:.1e}"
-            + f"); tolerance {tol:g} relative" + (" on losses" if mixed else "")
-            + f" -> {'OK' if d['ok'] else 'FAILED'}")
-    return d, line
+def draw_timeline(s, summary: dict):
+    """--timeline FILE.svg: the last step's pipeline timeline (rank 0)."""
+    pl, a, pp = summary["pipeline"], s.args, s.grid.pp_size
+    with open(a.timeline, "w") as f:
+        f.write(draw.timeline_svg(pl["last_step_timeline"], pp,
+                                  f"{a.schedule} p={pp} m={a.micro_batches}: bubble {pl['bubble_measured']:.3f} "
+                                  f"(theory {pl['bubble_theory']:.3f})"))
+    s.say(f"  timeline drawn in {a.timeline}")

@@ -6,15 +6,20 @@ with a hand-written `forward` (NumPy in, NumPy out) and `backward` (output gradi
 one gradient per input out). `Function.apply` runs forward and, unless `no_grad()` is
 active, records the node so that `loss.backward()` can walk the graph.
 
-backward() in four steps (micrograd's recipe, made safe for several live graphs):
-  1. topological order of the nodes reachable from the root (iterative DFS);
-  2. count, for every tensor, how many edges of *this* graph feed gradient into it;
-  3. walk the order backwards: each node gets its complete output gradient, calls its
+backward() in four steps (micrograd's recipe, a topological order walked backwards, made
+safe for several live graphs):
+  1. collect the nodes reachable from the root (a walk with an explicit stack; the order of
+     the walk is not used) and sort them by creation number: an op's inputs exist before
+     its output, so creation order is topological (`_graph` says why not a DFS order);
+  2. in the same walk, count for every tensor how many edges of *this* graph feed gradient
+     into it;
+  3. walk the sorted nodes backwards: each node gets its complete output gradient, calls its
      Function's backward, and hands the pieces to its inputs (summing when a tensor is
      used several times, e.g. tied embeddings);
   4. when a leaf's count reaches zero its gradient for this backward is complete: it is
-     added into `leaf.grad` with `+=` and the leaf's hooks fire (data-parallel buckets start
-     their all-reduce there while backward goes on).
+     added into `leaf.grad` with `+=` (or written into the buffer given by
+     `set_grad_buffer`) and the leaf's hooks fire (data-parallel buckets start their
+     all-reduce there while backward goes on).
 Intermediate gradients live in a dict local to the call, never on the tensors, so several
 graphs (micro-batches in flight in a pipeline) can be alive and be differentiated
 independently, in any order. A graph is freed after its backward.
@@ -48,12 +53,12 @@ def is_grad_enabled() -> bool:
 class Tensor:
     """An ndarray with an optional gradient and a link to the Function that produced it."""
 
-    __slots__ = ("data", "grad", "requires_grad", "name", "grad_stale", "_ctx", "_hooks", "__weakref__")
+    __slots__ = ("data", "grad", "requires_grad", "name", "_overwrite_grad", "_ctx", "_hooks", "__weakref__")
 
     def __init__(self, data, requires_grad: bool = False, name: str | None = None):
         self.data = data if isinstance(data, np.ndarray) else np.asarray(data)
         self.grad = None                 # ndarray like data, accumulated with +=
-        self.grad_stale = False          # True: the next backward overwrites .grad in place
+        self._overwrite_grad = False     # set by set_grad_buffer: the next backward writes .grad
         self.requires_grad = requires_grad
         self.name = name
         self._ctx = None                 # the Function node that made this tensor (None: a leaf)
@@ -76,12 +81,9 @@ class Tensor:
     def numpy(self) -> np.ndarray:
         return self.data
 
-    def detach(self) -> "Tensor":
-        return Tensor(self.data)
-
     def register_grad_hook(self, fn):
         """fn(tensor) runs once this leaf's gradient for the current backward is complete
-        (after it has been added into .grad)."""
+        (after it has been added, or written by set_grad_buffer's rule, into .grad)."""
         if not self.is_leaf:
             raise ValueError("grad hooks are only supported on leaf tensors")
         self._hooks.append(fn)
@@ -89,6 +91,17 @@ class Tensor:
 
     def remove_grad_hook(self, fn):
         self._hooks.remove(fn)
+
+    def set_grad_buffer(self, buf: np.ndarray):
+        """Make the preallocated array `buf` this leaf's .grad, to be overwritten: the next
+        backward that delivers a gradient here writes it into `buf` in place instead of
+        adding to what `buf` holds; backwards after that accumulate with += as usual.
+        A caller that keeps all gradients in one flat array (data-parallel buckets, ZeRO-1)
+        points each .grad at its slice once per step, and needs no memset to zero it."""
+        if buf.shape != self.shape:
+            raise ValueError(f"grad buffer shape {buf.shape} != tensor shape {self.shape}")
+        self.grad = buf
+        self._overwrite_grad = True
 
     # --- operators: thin sugar over minipar.ops ---------------------------------------
     def __add__(self, other):
@@ -206,11 +219,11 @@ def _finish_leaf(leaf: Tensor, g):
     if g is not None:
         if leaf.grad is None:
             leaf.grad = np.array(g, dtype=leaf.data.dtype, copy=True)  # own it: g may alias
-        elif leaf.grad_stale:            # a preallocated buffer (a DP bucket): write, don't zero + add
+        elif leaf._overwrite_grad:       # set_grad_buffer: write into the buffer, don't add
             np.copyto(leaf.grad, g)
         else:
             leaf.grad += g
-        leaf.grad_stale = False
+        leaf._overwrite_grad = False
     for hook in leaf._hooks:
         hook(leaf)
 

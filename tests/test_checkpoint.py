@@ -267,19 +267,15 @@ def test_model_npz_that_does_not_match_the_parameter_list_names_both_shapes(save
     assert str(saved / "model.npz") in msg and "h.0.ln_1.bias has shape (5,), the model's is (4,)" in msg, msg
 
 
-def test_format_1_checkpoints_are_still_read(tmp_path):
-    """The previous format: one optim.npz with step, m/<name>, v/<name> of the full tensors."""
+def test_other_formats_are_refused(tmp_path):
+    """A meta.json of another format than this minipar writes: a one-line error naming it."""
     d = tmp_path / "old"
-    os.makedirs(d)
     model, optim, meta = make_state(2.5)
-    np.savez(d / "model.npz", **model)
-    np.savez(d / "optim.npz", step=np.asarray(optim["step"]), **{f"m/{n}": a for n, a in optim["m"].items()},
-             **{f"v/{n}": a for n, a in optim["v"].items()})
-    (d / "meta.json").write_text(json.dumps({"format": 1, **meta}))
-    assert_loaded_equals(checkpoint.load(str(d)), (model, optim, meta), "format 1:")
-    (d / "meta.json").write_text(json.dumps({"format": 3, **meta}))
-    msg = load_error(d)
-    assert "format 3" in msg and "reads formats 1, 2" in msg and str(d / "meta.json") in msg, msg
+    save(d, (model, optim, meta))
+    for fmt in (1, 3):
+        (d / "meta.json").write_text(json.dumps({**json.loads((d / "meta.json").read_text()), "format": fmt}))
+        msg = load_error(d)
+        assert f"format {fmt}" in msg and "reads formats 2" in msg and str(d / "meta.json") in msg, msg
 
 
 # ---------------------------------------------------------------- atomic save

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minipar import checkpoint, comm, train
+from minipar import checkpoint, comm
 from minipar.model import GPT, GPTConfig, param_specs
 from minipar.optim import AdamW
 from minipar.parallel import zero
@@ -145,7 +145,7 @@ def test_optimizer_shard_index_points_at_the_canonical_elements(stage):
     full = dict(zip([n for n, _ in model.named_parameters()], [m.copy() for m in opt.m]))
     if stage:
         opt = zero.Zero(model, opt, comm.Group(MPI.COMM_SELF), stage)
-    shard = train.optimizer_shard(model, opt)
+    shard = checkpoint.optimizer_shard(model, opt)
     assert shard["index"].dtype == np.int64 and shard["m"].shape == shard["index"].shape == (P,)
     if stage:
         assert not np.array_equal(shard["index"], np.arange(P)), "ZeRO's unit order is not canonical"

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from minipar import train
+from minipar import train, verify
 
 from trainer_runs import TINY_MPI as TINY, assert_exit_2_one_line, mpirun
 
@@ -37,13 +37,13 @@ def test_bad_layout_exits_2_on_every_rank_with_one_line(n, flags, message):
 
 def test_verify_fails_with_exit_1_beyond_tolerance(monkeypatch, capsys):
     """A twin that disagrees by 1e-9 relative in float64 fails --verify (tolerance 1e-10)."""
-    real = train.run_twin
+    real = verify.run_twin
 
     def off_twin(*a, **k):
         losses, norms, state = real(*a, **k)
         return [x * (1 + 1e-9) for x in losses], norms, state
 
-    monkeypatch.setattr(train, "run_twin", off_twin)
+    monkeypatch.setattr(verify, "run_twin", off_twin)
     with pytest.raises(SystemExit) as e:
         train.main(TINY + ["--dtype", "float64", "--verify"])
     assert e.value.code == 1
@@ -53,13 +53,13 @@ def test_verify_fails_with_exit_1_beyond_tolerance(monkeypatch, capsys):
 def test_verify_judges_the_gradient_norms(monkeypatch, capsys):
     """The same with the twin's gradient norms off by 1e-9 relative, losses exact: the norm
     (what clipping uses, over every rank's gradients) is judged in float64 too."""
-    real = train.run_twin
+    real = verify.run_twin
 
     def off_twin(*a, **k):
         losses, norms, state = real(*a, **k)
         return losses, [x * (1 + 1e-9) for x in norms], state
 
-    monkeypatch.setattr(train, "run_twin", off_twin)
+    monkeypatch.setattr(verify, "run_twin", off_twin)
     with pytest.raises(SystemExit) as e:
         train.main(TINY + ["--dtype", "float64", "--verify"])
     assert e.value.code == 1

@@ -54,10 +54,10 @@ def run_driver(tmp_path, n, patch, *flags):
 
 RAISE_ON_RANK_1 = """
 real_step = train.train_step
-def train_step(model, opt, sampler, args, step, *rest, **kw):
+def train_step(s, step):
     if RANK == 1 and step == 2:
         raise RuntimeError("injected failure on rank 1 at step 2")
-    return real_step(model, opt, sampler, args, step, *rest, **kw)
+    return real_step(s, step)
 train.train_step = train_step
 """
 

@@ -1,11 +1,11 @@
-"""Every op of minipar.ops against central finite differences in float64, forwards against
-plain NumPy formulas, and float32 kept float32 end to end."""
-import math
-
+"""Every op of minipar.ops against central finite differences in float64; the plain references
+beside the tuned ops (ops.LayerNormReference, ...) against finite differences too, and every
+tuned op's forward and backward against its reference; float32 kept float32 end to end."""
 import numpy as np
 import pytest
 
 from gradcheck import fd_summary, gradcheck  # noqa: F401 - fd_summary is a fixture
+from gradcheck import EPS, TOL, record, rel_err
 from minipar import ops
 from minipar.tensor import Tensor
 
@@ -215,35 +215,25 @@ def test_embedding_1d_and_3d_ids():
 
 # --- layer_norm, gelu, softmax --------------------------------------------------------------------
 
-def layer_norm_ref(x, w, b, eps=1e-5):
-    mu = x.mean(-1, keepdims=True)
-    var = ((x - mu) ** 2).mean(-1, keepdims=True)              # biased
-    return (x - mu) / np.sqrt(var + eps) * w + b
-
-
 @pytest.mark.parametrize("sx", [(3, 6), (2, 3, 5), (1, 1, 4)])
 def test_layer_norm(sx):
     C = sx[-1]
     x, w, b = rnd(*sx, seed=32) * 2 + 0.7, rnd(C, seed=33), rnd(C, seed=34)
-    np.testing.assert_allclose(ops.layer_norm(Tensor(x), Tensor(w), Tensor(b)).data, layer_norm_ref(x, w, b),
-                               rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(ops.layer_norm(Tensor(x), Tensor(w), Tensor(b)).data,
+                               ops.LayerNormReference.forward(x, w, b)[0], rtol=1e-12, atol=1e-13)
     gradcheck(ops.layer_norm, x, w, b, name="layer_norm")
 
 
 def test_layer_norm_eps_argument():
     x, w, b = rnd(2, 4, seed=35) * 1e-3, rnd(4, seed=36), rnd(4, seed=37)  # var ~ eps: eps matters
     np.testing.assert_allclose(ops.layer_norm(Tensor(x), Tensor(w), Tensor(b), eps=1e-3).data,
-                               layer_norm_ref(x, w, b, eps=1e-3), rtol=1e-12, atol=1e-13)
+                               ops.LayerNormReference.forward(x, w, b, eps=1e-3)[0], rtol=1e-12, atol=1e-13)
     gradcheck(lambda x, w, b: ops.layer_norm(x, w, b, eps=1e-3), x * 1e3, w, b, name="layer_norm")
-
-
-def gelu_ref(x):
-    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
 def test_gelu():
     x = np.concatenate([rnd(3, 4, seed=38) * 2, [[-8.0, -3.0, 0.0, 6.0]]])
-    np.testing.assert_allclose(ops.gelu(Tensor(x)).data, gelu_ref(x), rtol=1e-14, atol=1e-16)
+    np.testing.assert_allclose(ops.gelu(Tensor(x)).data, ops.GELUReference.forward(x)[0], rtol=1e-14, atol=1e-16)
     gradcheck(ops.gelu, x, name="gelu")
 
 
@@ -265,28 +255,11 @@ def test_softmax_large_inputs_stable():
 
 # --- causal self-attention ---------------------------------------------------------------------
 
-def attention_ref(qkv, n_head):
-    """Plain NumPy: split q, k, v; heads; scores / sqrt(hs); explicit lower-triangular mask;
-    softmax; weighted sum of v; heads back together."""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    hs = C // n_head
-    q, k, v = np.split(qkv, 3, axis=-1)
-    heads = lambda a: a.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # noqa: E731
-    q, k, v = heads(q), heads(k), heads(v)
-    s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hs)
-    allowed = np.tril(np.ones((T, T), dtype=bool))
-    s = np.where(allowed, s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p = p / p.sum(-1, keepdims=True)
-    return (p @ v).transpose(0, 2, 1, 3).reshape(B, T, C)
-
-
 @pytest.mark.parametrize("B,T,C,nh", [(2, 4, 8, 1), (2, 4, 8, 2), (1, 5, 8, 4), (2, 1, 6, 3), (1, 3, 4, 4)])
 def test_causal_self_attention(B, T, C, nh):
     qkv = rnd(B, T, 3 * C, seed=40 + nh)
-    np.testing.assert_allclose(ops.causal_self_attention(Tensor(qkv), nh).data, attention_ref(qkv, nh),
-                               rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(ops.causal_self_attention(Tensor(qkv), nh).data,
+                               ops.CausalSelfAttentionReference.forward(qkv, nh)[0], rtol=1e-12, atol=1e-14)
     gradcheck(lambda t: ops.causal_self_attention(t, nh), qkv, name="causal_self_attention")
 
 
@@ -312,15 +285,6 @@ def test_causal_self_attention_is_causal():
 
 # --- cross entropy -------------------------------------------------------------------------------
 
-def cross_entropy_ref(logits, targets, denom=None):
-    V = logits.shape[-1]
-    lg = logits.reshape(-1, V)
-    t = np.asarray(targets).reshape(-1)
-    logp = np.log(np.exp(lg) / np.exp(lg).sum(-1, keepdims=True))   # naive: fine for small logits
-    total = -logp[np.arange(len(t)), t].sum()
-    return total / (len(t) if denom is None else denom)
-
-
 @pytest.mark.parametrize("shape", [(4, 5), (2, 3, 7)])
 @pytest.mark.parametrize("denom", [None, 17, 2.5])
 def test_cross_entropy(shape, denom):
@@ -329,7 +293,7 @@ def test_cross_entropy(shape, denom):
     targets.flat[0] = targets.flat[1]                           # a repeated target
     loss = ops.cross_entropy(Tensor(logits), targets, denom)
     assert loss.shape == ()
-    np.testing.assert_allclose(loss.item(), cross_entropy_ref(logits, targets, denom), rtol=1e-13)
+    np.testing.assert_allclose(loss.item(), ops.CrossEntropyReference.forward(logits, targets, denom)[0], rtol=1e-13)
     gradcheck(lambda t: ops.cross_entropy(t, targets, denom), logits, name="cross_entropy")
 
 
@@ -349,7 +313,7 @@ def test_cross_entropy_large_logits(dtype, rtol):
     ref_logits = big.data.astype(np.float64) - shift
     ref = Tensor(ref_logits, requires_grad=True)
     ops.cross_entropy(ref, targets).backward()
-    np.testing.assert_allclose(loss_big.item(), cross_entropy_ref(ref_logits, targets), rtol=rtol)
+    np.testing.assert_allclose(loss_big.item(), ops.CrossEntropyReference.forward(ref_logits, targets)[0], rtol=rtol)
     np.testing.assert_allclose(big.grad, ref.grad, rtol=rtol, atol=rtol * 1e-2)
     # a row with one logit 1e4 above the rest: probability 1, loss 0 or 1e4
     lg = np.array([[1e4, 0.0, -1e4]], dtype=dtype)
@@ -364,6 +328,91 @@ def test_cross_entropy_grad_scales_with_upstream():
     b = Tensor(logits, requires_grad=True)
     ops.cross_entropy(b, targets).backward()
     np.testing.assert_allclose(a.grad, 2.5 * b.grad, rtol=1e-14)
+
+
+# --- the plain references beside the tuned ops ------------------------------------------------
+
+def reference_gradcheck(ref, *arrays, args=(), name):
+    """Central finite differences on a plain-NumPy reference: for a random w of the output's
+    shape, ref.backward(w, cache) must be the gradient of L = sum(ref.forward(...)[0] * w)
+    for every array. The references check the fast ops below, so they are checked first."""
+    arrays = [np.array(a, dtype=np.float64) for a in arrays]
+    out, cache = ref.forward(*arrays, *args)
+    w = np.random.default_rng(0).standard_normal(np.shape(out))
+    grads = ref.backward(w, cache)
+    grads = grads if isinstance(grads, tuple) else (grads,)
+
+    def objective():
+        return float(np.sum(ref.forward(*arrays, *args)[0] * w))
+
+    for i, a in enumerate(arrays):
+        num = np.zeros_like(a)
+        for j in range(a.size):
+            old = a.flat[j]
+            a.flat[j] = old + EPS
+            fp = objective()
+            a.flat[j] = old - EPS
+            fm = objective()
+            a.flat[j] = old
+            num.flat[j] = (fp - fm) / (2 * EPS)
+        e = rel_err(grads[i], num)
+        record(name, e)
+        assert e < TOL, f"{name}: input {i} shape {a.shape}: max relative error {e:.3e} >= {TOL:.0e}"
+
+
+X_BIG = rnd(3, 300, 96, seed=82)        # 900 rows of 96: two row blocks of the tuned loops, the last ragged
+
+# name -> (fast op on Tensors, its reference, float64 inputs, non-differentiable arguments)
+REFERENCE_CASES = {
+    "linear": (ops.linear, ops.LinearReference, [rnd(2, 3, 4, seed=80), rnd(4, 5), rnd(5, seed=81)], ()),
+    "linear no bias": (ops.linear, ops.LinearReference, [rnd(2, 4, 3, seed=80), rnd(3, 5)], ()),
+    "layer_norm": (ops.layer_norm, ops.LayerNormReference,
+                   [rnd(2, 3, 5, seed=83) * 2 + 0.7, rnd(5, seed=84), rnd(5, seed=85)], ()),
+    "layer_norm eps": (ops.layer_norm, ops.LayerNormReference,
+                       [rnd(2, 4, seed=86), rnd(4, seed=87), rnd(4, seed=88)], (0.3,)),
+    "gelu": (ops.gelu, ops.GELUReference, [np.concatenate([rnd(3, 4, seed=89) * 2, [[-8.0, -3.0, 0.0, 6.0]]])], ()),
+    "causal_self_attention": (ops.causal_self_attention, ops.CausalSelfAttentionReference,
+                              [rnd(2, 4, 3 * 8, seed=90)], (2,)),
+    "causal_self_attention one head": (ops.causal_self_attention, ops.CausalSelfAttentionReference,
+                                       [rnd(1, 5, 3 * 4, seed=91)], (1,)),
+    "cross_entropy": (ops.cross_entropy, ops.CrossEntropyReference, [rnd(2, 3, 7, seed=92) * 2],
+                      (np.array([[1, 0, 6], [6, 6, 2]]),)),
+    "cross_entropy denom": (ops.cross_entropy, ops.CrossEntropyReference, [rnd(4, 5, seed=93) * 2],
+                            (np.array([4, 0, 0, 3]), 17)),
+}
+# big enough to run several row blocks: compared with the reference only (finite differences
+# on 86,400 inputs would take minutes)
+BIG_CASES = {
+    "layer_norm rows in blocks": (ops.layer_norm, ops.LayerNormReference, [X_BIG, rnd(96), rnd(96, seed=1)], ()),
+    "gelu rows in blocks": (ops.gelu, ops.GELUReference, [X_BIG * 3], ()),
+    "causal_self_attention T=64": (ops.causal_self_attention, ops.CausalSelfAttentionReference,
+                                   [rnd(2, 64, 3 * 32, seed=94)], (4,)),
+    "cross_entropy V=300": (ops.cross_entropy, ops.CrossEntropyReference, [rnd(2, 50, 300, seed=95) * 3],
+                            (np.random.default_rng(96).integers(0, 300, size=(2, 50)),)),
+}
+
+
+@pytest.mark.parametrize("case", list(REFERENCE_CASES))
+def test_reference_against_finite_differences(case):
+    _, ref, arrays, args = REFERENCE_CASES[case]
+    reference_gradcheck(ref, *arrays, args=args, name=ref.__name__)
+
+
+@pytest.mark.parametrize("case", list(REFERENCE_CASES) + list(BIG_CASES))
+def test_fast_op_matches_reference(case):
+    """The tuned op's output and every input gradient equal the plain formula's, in float64."""
+    fast, ref, arrays, args = {**REFERENCE_CASES, **BIG_CASES}[case]
+    out_ref, cache = ref.forward(*arrays, *args)
+    dout = rnd(*np.shape(out_ref), seed=97)
+    grads_ref = ref.backward(dout, cache)
+    grads_ref = grads_ref if isinstance(grads_ref, tuple) else (grads_ref,)
+    ts = [Tensor(a, requires_grad=True) for a in arrays]
+    out = fast(*ts, *args)
+    out.backward(dout)
+    np.testing.assert_allclose(out.data, out_ref, rtol=1e-12, atol=1e-14, err_msg=f"{case}: forward")
+    for i, t in enumerate(ts):
+        np.testing.assert_allclose(t.grad, grads_ref[i], rtol=1e-12, atol=1e-14,
+                                   err_msg=f"{case}: gradient of input {i} of {len(ts)}")
 
 
 # --- dtypes: float32 stays float32 ---------------------------------------------------------------

@@ -265,8 +265,8 @@ def test_trainer_clips_as_clip_grad_norm_then_step():
     cfg = GPTConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16)
     tokens = data.load_tokens(None, cfg.block_size)
     model = GPT(cfg, seed=0, dtype=np.float64)
-    rows = list(train.train_steps(model, train.build_optimizer(model, args),
-                                  data.Sampler(tokens, 8, 4, 0), args, 0, 4, (0, 4)))
+    s = train.Session(args, model, train.build_optimizer(model, args), data.Sampler(tokens, 8, 4, 0), rows=(0, 4))
+    rows = list(train.train_steps(s, 0, 4))
     ref = GPT(cfg, seed=0, dtype=np.float64)
     opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=args.weight_decay)
     sampler = data.Sampler(tokens, 8, 4, 0)

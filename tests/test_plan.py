@@ -1,7 +1,8 @@
 """The planner (minipar/plan.py), on one process: its formulas against minipar's own code.
 
-- parameters: the exact count of the architecture, and each device's share equals
-  pipeline.local_param_count;
+- parameters: the exact count of the architecture, and each device's share
+  (pipeline.local_tensors) equals pipeline.local_param_count and, with one stage,
+  tensor_parallel.local_param_count;
 - memory: ZeRO's formulas (2P + 2P + KP, each ZeRO stage's division by N) and a
   vocabulary-parallel embedding example; activations equal Tensor.saved_bytes of real forward passes;
 - FLOPs: Chinchilla's per-component count (arXiv:2203.15556, appendix F), 6ND, and the matmul part equal to a count taken
@@ -66,14 +67,16 @@ def test_params_equals_the_model_num_params():
 
 @pytest.mark.parametrize("V,tied", [(256, True), (257, False), (250, True)])
 def test_device_params_equal_pipeline_local_param_count(V, tied):
-    """Every stage of every (tp, pp): vocabulary padding, the tied copy on the last stage."""
+    """Every stage of every (tp, pp): vocabulary padding, the tied copy on the last stage;
+    the formula against what a stage model built on that layout holds."""
     cfg = GPTConfig(vocab_size=V, block_size=16, n_layer=5, n_head=6, n_embd=24, tie_embeddings=tied)
     for tp in (1, 2, 3, 6):
         for pp in (1, 2, 3, 5):
             for st in range(pp):
-                mine = sum(n for _, n in plan.local_tensors(cfg, st, pp, tp))
+                mine = sum(n for _, n in pipeline.local_tensors(cfg, st, pp, tp))
                 assert mine == pipeline.local_param_count(cfg, st, pp, tp), (tp, pp, st)
-        assert sum(n for _, n in plan.local_tensors(cfg, 0, 1, tp)) == tensor_parallel.local_param_count(cfg, tp)
+                assert mine == stage_model(cfg, tp, pp, st, np.float32).num_local_params(), (tp, pp, st)
+        assert sum(n for _, n in pipeline.local_tensors(cfg, 0, 1, tp)) == tensor_parallel.local_param_count(cfg, tp)
 
 
 # ---------------------------------------------------------------- memory: worked examples
@@ -93,7 +96,7 @@ def test_embedding_example():
     assert run_plan("--params", str(rows * C), "--tp", "2")["memory"]["model_states"] / MiB == 2500   # "2.5GB"
     # the same through the model's own vocabulary-parallel wte (Vp/tp rows on each tp rank)
     cfg = GPTConfig(vocab_size=rows, block_size=1, n_layer=1, n_head=2, n_embd=C)
-    wte = dict(plan.local_tensors(cfg, 0, 1, 2))["wte.weight"]
+    wte = dict(pipeline.local_tensors(cfg, 0, 1, 2))["wte.weight"]
     assert wte == rows // 2 * C and plan.model_states(wte, wte, 4, 8, 0, 1)["model_states"] / MiB == 2500
 
 
@@ -111,7 +114,7 @@ def test_zero_formulas_fp16(N):
     for stage, total in want.items():
         m = run_plan(*cfg, "--precision", "fp16", "--dp", str(N), "--zero", str(stage))["memory"]
         assert m["params_padded"] == P and m["model_states"] == total, (stage, m)
-        f = zero.formula(stage, P, P, N, 2, K)            # the lead's per-rank layout, beside the planner's
+        f = zero.formula(stage, P, P, N, 2, K)            # what Zero.memory_report sets beside its buffers
         assert (m["params"], m["grads"], m["optimizer"]) == (f["params"], f["grads"], f["optimizer"])
 
 
@@ -123,7 +126,7 @@ def test_zero_pads_each_unit_to_a_multiple_of_dp():
     for tp, pp, N in ((1, 1, 8), (3, 1, 3), (1, 3, 4), (3, 3, 8)):
         r = run_plan(*flags, "--tp", str(tp), "--pp", str(pp), "--dp", str(N), "--zero", "2")
         for st, m in enumerate(r["memory_per_stage"]):
-            sizes = dict(plan.local_tensors(cfg, st, pp, tp))
+            sizes = dict(pipeline.local_tensors(cfg, st, pp, tp))
             units = [sum(sizes[n] for n in u) for u in zero.unit_names(list(sizes))]
             assert m["params_padded"] == sum(zero.padded(n, N) for n in units) >= m["params_local"]
             padding += m["params_padded"] - m["params_local"]
@@ -152,7 +155,7 @@ class FakeGroup:
 def no_tp_comm(monkeypatch):
     """Tensor-parallel forwards on one process: every all-reduce returns its input (the
     values are wrong, the shapes and hence the FLOPs and saved bytes are the device's)."""
-    monkeypatch.setattr(tensor_parallel, "_all_reduce", lambda group, x, op, kind: x)
+    monkeypatch.setattr(tensor_parallel, "tp_all_reduce", lambda group, x, op, kind: x)
 
 
 def stage_model(cfg, tp, pp, stage, dtype):

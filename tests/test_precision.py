@@ -195,7 +195,7 @@ def test_huge_loss_scale_skips_untouched_steps_then_backs_off_to_clean_ones():
     for step in range(16):
         before = snapshot(model, opt)
         with train.quiet_overflow(True):
-            row = train.train_step(model, opt, sampler, args, step, (0, args.batch_size))
+            row = train.train_step(train.Session(args, model, opt, sampler), step)
         rows.append(row)
         after = snapshot(model, opt)
         same = all(np.array_equal(a, b) for xs, ys in zip(before[:4], after[:4]) for a, b in zip(xs, ys))
@@ -220,11 +220,11 @@ def test_bf16_skips_a_non_finite_gradient_without_scaling(monkeypatch):
     w.register_grad_hook(lambda p: p.grad.flat.__setitem__(0, np.nan) if state["poison"] else None)
     state = {"poison": True}
     before = snapshot(model, opt)
-    row = train.train_step(model, opt, sampler, args, 0, (0, 4))
+    row = train.train_step(train.Session(args, model, opt, sampler, rows=(0, 4)), 0)
     assert row["skipped"] and row["loss_scale"] == 1.0 and opt.step_count == 0
     assert all(np.array_equal(a, b) for xs, ys in zip(before[:4], snapshot(model, opt)[:4]) for a, b in zip(xs, ys))
     state["poison"] = False
-    row = train.train_step(model, opt, sampler, args, 1, (0, 4))
+    row = train.train_step(train.Session(args, model, opt, sampler, rows=(0, 4)), 1)
     assert not row["skipped"] and opt.scaler.scale == 1.0 and opt.step_count == 1
 
 

@@ -1,13 +1,15 @@
-"""minipar.parallel.schedules: pipeline schedules as data, the checker, the Gantt chart,
-the layer partition and which parameters each stage holds. Serial, no MPI."""
+"""minipar.parallel.schedules: pipeline schedules as data, the checker, the bubble formula,
+the layer partition and which parameters each stage holds; and minipar.draw's Gantt chart
+of a schedule. Serial, no MPI."""
 
 import dataclasses
 
 import pytest
 
+from minipar.draw import ascii_gantt
 from minipar.model import GPTConfig, param_specs
 from minipar.parallel.schedules import (SCHEDULES, Backward, Forward, RecvActivation, RecvGrad,
-                                        ScheduleError, SendActivation, SendGrad, ascii_gantt,
+                                        ScheduleError, SendActivation, SendGrad, bubble_theory,
                                         check, gpipe, naive, one_f_one_b, partition, schedule,
                                         stage_param_names)
 
@@ -153,6 +155,7 @@ def test_bubble_is_p_minus_1_over_m_plus_p_minus_1(name):
         assert r.makespan == 2 * (m + p - 1), f"{name} p={p} m={m}"
         assert r.bubble == pytest.approx(theory, abs=1e-12), f"{name} p={p} m={m}: {r.bubble}"
         assert r.bubble_theory == pytest.approx(theory, abs=1e-15)
+        assert bubble_theory(name, p, m) == pytest.approx(r.bubble, abs=1e-12)   # the formula the others use
         # B = 2F: the same fraction (each direction fills and drains in p-1 of its own slots)
         assert check(p, m, name).bubble == pytest.approx(theory, abs=1e-12), f"{name} p={p} m={m}"
 
@@ -162,6 +165,7 @@ def test_naive_bubble_is_p_minus_1_over_p():
         for tb in (1.0, 2.0):
             r = check(p, m, "naive", backward_time=tb)
             assert r.bubble == pytest.approx((p - 1) / p, abs=1e-12), f"p={p} m={m} B={tb}"
+            assert bubble_theory("naive", p, m) == pytest.approx(r.bubble, abs=1e-12)
             assert r.makespan == m * p * (1.0 + tb)
 
 

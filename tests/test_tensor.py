@@ -308,14 +308,14 @@ def test_backward_errors():
     np.testing.assert_allclose(xt.grad, gelu_prime(xt.data) + 4 * xt.data, rtol=1e-12)
 
 
-def test_grad_stale_overwrites_the_buffer_in_place_once():
-    """A preallocated gradient buffer marked stale (how DP buckets avoid a memset) is written,
-    not added to, by the next backward, in place; the backward after that accumulates."""
+def test_set_grad_buffer_overwrites_the_buffer_in_place_once():
+    """A preallocated gradient buffer given with set_grad_buffer (how DP buckets avoid a memset)
+    is written, not added to, by the next backward, in place; the backward after that accumulates."""
     from minipar import ops
     w = Tensor(np.array([1.0, 2.0, 3.0]), requires_grad=True)
     buf = np.full(3, 99.0)
-    w.grad, w.grad_stale = buf, True
+    w.set_grad_buffer(buf)
     ops.sum(ops.mul(w, Tensor(np.array([1.0, 1.0, 1.0])))).backward()
-    assert w.grad is buf and np.array_equal(buf, [1.0, 1.0, 1.0]) and not w.grad_stale
+    assert w.grad is buf and np.array_equal(buf, [1.0, 1.0, 1.0]) and not w._overwrite_grad
     ops.sum(ops.mul(w, Tensor(np.array([2.0, 2.0, 2.0])))).backward()
     assert np.array_equal(buf, [3.0, 3.0, 3.0])

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from minipar import train
+from minipar import checkpoint, train
 
 from trainer_runs import REPO, TINY, assert_main_exits_2, read_log, run_tiny as run  # noqa: F401
 
@@ -55,17 +55,17 @@ class Interrupted(Exception):
 
 def run_until_killed(monkeypatch, at: int, *flags):
     """Run with --save-every `at` and die just after that checkpoint is written."""
-    real = train.save_checkpoint
+    real = checkpoint.save_run
 
-    def save_then_die(path, model, opt, cfg, args, next_step, tokens, *layout):
-        real(path, model, opt, cfg, args, next_step, tokens, *layout)
+    def save_then_die(path, s, next_step):
+        real(path, s, next_step)
         if next_step == at:
             raise Interrupted
 
-    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(checkpoint, "save_run", save_then_die)
     with pytest.raises(Interrupted):
         run(*flags, "--save-every", str(at))
-    monkeypatch.setattr(train, "save_checkpoint", real)
+    monkeypatch.setattr(checkpoint, "save_run", real)
 
 
 RESUME_CASES = [  # (dtype, extra flags, how the first part ends)
@@ -254,7 +254,7 @@ def bad_flag_case(case, tmp_path, ckpt):
         p = broken_ckpt(ckpt, str(tmp_path / "G"), "meta.json", "{oops")
         return ["--resume", str(tmp_path / "G"), "--steps", "8"], [p]
     if case == "resume-meta-without-step":
-        p = broken_ckpt(ckpt, str(tmp_path / "S"), "meta.json", '{"format": 1}')
+        p = broken_ckpt(ckpt, str(tmp_path / "S"), "meta.json", '{"format": 2}')
         return ["--resume", str(tmp_path / "S"), "--steps", "8"], [p]
     if case == "resume-meta-null":
         p = broken_ckpt(ckpt, str(tmp_path / "N"), "meta.json", "null")

@@ -1,6 +1,8 @@
 """minipar.comm: collectives written by hand on MPI point-to-point messages (docs/design.md §5).
 
     g = Group(MPI.COMM_WORLD)                 # or any sub-communicator, of any size
+    g = Group(sub_comm, axis="dp")            # its messages counted under "dp" (default None)
+    z = g.with_axis("zero")                   # same group and message order, counted as "zero"
     y = all_reduce(g, x, op="sum")            # op: sum, max, min; out=y to reuse a buffer
     piece = reduce_scatter(g, x)              # rank r: piece r of np.array_split(sum, p)
     whole = all_gather(g, piece, sizes=...)   # concatenation in rank order
@@ -10,9 +12,18 @@
     h = recv_async(g, src); x = h.wait()      # ledger names "send" and "recv"
     h = all_reduce_async(g, x); ... h.test() ...; y = h.wait()
     traffic(); reset_traffic()                # bytes and seconds per operation, this process
+    traffic_by_axis()                         # the same calls per group axis: {"dp": {...}, ...}
+
+The ledger counts every call twice, under its operation and under its group's axis, so the
+bytes of each parallelism axis are tagged where they are sent, not guessed from operation
+names. ProcessGrid's groups are tagged "tp", "dp", "pp" and "world"; ZeRO, which talks on
+the dp group's ranks, uses grid.dp_group.with_axis("zero"), a view that shares the group's
+communicator and message order. For every field the per-axis totals equal the
+per-operation totals. A call is counted under the axis of the group it was started on,
+however late it completes (a Handle).
 
 Which algorithm runs depends on the group size p and the message size; the constants below
-were measured with scripts/bench_collectives.py --crossover (README, "Collectives by hand"):
+were measured with scripts/bench_collectives.py --crossover (docs/collectives.md):
 
     all_reduce      recursive doubling (doubling.py)   up to ALL_REDUCE_DOUBLING_MAX_BYTES,
                     then direct exchange (direct.py)   p <= direct.DIRECT_MAX_RANKS, else ring
@@ -23,15 +34,16 @@ were measured with scripts/bench_collectives.py --crossover (README, "Collective
                        tree.REDUCE_TREE_MAX_BYTES, then a pipelined chain (p > 2)
     scatter, gather    binomial tree
 
-Blocking calls run the same algorithms without the generator machinery (small.py) where
-that is simple: direct exchange (reduce-scatter, all-gather, all-reduce) at any size, Bruck,
-and recursive doubling up to SMALL_MAX_BYTES. Every algorithm is also callable on its own,
-whatever the size: ring.all_reduce, doubling.all_reduce, direct.all_reduce, ... (the tests
-run each of them).
+Blocking calls run the same algorithms without the generator machinery (straight_line.py)
+where that is simple: direct exchange (reduce-scatter, all-gather, all-reduce) at any size,
+Bruck, and recursive doubling up to SMALL_MAX_BYTES. Every algorithm is also callable on its
+own, whatever the size: ring.all_reduce, doubling.all_reduce, direct.all_reduce, ... (the
+tests run each of them).
 """
-from . import direct, doubling, ring, small, tree
+from . import direct, doubling, ring, straight_line, tree
 from .group import (CollectiveMismatch, CommError, CommTimeout, Group, Handle, abort_on_error,
-                    abort_world, array, recv, recv_async, reset_traffic, run, send, send_async, traffic)
+                    abort_world, array, recv, recv_async, reset_traffic, run, send, send_async,
+                    traffic, traffic_by_axis)
 from .tree import broadcast, gather, reduce, scatter
 
 # Measured crossovers (bytes of x, or of the result for all_gather): up to and including
@@ -41,16 +53,16 @@ from .tree import broadcast, gather, reduce, scatter
 ALL_REDUCE_DOUBLING_MAX_BYTES = 64 * 1024
 ALL_GATHER_BRUCK_MAX_BYTES = 8 * 1024           # p >= 4
 # Blocking recursive-doubling all-reduces up to this size (bytes of x) take the
-# generator-free path of small.py: the same algorithm and messages, less Python. (Blocking
-# direct reduce-scatters and all-gathers take it at every size: a single round, measured
-# 2-8% faster than the generator at 1 MiB on p = 2.)
+# generator-free path of straight_line.py: the same algorithm and messages, less Python.
+# (Blocking direct reduce-scatters and all-gathers take it at every size: a single round,
+# measured 2-8% faster than the generator at 1 MiB on p = 2.)
 SMALL_MAX_BYTES = 64 * 1024
 
 __all__ = [
     "Group", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "scatter",
-    "gather", "send", "recv", "send_async", "recv_async", "traffic", "reset_traffic", "all_reduce_async",
-    "reduce_scatter_async", "all_gather_async", "Handle", "CommError", "CommTimeout",
-    "CollectiveMismatch", "abort_on_error", "abort_world",
+    "gather", "send", "recv", "send_async", "recv_async", "traffic", "traffic_by_axis",
+    "reset_traffic", "all_reduce_async", "reduce_scatter_async", "all_gather_async", "Handle",
+    "CommError", "CommTimeout", "CollectiveMismatch", "abort_on_error", "abort_world",
 ]
 
 
@@ -71,9 +83,9 @@ def all_reduce(g, x, op="sum", *, out=None):
     x = array(x)
     algorithm = _all_reduce_algorithm(g, x)
     if algorithm is doubling and x.nbytes <= SMALL_MAX_BYTES:
-        return small.all_reduce_into(g, x, op, out)
+        return straight_line.all_reduce_into(g, x, op, out)
     if algorithm is direct:                     # two rounds: straight-line at any size
-        return small.all_reduce_direct_into(g, x, op, out)
+        return straight_line.all_reduce_direct_into(g, x, op, out)
     return run(*algorithm.start_all_reduce(g, x, op, out))
 
 
@@ -94,7 +106,7 @@ def reduce_scatter(g, x, op="sum", *, out=None):
     x = array(x)
     algorithm = _reduce_scatter_algorithm(g, x)
     if algorithm is direct:                     # one round: straight-line at any size
-        return small.reduce_scatter_into(g, x, op, out)
+        return straight_line.reduce_scatter_into(g, x, op, out)
     return run(*algorithm.start_reduce_scatter(g, x, op, out))
 
 
@@ -122,7 +134,7 @@ def all_gather(g, x, sizes=None, *, out=None):
     x = array(x)
     algorithm = _all_gather_algorithm(g, x, sizes)
     if algorithm is not ring:                   # direct (any size) or Bruck (small): straight-line
-        return small.all_gather_into(g, x, sizes, out, bruck=algorithm is doubling)
+        return straight_line.all_gather_into(g, x, sizes, out, bruck=algorithm is doubling)
     return run(*algorithm.start_all_gather(g, x, sizes, out))
 
 

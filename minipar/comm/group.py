@@ -15,9 +15,16 @@ Everything in `minipar.comm` is built from the pieces in this file:
   before yielding made every message size slower. No wait blocks inside MPI, so every wait
   gives up after `MINIPAR_COMM_TIMEOUT` seconds (default 600) without progress, with an
   error that names the operation, the step, and the peer of each message still pending.
-- Every message is counted in a per-process ledger under the name of the top-level call
-  (`traffic()`, `reset_traffic()`), and printed when `MINIPAR_TRACE=1`:
-  `rank 1 -> 2 | all_reduce step 3/6 | 4096 B` (world ranks, printed by the sender).
+- Every message is counted in a per-process ledger twice: under the name of the top-level
+  call (`traffic()`: all_reduce, send, ...) and under the axis of the group it was sent on
+  (`traffic_by_axis()`: "dp", "tp", "pp", "zero", "world", None for an untagged group);
+  `reset_traffic()` clears both. Each call's counts go to both, so for every field
+  (calls, bytes_sent, bytes_recv) the axes sum to the same total as the operations. The axis
+  is a label given where the group is made (`Group(comm, axis="dp")`, or `g.with_axis("zero")`
+  for the same group's messages under another label): the bytes of each parallelism axis
+  are tagged where they are sent, not guessed afterwards from operation names. Messages
+  are also printed when `MINIPAR_TRACE=1`: `rank 1 -> 2 | all_reduce step 3/6 | 4096 B`
+  (world ranks, printed by the sender).
 - `MINIPAR_DEBUG=1`: before each collective the ranks all-gather a short description of the
   call (operation, dtype, shape, root, op, call number) and every rank raises
   `CollectiveMismatch` listing what each rank called if they differ.
@@ -69,9 +76,12 @@ def _env_flag(name):
 
 
 # --------------------------------------------------------------------------------------------
-# The ledger: {op: {"calls", "bytes_sent", "bytes_recv", "seconds"}} for this process.
+# The ledger: {key: {"calls", "bytes_sent", "bytes_recv", "seconds"}} for this process, kept
+# twice: by top-level operation and by the axis of the group (Group.axis). Every finished
+# call adds its counts to one entry of each, so the two always have the same totals.
 
 _LEDGER = {}        # op -> [calls, bytes_sent, bytes_recv, seconds]: one list update per call
+_AXES = {}          # axis -> [calls, bytes_sent, bytes_recv, seconds]: the same calls, by axis
 _FIELDS = ("calls", "bytes_sent", "bytes_recv", "seconds")
 
 
@@ -80,14 +90,31 @@ def traffic():
     return {name: dict(zip(_FIELDS, entry)) for name, entry in _LEDGER.items()}
 
 
+def traffic_by_axis():
+    """What this process sent and received, per axis of the group it went through (a copy):
+    {axis: {"calls", "bytes_sent", "bytes_recv", "seconds"}}; axis None for untagged groups."""
+    return {axis: dict(zip(_FIELDS, entry)) for axis, entry in _AXES.items()}
+
+
 def reset_traffic():
+    """Clear the ledger: by operation and by axis."""
     _LEDGER.clear()
+    _AXES.clear()
 
 
-def _account(name, sent, recvd, seconds):
+def _account(name, axis, sent, recvd, seconds):
+    """One finished call, added to both ledgers (written out: it runs once per call)."""
     e = _LEDGER.get(name)
     if e is None:
         _LEDGER[name] = [1, sent, recvd, seconds]
+    else:
+        e[0] += 1
+        e[1] += sent
+        e[2] += recvd
+        e[3] += seconds
+    e = _AXES.get(axis)
+    if e is None:
+        _AXES[axis] = [1, sent, recvd, seconds]
     else:
         e[0] += 1
         e[1] += sent
@@ -147,11 +174,15 @@ class Group:
     g.rank, g.size    this process's rank in the group, and the group size
     g.comm            the duplicated communicator (safe to use for MPI's own calls in tests)
     g.world_ranks     world rank of each group rank (what the trace prints)
+    g.axis            the ledger category of its messages (traffic_by_axis): the parallelism
+                      axis, "dp", "tp", "pp" (ProcessGrid's groups), "world"...; None: untagged
+    g.with_axis(a)    the same group, its messages counted under axis a (see with_axis)
     debug, trace, timeout default to MINIPAR_DEBUG, MINIPAR_TRACE, MINIPAR_COMM_TIMEOUT.
     """
 
-    def __init__(self, comm, *, debug=None, trace=None, timeout=None):
+    def __init__(self, comm, *, axis=None, debug=None, trace=None, timeout=None):
         self.comm = comm.Dup()          # a message space of our own (creating one is allowed)
+        self.axis = axis
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         mine, world = self.comm.Get_group(), MPI.COMM_WORLD.Get_group()
@@ -170,8 +201,20 @@ class Group:
         if MPI.COMM_WORLD.Get_size() > 1:
             abort_on_error()
 
+    def with_axis(self, axis):
+        """This group with its messages counted under `axis` in the ledger: a view (AxisView)
+        that shares everything else with g (communicator, call counter and hence tags,
+        scratch buffers, pending receives, debug/trace/timeout), so calls on the view and on
+        g interleave like calls on g alone. E.g. ZeRO talks on the dp group's ranks but is
+        counted apart:
+
+            zero_group = grid.dp_group.with_axis("zero")
+        """
+        return AxisView(self, axis)
+
     def __repr__(self):
-        return f"Group(rank={self.rank}, size={self.size}, world_ranks={self.world_ranks})"
+        axis = "" if self.axis is None else f"axis={self.axis!r}, "
+        return f"Group({axis}rank={self.rank}, size={self.size}, world_ranks={self.world_ranks})"
 
     def begin(self, name, nsteps, describe=None):
         """Start collective call `name`: a fresh Call, after the debug agreement if enabled.
@@ -190,9 +233,9 @@ class Group:
         A fresh np.empty per call is cheap for small messages but, for large ones, is
         page-faulted in again on every call once it is above glibc's mmap threshold (e.g. the
         64 MiB receive buffer of a reduce-scatter of 64 MiB): about a tenth of the call. Each
-        slot grows to the largest size asked for and is kept for the life of the Group. Only
-        blocking calls use it (one at a time); a Handle's buffers are its own, since several
-        may be in flight at once.
+        slot grows to the largest size asked for and is kept for the life of the Group (its
+        axis views use the same). Only blocking calls use it (one at a time); a Handle's
+        buffers are its own, since several may be in flight at once.
         """
         key = (slot, shape, dtype)
         view = self._views.get(key)             # the same shapes come back call after call
@@ -211,6 +254,35 @@ class Group:
         return view
 
 
+class AxisView(Group):
+    """Group.with_axis(axis): a group under another axis label. Its own attributes are `axis`
+    and `group` (the Group it views); every other attribute is read from and written to that
+    group, so both use one communicator, one call counter (collective tags never collide),
+    the same scratch buffers, pending receives and settings. The methods are Group's, so a
+    call started on the view is a Call of the view and counted under its axis.
+
+    Plain Groups pay nothing for the forwarding (__getattr__): it runs on views only.
+    """
+
+    def __init__(self, group, axis):
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "axis", axis)
+
+    def __getattr__(self, name):                # only for names the view does not have
+        if name == "group":                     # not set yet (copy.copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.group, name)
+
+    def __setattr__(self, name, value):         # e.g. g.calls += 1 in begin(): the group's
+        if name == "axis":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.group, name, value)
+
+    def with_axis(self, axis):
+        return AxisView(self.group, axis)
+
+
 class Call:
     """One collective call in flight: its tag, step counter, byte counts, and the wait loop.
 
@@ -219,11 +291,12 @@ class Call:
     just remembered in `posted`, in the order the requests are posted.
     """
 
-    __slots__ = ("g", "name", "tag", "nsteps", "step", "sent", "recvd", "t0", "comm", "trace",
-                 "posted", "blocking")
+    __slots__ = ("g", "name", "axis", "tag", "nsteps", "step", "sent", "recvd", "t0", "comm",
+                 "trace", "posted", "blocking")
 
     def __init__(self, g, name, nsteps, tag):
         self.g, self.name, self.nsteps, self.tag = g, name, nsteps, tag
+        self.axis = g.axis              # the ledger's axis: the group the call was started on
         self.comm, self.trace = g.comm, g.trace
         self.step = self.sent = self.recvd = 0
         self.posted = []
@@ -318,7 +391,7 @@ class Call:
             f"{self.g.timeout:g}); is that rank in a different call, or dead?")
 
     def done(self):
-        _account(self.name, self.sent, self.recvd, time.perf_counter() - self.t0)
+        _account(self.name, self.axis, self.sent, self.recvd, time.perf_counter() - self.t0)
 
 
 def run(call, steps):

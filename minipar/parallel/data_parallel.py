@@ -17,7 +17,8 @@ When:                naive: one blocking all-reduce per parameter after backward
                      and is awaited before the optimizer step. Only the time spent waiting
                      after backward ends ("exposed" communication) costs step time.
 
-Both modes give the same numbers: the same sums, just issued at different times.
+Both modes give the same numbers: the same sums, just issued at different times. Each
+is an interfaces.GradSync, as is NoSync (one dp rank, nothing to send) and zero.Zero.
 """
 from __future__ import annotations
 
@@ -29,14 +30,17 @@ import numpy as np
 from minipar import comm
 from minipar.comm.group import split_offsets
 from minipar.optim import sum_of_squares
+from minipar.precision import local_found_inf
 
 
-class DataParallelNaive:
-    """The lesson: after backward, all-reduce each parameter's gradient, one at a time."""
+class NoSync:
+    """The synchroniser of a single dp rank: every gradient is already the whole batch's, so
+    nothing is sent. Its methods are also the defaults the two real modes share."""
 
-    def __init__(self, params, group: comm.Group):
-        self.params, self.group = list(params), group
-        self.exposed_seconds = 0.0
+    exposed_seconds = 0.0
+
+    def __init__(self, params):
+        self.params = list(params)
 
     def zero_grad(self):
         for p in self.params:
@@ -45,8 +49,28 @@ class DataParallelNaive:
     def start_step(self):
         pass
 
-    def sync_now(self, on: bool):  # only the last micro-batch's backward matters here
+    def sync_now(self, on: bool):
         pass
+
+    def finish(self):
+        pass
+
+    def grad_norm_sq(self, model) -> float:
+        return model.grad_norm_sq()
+
+    def local_found_inf(self, model) -> bool:
+        return local_found_inf(model.parameters())
+
+    def tied_grad(self, w) -> np.ndarray:
+        return w.grad
+
+
+class DataParallelNaive(NoSync):
+    """The lesson: after backward, all-reduce each parameter's gradient, one at a time."""
+
+    def __init__(self, params, group: comm.Group):
+        super().__init__(params)
+        self.group = group
 
     def finish(self):
         """After the last backward: sum every gradient over the dp group."""
@@ -75,7 +99,7 @@ class Bucket:
         return self.flat.nbytes
 
 
-class DataParallelBucketed:
+class DataParallelBucketed(NoSync):
     """Gradient buckets all-reduced asynchronously while backward runs (PyTorch DDP's idea).
 
     Gradients accumulate straight into the buckets' flat buffers (each p.grad is a view),
@@ -108,9 +132,8 @@ class DataParallelBucketed:
 
     def zero_grad(self):
         for b in self.buckets:                   # no memset: the next backward writes each
-            for p, view in zip(b.params, b.views):   # gradient into its view (grad_stale)
-                p.grad = view
-                p.grad_stale = True
+            for p, view in zip(b.params, b.views):   # gradient into its view
+                p.set_grad_buffer(view)
 
     def sync_now(self, on: bool):
         """Communicate during the coming backward? Only for the last micro-batch."""

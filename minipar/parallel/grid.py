@@ -14,7 +14,9 @@ Example, dp=2 tp=2 pp=2 (8 ranks):
 
 `check_layout` validates a layout without any communication, so that every rank can
 reject a bad one before the first message. `ProcessGrid` then builds the three groups
-with Comm.Split (creating communicators is not a collective *operation* on data).
+with Comm.Split (creating communicators is not a collective *operation* on data), each
+tagged with its axis ("tp", "dp", "pp"; the whole world "world") so that minipar.comm's
+ledger counts each axis's bytes where they are sent (comm.traffic_by_axis()).
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ class Coords:
 
 
 class ProcessGrid:
-    """This rank's place in the dp x tp x pp grid, its three groups and its neighbours."""
+    """This rank's place in the dp x tp x pp grid, and its groups: tp_group, dp_group,
+    pp_group (and world), tagged with their axis for the traffic ledger."""
 
     def __init__(self, comm, dp: int, tp: int = 1, pp: int = 1):
         world = comm.Get_size()
@@ -61,10 +64,13 @@ class ProcessGrid:
         self.dp_rank = (r // tp) % dp
         self.pp_rank = r // (dp * tp)
         # Split: same color -> same group; key orders ranks inside it
-        self.tp_group = Group(comm.Split(color=self.pp_rank * dp + self.dp_rank, key=self.tp_rank))
-        self.dp_group = Group(comm.Split(color=self.pp_rank * tp + self.tp_rank, key=self.dp_rank))
-        self.pp_group = Group(comm.Split(color=self.dp_rank * tp + self.tp_rank, key=self.pp_rank))
-        self.world = Group(comm)
+        tp_comm = comm.Split(color=self.pp_rank * dp + self.dp_rank, key=self.tp_rank)
+        dp_comm = comm.Split(color=self.pp_rank * tp + self.tp_rank, key=self.dp_rank)
+        pp_comm = comm.Split(color=self.dp_rank * tp + self.tp_rank, key=self.pp_rank)
+        self.tp_group = Group(tp_comm, axis="tp")
+        self.dp_group = Group(dp_comm, axis="dp")
+        self.pp_group = Group(pp_comm, axis="pp")
+        self.world = Group(comm, axis="world")
 
     def rank_of(self, dp_rank: int, tp_rank: int, pp_rank: int) -> int:
         return pp_rank * self.dp_size * self.tp_size + dp_rank * self.tp_size + tp_rank
@@ -73,7 +79,6 @@ class ProcessGrid:
     def coords(self) -> Coords:
         return Coords(self.dp_rank, self.tp_rank, self.pp_rank)
 
-    # pipeline neighbours (world ranks), None at the ends
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
@@ -81,14 +86,6 @@ class ProcessGrid:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
-
-    @property
-    def prev_rank(self):
-        return None if self.is_first_stage else self.rank_of(self.dp_rank, self.tp_rank, self.pp_rank - 1)
-
-    @property
-    def next_rank(self):
-        return None if self.is_last_stage else self.rank_of(self.dp_rank, self.tp_rank, self.pp_rank + 1)
 
     def describe(self) -> str:
         return f"dp={self.dp_size} tp={self.tp_size} pp={self.pp_size}"

@@ -26,8 +26,9 @@ When:            as the schedule says. Sends are non-blocking (comm.send_async: 
                  the schedule ends. Receives block (with minipar.comm's timeout).
 
 Every stage has m forwards and m backwards to do; the rest of its time is the bubble,
-(p-1)/(m+p-1) of the step for GPipe and 1F1B in theory, (p-1)/p for the naive schedule.
-The executor records when each forward and backward starts and ends (perf_counter,
+(p-1)/(m+p-1) of the step for GPipe and 1F1B in theory, (p-1)/p for the naive schedule
+(schedules.bubble_theory). The executor walks its list and nothing else; beside it, a
+StepObserver records when each forward and backward starts and ends (perf_counter,
 relative to the stage's own step start; the stages start a step together to within the
 optimizer step, since the previous step ended with all-reduces over the pp group). A
 stage's span is from its first instruction to its last send completing, and the step's
@@ -38,8 +39,9 @@ makespan is the longest span. As in schedules.check, the bubble of a step is
 i.e. the mean over stages of each stage's idle fraction of the makespan (the last stage,
 done first, idles through the cool-down). `bubble_measured` in the summary is its mean
 over the steps after the first.
-It also tracks the bytes of saved activations (Tensor.saved_bytes of the micro-batch graphs
-in flight): GPipe holds m micro-batches at its peak, 1F1B at most p - stage.
+The observer also tracks the bytes of saved activations (Tensor.saved_bytes of the
+micro-batch graphs in flight): GPipe holds m micro-batches at its peak, 1F1B at most
+p - stage. draw.py draws the timeline.
 
 Data parallelism composes by synchronising gradients during the *last Backward instruction
 of the stage's own list* (GPipe's is micro-batch 0, 1F1B's and naive's micro-batch m-1:
@@ -47,22 +49,22 @@ keying on "micro-batch m-1" would leave GPipe stages unsynchronised, picotron's 
 """
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
 
 from minipar import comm, ops
+from minipar.interfaces import Model
 from minipar.model import GPTConfig, param_specs
 from minipar.parallel import schedules
 from minipar.parallel.schedules import (Backward, Forward, RecvActivation, RecvGrad, SendActivation,
                                         SendGrad)
-from minipar.parallel.tensor_parallel import _all_reduce as tp_all_reduce, layout_of
+from minipar.parallel.tensor_parallel import layout_of, local_size, megatron_count, tp_all_reduce
 from minipar.precision import backward_seed
 from minipar.tensor import Tensor, no_grad
 
 
-class PipelineStage:
+class PipelineStage(Model):
     """One stage of the model: a GPT or TensorParallelGPT with every parameter the stage
     does not own dropped, so named_parameters() (and the memory report) holds only the
     stage's. Forward in pieces: embed on the first stage, its blocks, head and loss on the
@@ -75,8 +77,8 @@ class PipelineStage:
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.layers = schedules.partition(self.cfg.n_layer, n_stages)[stage]
         self.names = schedules.stage_param_names(self.cfg, stage, n_stages)
-        self.tp_group = getattr(inner, "group", None)
-        self.tp_size, self.tp_rank = getattr(inner, "tp_size", 1), getattr(inner, "tp_rank", 0)
+        self.tp_size, self.tp_rank = inner.tp_size, inner.tp_rank
+        self.tp_group = inner.group if self.tp_size > 1 else None
         inner.params = {n: inner.params[n] for n in self.names}      # drop the other stages'
         if self.tp_size > 1:                                          # and their tp layers
             for i in range(self.cfg.n_layer):
@@ -84,42 +86,23 @@ class PipelineStage:
                     inner.attn[i] = inner.mlp[i] = None
             if not self.is_first:
                 inner.wte = None
-        self.params = inner.params
+        self.params, self.full_shapes = inner.params, inner.full_shapes
         self.tied_copy = self.is_last and not self.is_first and self.cfg.tie_embeddings
 
-    # --- parameters ---------------------------------------------------------------------------
-    def named_parameters(self):
-        return list(self.params.items())
-
-    def parameters(self):
-        return list(self.params.values())
-
-    def num_params(self) -> int:
-        """The whole model's canonical count (as GPT.num_params), not this stage's."""
-        return sum(math.prod(shape) for _, shape, _ in param_specs(self.cfg))
-
-    def num_local_params(self) -> int:
-        return sum(p.size for p in self.params.values())
-
+    # --- parameters (interfaces.Model: named_parameters, parameters, num_params of the whole
+    # model, num_local_params of this stage, zero_grad, state_dict, grad_norm_sq) -------------
     vocab_padded = property(lambda self: self.inner.vocab_padded)        # tensor-parallel stages
     vocab_per_rank = property(lambda self: self.inner.vocab_per_rank)
 
-    def zero_grad(self):
-        for p in self.params.values():
-            p.grad = None
-
     def shard(self, name: str, full: np.ndarray) -> np.ndarray:
-        return self.inner.shard(name, full) if self.tp_size > 1 else full
+        return self.inner.shard(name, full)
 
     def load_state_dict(self, state: dict):
         """Load this stage's tensors from a full canonical state (other names are ignored)."""
         missing = [n for n in self.names if n not in state]
         if missing:
             raise ValueError(f"state_dict mismatch: missing {missing[:4]}")
-        for n in self.names:
-            want = next(s for name, s, _ in param_specs(self.cfg) if name == n)
-            if tuple(state[n].shape) != tuple(want):
-                raise ValueError(f"{n}: checkpoint shape {tuple(state[n].shape)} != model shape {tuple(want)}")
+        self.check_shapes(state, self.names)
         for n, p in self.params.items():
             p.data[...] = self.shard(n, state[n])
 
@@ -143,10 +126,6 @@ class PipelineStage:
                     full[n] = comm.recv(self.group, s)
         return {n: full[n] for n, _, _ in param_specs(self.cfg)}     # canonical order
 
-    def state_dict(self) -> dict:
-        """The full canonical model on pp rank 0 (collective over pp and tp)."""
-        return self.consolidate({n: p.data for n, p in self.params.items()})
-
     def counts_in_norm(self, name: str) -> bool:
         """The last stage skips its copy of a tied wte; tp ranks other than 0 skip
         replicated parameters."""
@@ -160,15 +139,6 @@ class PipelineStage:
         if self.tp_size > 1:
             total = tp_all_reduce(self.tp_group, total, "sum", "grad_norm")
         return float(comm.all_reduce(self.group, total)[0]) if self.n_stages > 1 else float(total[0])
-
-    def grad_norm_sq(self) -> float:
-        """Sum of squared gradients of the whole model, each parameter once (counts_in_norm)."""
-        local = 0.0
-        for name, p in self.params.items():
-            if p.grad is not None and self.counts_in_norm(name):
-                g64 = p.grad.ravel().astype(np.float64, copy=False)
-                local += float(g64 @ g64)
-        return self.reduce_norm_sq(local)
 
     # --- forward, this stage's piece ----------------------------------------------------------
     def forward(self, x, targets=None, loss_denom=None):
@@ -205,21 +175,61 @@ class PipelineStage:
 
 # --- the executor ---------------------------------------------------------------------------------
 
+class StepObserver:
+    """What the executor measures of one training step, kept out of the schedule walk: the
+    walk calls on_start / on_end around every instruction and on_step_end once its last send
+    has completed. Measured: when each Forward and Backward starts and ends (perf_counter,
+    seconds since the step began), and the saved-activation bytes (Tensor.saved_bytes) of the
+    micro-batch graphs in flight, at their peak. Receives and sends are not timed: a stage
+    waiting for its neighbour is idle, and idle time is what the bubble counts."""
+
+    def __init__(self):
+        self.timeline = []          # ("F"/"B", mb, start, end) of each op, in the order run
+        self.saved = {}             # saved-activation bytes of each graph in flight, by micro-batch
+        self.peak = 0               # the most bytes in flight at once
+        self.per_mb = 0             # the most bytes one micro-batch's graph saved
+        self.start = self.step_time = None
+        self.t0 = time.perf_counter()
+
+    def on_start(self, ins):
+        if isinstance(ins, (Forward, Backward)):
+            self.start = time.perf_counter()
+
+    def on_end(self, ins, out=None):
+        """After ins ran; out: a Forward's graph (its output, or loss on the last stage)."""
+        if isinstance(ins, Forward):
+            self.timeline.append(("F", ins.mb, self.start - self.t0, time.perf_counter() - self.t0))
+            self.saved[ins.mb] = out.saved_bytes()
+            self.per_mb = max(self.per_mb, self.saved[ins.mb])
+            self.peak = max(self.peak, sum(self.saved.values()))
+        elif isinstance(ins, Backward):                 # backward freed the graph's activations
+            del self.saved[ins.mb]
+            self.timeline.append(("B", ins.mb, self.start - self.t0, time.perf_counter() - self.t0))
+
+    def on_step_end(self):
+        self.step_time = time.perf_counter() - self.t0
+
+    def stats(self) -> dict:
+        """The step's figures, as PipelineEngine.steps keeps them (gather_stats sends them on)."""
+        busy = sum(end - start for _, _, start, end in self.timeline)
+        return {"timeline": self.timeline, "step_time": self.step_time, "busy": busy,
+                "bubble": 1.0 - busy / self.step_time if self.step_time > 0 else 0.0,   # of its own span
+                "peak_activation_bytes": self.peak, "microbatch_activation_bytes": self.per_mb}
+
+
 class PipelineEngine:
-    """Runs one stage's instruction list for a training step and measures it."""
+    """Runs one stage's instruction list for a training step (a StepObserver measures it)."""
 
     def __init__(self, stage_model: PipelineStage, schedule: str, n_micro: int):
         self.model, self.schedule, self.n_micro = stage_model, schedule, n_micro
-        s, p = stage_model.stage, stage_model.n_stages
-        self.instructions = schedules.schedule(schedule, s, p, n_micro)
+        self.instructions = schedules.schedule(schedule, stage_model.stage, stage_model.n_stages, n_micro)
         backwards = [k for k, ins in enumerate(self.instructions) if isinstance(ins, Backward)]
         self.last_backward = backwards[-1]              # dp synchronises during this one
-        self.steps = []                                 # per step: stats dict (see train_step)
+        self.steps = []                                 # per step: StepObserver.stats()
 
     @property
     def bubble_theory(self) -> float:
-        p, m = self.model.n_stages, self.n_micro
-        return (p - 1) / p if self.schedule == "naive" else (p - 1) / (m + p - 1)
+        return schedules.bubble_theory(self.schedule, self.model.n_stages, self.n_micro)
 
     def train_step(self, batches, loss_denom, dp=None, loss_scale: float = 1.0) -> float:
         """Forward and backward of every micro-batch in `batches` [(x, y), ...] as the
@@ -228,174 +238,137 @@ class PipelineEngine:
         divided by loss_denom), identical on every pp rank. Gradients accumulate into .grad.
         loss_scale (fp16): the last stage seeds each backward with it instead of 1, so every
         gradient sent back through the pipe, and every .grad, is scaled by it."""
-        m, g = self.model, self.model.group
-        prev, nxt = m.stage - 1, m.stage + 1
-        acts, grads = {}, {}          # received activations / output gradients, by micro-batch
-        inputs, outputs = {}, {}      # the leaf input and the output (or loss) of each graph in flight
-        saved = {}                    # saved-activation bytes of each graph in flight
-        sends, timeline = [], []
-        loss_sum, peak, per_mb = 0.0, 0, 0
-        t0 = time.perf_counter()
-        for k, ins in enumerate(self.instructions):
-            mb = ins.mb
-            if isinstance(ins, RecvActivation):
-                acts[mb] = comm.recv(g, prev)
-            elif isinstance(ins, RecvGrad):
-                grads[mb] = comm.recv(g, nxt)
-            elif isinstance(ins, Forward):
-                start = time.perf_counter()
-                x, y = batches[mb]
-                if not m.is_first:            # the previous stage's output, as a leaf of this graph
-                    x = inputs[mb] = Tensor(acts.pop(mb), requires_grad=True)
-                out = outputs[mb] = m.forward(x, y if m.is_last else None, loss_denom)
-                if m.is_last:
-                    loss_sum += out.item()
-                timeline.append(("F", mb, start - t0, time.perf_counter() - t0))
-                saved[mb] = out.saved_bytes()
-                per_mb = max(per_mb, saved[mb])
-                peak = max(peak, sum(saved.values()))
-            elif isinstance(ins, Backward):
-                start = time.perf_counter()
-                if dp is not None:
-                    dp.sync_now(k == self.last_backward)
-                out = outputs.pop(mb)
-                out.backward(backward_seed(loss_scale) if m.is_last else grads.pop(mb))
-                del saved[mb]
-                timeline.append(("B", mb, start - t0, time.perf_counter() - t0))
-            elif isinstance(ins, SendActivation):
-                sends.append(comm.send_async(g, outputs[mb].data, nxt))
-            elif isinstance(ins, SendGrad):
-                sends.append(comm.send_async(g, inputs.pop(mb).grad, prev))
-            for h in sends:                   # push the sends in flight along
-                if not h.done:
-                    h.test()
-        for h in sends:
-            h.wait()
-        step_time = time.perf_counter() - t0
-        busy = sum(end - start for _, _, start, end in timeline)
+        self.batches, self.loss_denom, self.dp, self.loss_scale = batches, loss_denom, dp, loss_scale
+        self.acts, self.grads = {}, {}      # received activations / output gradients, by micro-batch
+        self.inputs, self.outputs = {}, {}  # the leaf input and the output (or loss) of each graph in flight
+        self.sends, self.loss_sum = [], 0.0
+        watch = StepObserver()
+        for k, ins in enumerate(self.instructions):    # warm-up, steady state, cool-down: schedules.py
+            watch.on_start(ins)
+            out = self.run(k, ins)
+            watch.on_end(ins, out)
+            self.push_sends()
+        self.wait_sends()
+        watch.on_step_end()
         if dp is not None:
             dp.finish()
         self.sync_tied_embedding(dp)
-        if m.n_stages > 1:
-            loss_sum = float(comm.broadcast(g, np.array([loss_sum]), m.n_stages - 1)[0])
-        self.steps.append({"timeline": timeline, "step_time": step_time, "busy": busy,
-                           "bubble": 1.0 - busy / step_time if step_time > 0 else 0.0,   # of its own span
-                           "peak_activation_bytes": peak, "microbatch_activation_bytes": per_mb})
-        return loss_sum
+        self.steps.append(watch.stats())
+        return self.broadcast_loss()
+
+    def run(self, k: int, ins):
+        """Execute instruction k of this stage's list, `ins`. Returns a Forward's graph (its
+        output, or the loss on the last stage), else None."""
+        model, group, mb = self.model, self.model.group, ins.mb
+        prev, nxt = model.stage - 1, model.stage + 1
+        if isinstance(ins, RecvActivation):
+            self.acts[mb] = comm.recv(group, prev)
+        elif isinstance(ins, RecvGrad):
+            self.grads[mb] = comm.recv(group, nxt)
+        elif isinstance(ins, Forward):
+            x, y = self.batches[mb]
+            if not model.is_first:              # the previous stage's output, as a leaf of this graph
+                x = self.inputs[mb] = Tensor(self.acts.pop(mb), requires_grad=True)
+            out = self.outputs[mb] = model.forward(x, y if model.is_last else None, self.loss_denom)
+            if model.is_last:
+                self.loss_sum += out.item()
+            return out
+        elif isinstance(ins, Backward):
+            if self.dp is not None:
+                self.dp.sync_now(k == self.last_backward)
+            out = self.outputs.pop(mb)
+            out.backward(backward_seed(self.loss_scale) if model.is_last else self.grads.pop(mb))
+        elif isinstance(ins, SendActivation):
+            self.sends.append(comm.send_async(group, self.outputs[mb].data, nxt))
+        elif isinstance(ins, SendGrad):
+            self.sends.append(comm.send_async(group, self.inputs.pop(mb).grad, prev))
+        return None
+
+    def push_sends(self):
+        """Push the sends in flight along (MPI progresses only inside calls)."""
+        for h in self.sends:
+            if not h.done:
+                h.test()
+
+    def wait_sends(self):
+        for h in self.sends:
+            h.wait()
+        self.sends = []
+
+    def broadcast_loss(self) -> float:
+        """The last stage's loss sum, to every stage (8 bytes over the pp group)."""
+        model = self.model
+        if model.n_stages == 1:
+            return self.loss_sum
+        return float(comm.broadcast(model.group, np.array([self.loss_sum]), model.n_stages - 1)[0])
 
     def sync_tied_embedding(self, dp=None):
         """Megatron's embedding group: stage 0 and the last stage each add the other's
         wte.weight gradient, in place, so both copies stay equal. With ZeRO (dp.tied_grad)
         the gradient is already reduce-scattered over dp: the two stages' dp rank r hold
         the same shard of it (wte is a unit of its own), and exchange only that."""
-        m = self.model
-        if not m.cfg.tie_embeddings or m.n_stages == 1 or not (m.is_first or m.is_last):
+        model = self.model
+        if not model.cfg.tie_embeddings or model.n_stages == 1 or not (model.is_first or model.is_last):
             return
-        w = m.params["wte.weight"]
-        g = dp.tied_grad(w) if hasattr(dp, "tied_grad") else w.grad
-        other = m.n_stages - 1 if m.is_first else 0
-        h = comm.send_async(m.group, g, other)
-        theirs = comm.recv(m.group, other)
+        w = model.params["wte.weight"]
+        grad = dp.tied_grad(w) if hasattr(dp, "tied_grad") else w.grad
+        other = model.n_stages - 1 if model.is_first else 0
+        h = comm.send_async(model.group, grad, other)
+        theirs = comm.recv(model.group, other)
         h.wait()
-        g += theirs                                     # a + b == b + a: both copies equal
+        grad += theirs                                  # a + b == b + a: both copies equal
 
     def gather_stats(self, step: int = -1):
         """Stage 0 of the pp group gets every stage's stats (a list by stage): the timeline,
         times and bubble of `step`, the mean bubble of the steps after the first, the peak
         saved-activation bytes over all steps; the others get None. Collective over the pp
         group (each stage sends 2 small arrays)."""
-        st = self.steps[step]
-        rows = np.array([[0 if kind == "F" else 1, mb, a, b] for kind, mb, a, b in st["timeline"]])
+        this = self.steps[step]
+        rows = np.array([[0 if kind == "F" else 1, mb, a, b] for kind, mb, a, b in this["timeline"]])
         later = self.steps[1:] or self.steps            # the first step warms caches up
-        nums = np.array([st["step_time"], st["busy"], st["peak_activation_bytes"],
-                         st["microbatch_activation_bytes"], max(t["peak_activation_bytes"] for t in self.steps)]
-                        + [t["busy"] for t in later] + [t["step_time"] for t in later], dtype=np.float64)
-        m = self.model
-        if m.stage != 0:
-            comm.send(m.group, rows, 0)
-            comm.send(m.group, nums, 0)
+        nums = np.array([this["step_time"], this["busy"], this["peak_activation_bytes"],
+                         this["microbatch_activation_bytes"], max(st["peak_activation_bytes"] for st in self.steps)]
+                        + [st["busy"] for st in later] + [st["step_time"] for st in later], dtype=np.float64)
+        model = self.model
+        if model.stage != 0:
+            comm.send(model.group, rows, 0)
+            comm.send(model.group, nums, 0)
             return None
         out, busy, span = [], [], []
-        for s in range(m.n_stages):
-            r, n = (rows, nums) if s == 0 else (comm.recv(m.group, s), comm.recv(m.group, s))
-            out.append({"timeline": [(s, "FB"[int(k)], int(mb), a, b) for k, mb, a, b in r],
-                        "step_time": float(n[0]), "busy": float(n[1]),
-                        "microbatch_activation_bytes": int(n[3]), "peak_activation_bytes": int(n[4])})
-            busy.append(n[5:5 + len(later)])
-            span.append(n[5 + len(later):])
+        for stage in range(model.n_stages):
+            their_rows, their_nums = (rows, nums) if stage == 0 else \
+                (comm.recv(model.group, stage), comm.recv(model.group, stage))
+            out.append({"timeline": [(stage, "FB"[int(k)], int(mb), a, b) for k, mb, a, b in their_rows],
+                        "step_time": float(their_nums[0]), "busy": float(their_nums[1]),
+                        "microbatch_activation_bytes": int(their_nums[3]),
+                        "peak_activation_bytes": int(their_nums[4])})
+            busy.append(their_nums[5:5 + len(later)])
+            span.append(their_nums[5 + len(later):])
         makespan = np.max(span, axis=0)                 # per step: the longest stage
-        for s, st in enumerate(out):                    # idle fraction of the makespan, mean over steps
-            st["bubble_mean"] = float(np.mean(1.0 - busy[s] / makespan))
+        for stage, st in enumerate(out):                # idle fraction of the makespan, mean over steps
+            st["bubble_mean"] = float(np.mean(1.0 - busy[stage] / makespan))
         return out
 
 
-def local_param_count(cfg: GPTConfig, stage: int, n_stages: int, tp: int = 1) -> int:
-    """Parameters one rank of `stage` holds, by formula: the stage's canonical tensors
-    (schedules.stage_param_names), split ones / tp, vocabulary ones padded to
-    Vp = tp * ceil(V / tp) rows first (tensor_parallel's layout)."""
-    Vp = -(-cfg.vocab_size // tp) * tp
+# --- what a stage holds and sends, by formula (the planner and the summary use these) -------------
+
+def local_tensors(cfg: GPTConfig, stage: int, n_stages: int, tp: int = 1) -> list:
+    """[(canonical name, elements on one rank)] of a stage, model order: the stage's tensors
+    (schedules.stage_param_names; the last stage keeps a copy of a tied wte), each as
+    tensor parallelism cuts it (tensor_parallel.local_size: split ones / tp, vocabulary
+    ones padded to Vp = tp * ceil(V / tp) rows first)."""
     names = set(schedules.stage_param_names(cfg, stage, n_stages))
-    total = 0
-    for name, shape, _ in param_specs(cfg):
-        if name not in names:
-            continue
-        kind = layout_of(name) if tp > 1 else "replicated"
-        if kind == "vocab":
-            total += Vp * shape[1] // tp
-        elif kind == "replicated":
-            total += math.prod(shape)
-        else:
-            total += math.prod(shape) // tp
-    return total
+    return [(name, local_size(name, shape, tp)) for name, shape, _ in param_specs(cfg) if name in names]
+
+
+def local_param_count(cfg: GPTConfig, stage: int, n_stages: int, tp: int = 1) -> int:
+    """Parameters one rank of `stage` holds, by formula (what num_local_params() must measure)."""
+    return sum(n for _, n in local_tensors(cfg, stage, n_stages, tp))
 
 
 def megatron_count_stage(cfg: GPTConfig, stage: int, n_stages: int, rows: int, t: int) -> tuple[int, int]:
     """tensor_parallel.megatron_count for one pipeline stage: 4 all-reduces per block of
     rows*t*C elements, the embedding's g on the first stage, the head's f and the
     cross-entropy's three of rows*t on the last."""
-    L, C = len(schedules.partition(cfg.n_layer, n_stages)[stage]), cfg.n_embd
-    calls, elems = 4 * L, 4 * L * rows * t * C
-    if stage == 0:
-        calls, elems = calls + 1, elems + rows * t * C
-    if stage == n_stages - 1:
-        calls, elems = calls + 4, elems + rows * t * C + 3 * rows * t
-    return calls, elems
-
-
-# --- the timeline as an SVG -----------------------------------------------------------------------
-
-def timeline_svg(timeline, n_stages: int, title: str = "", width: int = 960) -> str:
-    """A hand-written SVG of [(stage, "F"/"B", mb, start, end)]: one row per stage, a rect
-    per forward (blue) and backward (green) labelled with its micro-batch, a time axis in ms."""
-    row_h, left, top = 28, 70, 30
-    t_end = max((r[4] for r in timeline), default=1.0) or 1.0
-    scale = (width - left - 20) / t_end
-    height = top + n_stages * row_h + 40
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="monospace" font-size="11">',
-           f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left}" y="18" font-size="13">{_esc(title)}</text>']
-    for s in range(n_stages):
-        y = top + s * row_h
-        out.append(f'<text x="8" y="{y + 17}">stage {s}</text>')
-        out.append(f'<rect x="{left}" y="{y + 2}" width="{t_end * scale:.1f}" height="{row_h - 4}" '
-                   f'fill="#eeeeee"/>')
-    for s, kind, mb, a, b in timeline:
-        y, x, w = top + s * row_h, left + a * scale, max((b - a) * scale, 0.5)
-        color = "#4c78a8" if kind == "F" else "#54a24b"
-        out.append(f'<rect x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{row_h - 4}" fill="{color}" '
-                   f'stroke="white" stroke-width="0.5"><title>{kind}{mb} {a * 1e3:.2f}-{b * 1e3:.2f} ms'
-                   f'</title></rect>')
-        if w >= 14:
-            out.append(f'<text x="{x + w / 2:.1f}" y="{y + 18}" text-anchor="middle" fill="white">'
-                       f'{kind}{mb}</text>')
-    y = top + n_stages * row_h + 16
-    for k in range(6):
-        t = t_end * k / 5
-        out.append(f'<text x="{left + t * scale:.1f}" y="{y}" text-anchor="middle">{t * 1e3:.1f} ms</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
-
-
-def _esc(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    n_layers = len(schedules.partition(cfg.n_layer, n_stages)[stage])
+    return megatron_count(cfg, rows, t, n_layers, stage == 0, stage == n_stages - 1)

@@ -13,11 +13,11 @@ A pipeline cuts the layers into p *stages* (one per pp rank) and the batch into 
 A Recv comes right before the Forward/Backward that needs it, a Send right after the op
 that produced it. Because a schedule is data (ShallowSpeed's idea), it can be printed,
 checked for deadlock and drawn without MPI: `check()` runs every stage's list together,
-with messages as FIFO queues, and `ascii_gantt()` draws the timeline. An executor over
+with messages as FIFO queues, and draw.ascii_gantt() draws the timeline. An executor over
 MPI (parallel/pipeline.py) only has to walk its own stage's list.
 
 The three schedules, p=4 stages, m=8 micro-batches, F and B one time unit each
-(`ascii_gantt(check(4, 8, name, backward_time=1).timeline, 4)`; '.' is an idle stage):
+(`draw.ascii_gantt(check(4, 8, name, backward_time=1).timeline, 4)`; '.' is an idle stage):
 
 naive: one micro-batch at a time, forward down the pipe and backward up, then the next
 (the first 2 of the 8 micro-batches shown). Only one stage ever works.
@@ -53,7 +53,8 @@ fills and p-1 backward slots while it drains, beside m of each doing work:
 
 exactly with F = B (and, in this simulation, with B = 2F too). The naive schedule wastes
 (p-1)/p (0.75 for p=4), whatever m. More micro-batches shrink the bubble; 1F1B's gain
-over GPipe is memory, not time.
+over GPipe is memory, not time. bubble_theory() below is this formula (the executor's
+summary and the planner both take it from there).
 
 Sends in the executor. With a Recv right before its op and a Send right after its op,
 1F1B's steady state has neighbours s and s+1 each *sending* to the other at the same
@@ -204,6 +205,14 @@ def schedule(name: str, stage: int, n_stages: int, n_micro: int) -> list:
     return SCHEDULES[name](stage, n_stages, n_micro)
 
 
+def bubble_theory(name: str, n_stages: int, n_micro: int) -> float:
+    """The idle fraction of a step under schedule `name` in theory, F and B each of one
+    length on every stage (the module docstring): (p-1)/(m+p-1) for GPipe and 1F1B,
+    which fill and drain the pipe once; (p-1)/p for naive, one stage working at a time."""
+    p, m = n_stages, n_micro
+    return (p - 1) / p if name == "naive" else (p - 1) / (m + p - 1)
+
+
 # --------------------------------------------------------------------------------------------
 # The checker: run every stage's list together, without MPI.
 
@@ -351,7 +360,7 @@ def check(n_stages: int, n_micro: int, schedule_fn_or_name, *, rendezvous: bool 
     busy = [sum(e - b for st, _, _, b, e in timeline if st == s) for s in range(p)]
     return Report(name=name, n_stages=p, n_micro=m, ok=True, makespan=makespan, busy=busy,
                   bubble=1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0,
-                  bubble_theory=(p - 1) / (m + p - 1), peak_in_flight=peak,
+                  bubble_theory=bubble_theory("gpipe", p, m), peak_in_flight=peak,
                   timeline=sorted(timeline, key=lambda r: (r[0], r[3])))
 
 
@@ -366,40 +375,6 @@ def _blocked(progs, pc, s) -> str:
         return f"{here} waits for stage {peer} ({there}) to post {recv}({ins.mb})"
     send = "SendAct" if ins.kind == "act" else "SendGrad"
     return f"{here} waits for {send}({ins.mb}) from stage {peer} ({there})"
-
-
-# --------------------------------------------------------------------------------------------
-# The timeline as a terminal Gantt chart (simulated unit times or measured seconds).
-
-def _mb_char(mb):
-    return "0123456789abcdefghijklmnopqrstuvwxyz"[mb] if mb < 36 else "*"
-
-
-def ascii_gantt(timeline, n_stages: int, width: int = 120) -> str:
-    """One row per stage: "stage 1 |..F0F1..B0F2..". An op drawn over n cells reads
-    "F3" / "B3--" (n >= 2) or "3" (n == 1); '.' is idle. Integer times (the checker's)
-    get 2 cells per unit, or 1 if that is wider than `width`; other times (seconds) are
-    scaled so the whole run spans `width` cells. Times are measured from the earliest start."""
-    if not timeline:
-        return "\n".join(f"stage {s} |" for s in range(n_stages))
-    t0 = min(r[3] for r in timeline)
-    span = max(r[4] for r in timeline) - t0
-    integral = all(float(r[3]).is_integer() and float(r[4]).is_integer() for r in timeline)
-    if integral and 2 * span <= width:
-        scale = 2
-    elif integral and span <= width:
-        scale = 1
-    else:
-        scale = width / span if span > 0 else 1.0
-    n_cells = max(1, round(span * scale))
-    rows = [["."] * n_cells for _ in range(n_stages)]
-    for stage, kind, mb, start, end in sorted(timeline, key=lambda r: (r[0], r[3])):
-        a = min(round((start - t0) * scale), n_cells - 1)
-        b = min(max(round((end - t0) * scale), a + 1), n_cells)
-        label = (kind + _mb_char(mb)) if b - a >= 2 else _mb_char(mb)
-        rows[stage][a:b] = (label + "-" * (b - a))[:b - a]
-    w = len(str(n_stages - 1))
-    return "\n".join(f"stage {s:>{w}} |{''.join(row)}" for s, row in enumerate(rows))
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ What is communicated, and when (all-reduces over the tp group, s bytes per eleme
 
 How many bytes: an all-reduce of n bytes on p ranks sends 2(p-1)/p * n per rank (ring or
 direct exchange), or log2(p) * n with recursive doubling for messages up to 64 KiB
-(README, "Collectives by hand"); at tp = 2 both are n. traffic() below counts calls, elements and
+(docs/collectives.md); at tp = 2 both are n. traffic() below counts calls, elements and
 bytes sent of this module's all-reduces, by kind (f, g, cross_entropy). With --precision
 fp16/bf16 activations and their gradients are 2 bytes (s = 2); the cross-entropy's three
 all-reduces of B*t stay fp32, as its arithmetic does.
@@ -41,8 +41,9 @@ import math
 import numpy as np
 
 from minipar import comm, ops
+from minipar.interfaces import Model
 from minipar.model import GPTConfig, init_param, param_specs
-from minipar.optim import clip_coef, sum_of_squares
+from minipar.optim import clip_coef
 from minipar.precision import compute, store
 from minipar.tensor import Function, Tensor
 
@@ -66,7 +67,9 @@ def _sent() -> int:
     return comm.traffic().get("all_reduce", {}).get("bytes_sent", 0)
 
 
-def _all_reduce(group: comm.Group, x: np.ndarray, op: str, kind: str) -> np.ndarray:
+def tp_all_reduce(group: comm.Group, x: np.ndarray, op: str, kind: str) -> np.ndarray:
+    """comm.all_reduce over the tp group, entered in this module's ledger under `kind`
+    (traffic()): every all-reduce tensor parallelism makes goes through here."""
     if group.size == 1:                                   # no partner: nothing to send
         return x
     before = _sent()
@@ -90,7 +93,7 @@ class CopyToTP(Function):
         return x
 
     def backward(self, g):
-        return _all_reduce(self.group, g, "sum", "f"), None
+        return tp_all_reduce(self.group, g, "sum", "f"), None
 
 
 class ReduceFromTP(Function):
@@ -98,7 +101,7 @@ class ReduceFromTP(Function):
     layer: each rank holds a partial sum x_r @ W[rows_r, :]; every rank needs the total."""
 
     def forward(self, x, group):
-        return _all_reduce(group, x, "sum", "g")
+        return tp_all_reduce(group, x, "sum", "g")
 
     def backward(self, g):
         return g, None
@@ -240,15 +243,15 @@ class VocabParallelCrossEntropy(Function):
         t = targets.reshape(-1)                                       # (N,)
         n = t.shape[0]
         denom = float(n if denom is None else denom)
-        m = _all_reduce(group, z.max(-1), "max", "cross_entropy")     # (N,) global row max
+        m = tp_all_reduce(group, z.max(-1), "max", "cross_entropy")   # (N,) global row max
         e = np.exp(z - m[:, None])                                    # (N, Vp/tp); -inf -> 0
         local_t = t - start
         own = (local_t >= 0) & (local_t < Vl)                         # (N,) rows whose target is here
         rows = np.nonzero(own)[0]
         zt = np.zeros(n, dtype=z.dtype)
         zt[rows] = z[rows, local_t[rows]] - m[rows]
-        zt = _all_reduce(group, zt, "sum", "cross_entropy")           # (N,) target logit - max
-        s = _all_reduce(group, e.sum(-1), "sum", "cross_entropy")     # (N,) sum of exp
+        zt = tp_all_reduce(group, zt, "sum", "cross_entropy")         # (N,) target logit - max
+        s = tp_all_reduce(group, e.sum(-1), "sum", "cross_entropy")   # (N,) sum of exp
         loss = (np.log(s) - zt).sum() / denom
         e /= s[:, None]                                               # local softmax
         self.save(e, rows, local_t[rows])
@@ -283,7 +286,7 @@ def layout_of(name: str) -> str:
     return "replicated"
 
 
-class TensorParallelGPT:
+class TensorParallelGPT(Model):
     """GPT-2 (model.GPT's maths and canonical names) with every layer split across the tp
     group. Parameters are leaf Tensors holding this rank's shard, under canonical names."""
 
@@ -367,24 +370,10 @@ class TensorParallelGPT:
         parts = np.stack([s.reshape(*lead, 3, -1) for s in shards], axis=-2)   # (..., 3, tp, C/tp)
         return parts.reshape(*lead, -1)
 
-    # --- the Python API of docs/design.md §4, on shards ---------------------------------------------
-    def named_parameters(self):
-        return list(self.params.items())
-
-    def parameters(self):
-        return list(self.params.values())
-
-    def num_params(self) -> int:
-        """The full canonical count (what model.GPT reports), not this rank's."""
-        return sum(math.prod(s) for s in self.full_shapes.values())
-
-    def num_local_params(self) -> int:
-        """Elements this rank holds: (P - replicated)/tp + replicated, plus vocab padding."""
-        return sum(p.size for p in self.params.values())
-
-    def zero_grad(self):
-        for p in self.params.values():
-            p.grad = None
+    # --- the Python API of docs/design.md §4, on shards (interfaces.Model) ------------------
+    # named_parameters, parameters, num_params (the full canonical count), num_local_params
+    # (elements this rank holds: (P - replicated)/tp + replicated, plus vocab padding),
+    # zero_grad, load_state_dict (each tensor's shard()) and grad_norm_sq come from Model.
 
     def consolidate(self, local: dict) -> dict:
         """{name: local array} -> {name: full canonical array}, for parameters or any state
@@ -400,35 +389,13 @@ class TensorParallelGPT:
             out[name] = self.unshard(name, list(flat.reshape(self.tp_size, *a.shape)))
         return out
 
-    def state_dict(self) -> dict:
-        """{canonical name: FULL ndarray}, equal on every tp rank (collective)."""
-        return self.consolidate({n: p.data for n, p in self.params.items()})
-
-    def load_state_dict(self, state: dict):
-        missing = sorted(set(self.params) - set(state))
-        extra = sorted(set(state) - set(self.params))
-        if missing or extra:
-            raise ValueError(f"state_dict mismatch: missing {missing[:4]}, unexpected {extra[:4]}")
-        for n in self.params:                                         # check all before changing any
-            if tuple(state[n].shape) != self.full_shapes[n]:
-                raise ValueError(f"{n}: checkpoint shape {tuple(state[n].shape)} != model shape "
-                                 f"{self.full_shapes[n]}")
-        for n, p in self.params.items():
-            p.data[...] = self.shard(n, state[n])
-
     def counts_in_norm(self, name: str) -> bool:
         """Split parameters count on every rank (its slice), replicated ones on tp rank 0."""
         return self.tp_rank == 0 or not self.is_replicated(name)
 
     def reduce_norm_sq(self, local: float) -> float:
         """One all-reduce over tp of each rank's counted sum of squares."""
-        return float(_all_reduce(self.group, np.array([local]), "sum", "grad_norm")[0])
-
-    def grad_norm_sq(self) -> float:
-        """Sum of squared gradient entries of the whole model, each parameter counted once
-        (counts_in_norm), identical on every tp rank."""
-        return self.reduce_norm_sq(sum(sum_of_squares(p.grad) for name, p in self.params.items()
-                                       if p.grad is not None and self.counts_in_norm(name)))
+        return float(tp_all_reduce(self.group, np.array([local]), "sum", "grad_norm")[0])
 
     # --- forward, in pieces a pipeline stage can run ----------------------------------------
     def embed(self, idx) -> Tensor:
@@ -488,20 +455,39 @@ def clip_grad_norm(model: TensorParallelGPT, max_norm: float) -> float:
     return total
 
 
+# --- the formulas: what a rank holds, what it sends (the planner and the summary use them) ----
+
+def local_size(name: str, shape, tp: int) -> int:
+    """Elements of canonical tensor `name` (of canonical `shape`) on one tp rank, as shard()
+    cuts it: a vocabulary tensor Vp/tp = ceil(V/tp) rows of C, a split one 1/tp of it, a
+    replicated one (wpe, LayerNorms, row-parallel biases) whole."""
+    kind = layout_of(name)
+    if kind == "vocab":
+        return -(-shape[0] // tp) * shape[1]                     # (Vp/tp, C)
+    n = math.prod(shape)
+    return n if kind == "replicated" else n // tp
+
+
 def local_param_count(cfg: GPTConfig, tp: int) -> int:
     """Parameters one tp rank holds, by formula (what num_local_params() must measure):
-    the replicated ones whole (wpe, LayerNorms, row-parallel biases), the split ones / tp,
-    and the vocabulary tensors padded to Vp = tp * ceil(V / tp) rows, then / tp."""
-    V, T, C, L = cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.n_layer
-    Vp = -(-V // tp) * tp
-    replicated = T * C + L * (2 * C + 2 * C + C + C) + 2 * C
-    split_per_layer = (3 * C * C + 3 * C) + C * C + (4 * C * C + 4 * C) + 4 * C * C
-    n_vocab = 1 if cfg.tie_embeddings else 2
-    return replicated + L * split_per_layer // tp + n_vocab * Vp * C // tp
+    (P - replicated)/tp + replicated, with the vocabulary tensors padded to Vp rows first;
+    the sum of local_size over the canonical tensors."""
+    return sum(local_size(name, shape, tp) for name, shape, _ in param_specs(cfg))
 
 
-def megatron_count(cfg: GPTConfig, rows: int, t: int) -> tuple[int, int]:
-    """(all-reduces, elements) of one micro-batch of `rows` sequences of t tokens:
-    4L + 5 calls and (4L + 2) * rows * t * C + 3 * rows * t elements (module docstring)."""
-    L, C = cfg.n_layer, cfg.n_embd
-    return 4 * L + 5, (4 * L + 2) * rows * t * C + 3 * rows * t
+def megatron_calls(n_layers: int, first: bool = True, last: bool = True) -> tuple[int, int]:
+    """Megatron's all-reduces of one micro-batch, forward and backward, on a tp rank holding
+    `n_layers` blocks, the embedding if `first` and the head if `last` (a pipeline stage;
+    the whole model by default), as (calls on a (rows, t, C) activation or its gradient,
+    calls on rows*t numbers): 4 per block (attention's and the MLP's f and g), the
+    embedding's g, the head's f; the vocabulary-parallel cross-entropy's 3."""
+    return 4 * n_layers + (1 if first else 0) + (1 if last else 0), 3 if last else 0
+
+
+def megatron_count(cfg: GPTConfig, rows: int, t: int, n_layers: int | None = None,
+                   first: bool = True, last: bool = True) -> tuple[int, int]:
+    """(all-reduces, elements) of one micro-batch of `rows` sequences of t tokens: for the
+    whole model 4L + 5 calls and (4L + 2) * rows * t * C + 3 * rows * t elements (module
+    docstring); for a pipeline stage, its n_layers blocks and ends (megatron_calls)."""
+    act, per_row = megatron_calls(cfg.n_layer if n_layers is None else n_layers, first, last)
+    return act + per_row, act * rows * t * cfg.n_embd + per_row * rows * t

@@ -94,22 +94,31 @@ def padded(n: int, N: int) -> int:
     return -(-n // N) * N
 
 
-def formula(stage: int, P: int, P_pad: int, N: int, s: int, k: int) -> dict:
-    """Bytes per rank of each model state: s-byte parameters and gradients, k optimizer
-    bytes per parameter; P the rank's parameters, P_pad with every unit padded for N."""
-    params = s * (P if stage == 0 else P_pad // N if stage == 3 else P_pad)
-    grads = s * (P if stage == 0 else P_pad // N if stage >= 2 else P_pad)
-    optimizer = k * (P if stage == 0 else P_pad // N)
-    text = {0: f"{s}P + {s}P + {k}P", 1: f"{s}P + {s}P + {k}P/N", 2: f"{s}P + {s}P/N + {k}P/N",
-            3: f"{s}P/N + {s}P/N + {k}P/N"}[stage]
+def formula(stage: int, P: int, P_pad: int, N: int, itemsize: int, K: int) -> dict:
+    """Bytes per rank of each model state (the table above): `itemsize`-byte parameters and
+    gradients, K optimizer bytes per parameter; P the rank's parameters, P_pad with every
+    unit padded for N ranks. The planner (minipar/plan.py) takes its memory table from here."""
+    params = itemsize * (P if stage == 0 else P_pad // N if stage == 3 else P_pad)
+    grads = itemsize * (P if stage == 0 else P_pad // N if stage >= 2 else P_pad)
+    optimizer = K * (P if stage == 0 else P_pad // N)
+    text = {0: "{s}P + {s}P + {K}P", 1: "{s}P + {s}P + {K}P/N", 2: "{s}P + {s}P/N + {K}P/N",
+            3: "{s}P/N + {s}P/N + {K}P/N"}[stage].format(s=itemsize, K=K)
     return {"params": params, "grads": grads, "optimizer": optimizer, "text": text}
 
 
-def traffic_theory(stage: int, P_pad: int, N: int, s: int, M: int) -> float:
+def collectives_per_step(stage: int, M: int) -> tuple[int, int]:
+    """(reduce-scatters, all-gathers) of each unit in one step of M micro-batches ("One
+    step" above): stage 1 one of each; stage 2 a reduce-scatter per micro-batch and one
+    all-gather; stage 3 per micro-batch a reduce-scatter and two all-gathers (forward's
+    and backward's); stage 0, plain dp's all-reduce, as much as one of each."""
+    return {0: (1, 1), 1: (1, 1), 2: (M, 1), 3: (M, 2 * M)}[stage]
+
+
+def traffic_theory(stage: int, P_pad: int, N: int, itemsize: int, M: int) -> float:
     """Bytes one rank sends per step for its gradient and parameter collectives: a
     reduce-scatter or all-gather of n bytes sends (N-1)/N * n."""
-    calls = {0: 2, 1: 2, 2: M + 1, 3: 3 * M}[stage]
-    return calls * (N - 1) / N * s * P_pad
+    calls = sum(collectives_per_step(stage, M))
+    return calls * (N - 1) / N * itemsize * P_pad
 
 
 class Unit:
@@ -268,7 +277,7 @@ class Zero:
         for u in self.units:
             if self.stage == 1:
                 for p, view in zip(u.params, u.unflatten(u.grad_flat)):
-                    p.grad, p.grad_stale = view, True            # the next backward overwrites
+                    p.set_grad_buffer(view)                      # the next backward overwrites
             else:
                 for p in u.params:
                     p.grad = None
@@ -377,7 +386,7 @@ class Zero:
         m.embed, m.block, m.head = zero3_embed, zero3_block, zero3_head
 
     # --- the optimizer -----------------------------------------------------------------------
-    def grad_norm_sq(self) -> float:
+    def grad_norm_sq(self, model=None) -> float:
         """Sum of squared gradients of the whole model, each parameter once: this rank's
         shards (each element of a unit is owned by one dp rank; the padding is zero), summed
         over dp, then over tp and pp as the model counts them (model.reduce_norm_sq)."""
@@ -389,7 +398,9 @@ class Zero:
         total = comm.all_reduce(self.group, np.array([local]))[0] if self.N > 1 else local
         return self.model.reduce_norm_sq(float(total))
 
-    def local_found_inf(self) -> bool:
+    def local_found_inf(self, model=None) -> bool:
+        """Does this rank's gradient shard hold an inf or NaN? (model: interfaces.GradSync's
+        argument; the shards are this object's own.)"""
         return any(not np.isfinite(u.grad_shard).all() for u in self.units)
 
     def step(self, grad_scale: float = 1.0):

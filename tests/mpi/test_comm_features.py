@@ -450,13 +450,13 @@ def test_bad_arguments_raise_before_any_message(groups):
     np.testing.assert_array_equal(comm.all_reduce(g, x), np.full(4, g.size))  # still in step
 
 
-# ---------------------------------------------------------------------------- small fast path
+# ---------------------------------------------------------------------------- straight-line fast paths
 
-def test_small_fast_path_matches_the_general_path(groups, capfd):
-    """Blocking calls on small messages run small.py instead of the generators: the same
-    results bit for bit, the same ledger volumes and the same trace lines; receive buffers
+def test_straight_line_path_matches_the_general_path(groups, capfd):
+    """Blocking calls on small messages run straight_line.py instead of the generators: the
+    same results bit for bit, the same ledger volumes and the same trace lines; receive buffers
     reused across calls of other sizes and dtypes (Group.scratch) never leak into results."""
-    from minipar.comm import small
+    from minipar.comm import straight_line
     base = world(groups)
     g = comm.Group(base.comm, trace=True)
     p, r = g.size, g.rank
@@ -470,11 +470,13 @@ def test_small_fast_path_matches_the_general_path(groups, capfd):
         mine = np.array_split(x, p)[r].copy()
         runs = {}
         for label, calls in [
-                ("small", [lambda: small.reduce_scatter_into(g, x, "max", None),
-                           lambda: small.all_gather_into(g, mine, pieces, None),
-                           lambda: small.all_reduce_direct_into(g, x, "sum", None)]
-                 + ([] if large else [lambda: small.all_reduce_into(g, x, "sum", None),
-                                      lambda: small.all_gather_into(g, mine, pieces, None, bruck=True)])),
+                ("straight_line",
+                 [lambda: straight_line.reduce_scatter_into(g, x, "max", None),
+                  lambda: straight_line.all_gather_into(g, mine, pieces, None),
+                  lambda: straight_line.all_reduce_direct_into(g, x, "sum", None)]
+                 + ([] if large else
+                    [lambda: straight_line.all_reduce_into(g, x, "sum", None),
+                     lambda: straight_line.all_gather_into(g, mine, pieces, None, bruck=True)])),
                 ("general", [lambda: direct.reduce_scatter(g, x, "max"),
                              lambda: direct.all_gather(g, mine, pieces),
                              lambda: direct.all_reduce(g, x, "sum")]
@@ -485,7 +487,7 @@ def test_small_fast_path_matches_the_general_path(groups, capfd):
             results = [f() for f in calls]
             lines = [ln for ln in capfd.readouterr().out.splitlines() if ln.startswith("rank ")]
             runs[label] = (results, comm.traffic(), lines)
-        (res_s, led_s, tr_s), (res_g, led_g, tr_g) = runs["small"], runs["general"]
+        (res_s, led_s, tr_s), (res_g, led_g, tr_g) = runs["straight_line"], runs["general"]
         for a, b in zip(res_s, res_g):
             assert a.dtype == b.dtype and a.shape == b.shape
             assert a.tobytes() == b.tobytes()
@@ -497,18 +499,20 @@ def test_small_fast_path_matches_the_general_path(groups, capfd):
         assert all(b == every[0] for b in every)
 
 
-def test_small_fast_path_is_what_blocking_calls_use(groups):
-    """comm.all_reduce & co. on a small message go through small.py (and the async calls do
-    not), and so does direct exchange on a large one: checked by counting calls into it."""
-    from minipar.comm import small
+def test_straight_line_path_is_what_blocking_calls_use(groups):
+    """comm.all_reduce & co. on a small message go through straight_line.py (and the async
+    calls do not), and so does direct exchange on a large one: checked by counting calls into
+    it."""
+    from minipar.comm import straight_line
     g = world(groups)
     x = np.ones(64, np.float32)
     seen = []
-    originals = {name: getattr(small, name) for name in
+    originals = {name: getattr(straight_line, name) for name in
                  ("all_reduce_into", "reduce_scatter_into", "all_gather_into", "all_reduce_direct_into")}
     try:
         for name, f in originals.items():
-            setattr(small, name, (lambda f, name: lambda *a, **k: (seen.append(name), f(*a, **k))[1])(f, name))
+            setattr(straight_line, name,
+                    (lambda f, name: lambda *a, **k: (seen.append(name), f(*a, **k))[1])(f, name))
         comm.all_reduce(g, x)
         comm.reduce_scatter(g, x)
         comm.all_gather(g, x)
@@ -523,7 +527,7 @@ def test_small_fast_path_is_what_blocking_calls_use(groups):
         assert seen == ["all_reduce_direct_into", "reduce_scatter_into", "all_gather_into"], seen
     finally:
         for name, f in originals.items():
-            setattr(small, name, f)
+            setattr(straight_line, name, f)
 
 
 # ---------------------------------------------------------------------------- non-blocking point-to-point

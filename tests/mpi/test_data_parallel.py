@@ -45,7 +45,7 @@ def run(args, dp_comm=None, mode="bucketed", bucket_mb=1.0, check=None):
         if check is not None:
             ddp.finish = check(ddp, ddp.finish)
         rows = (grid.dp_rank * B // grid.dp_size, (grid.dp_rank + 1) * B // grid.dp_size)
-    log = list(train.train_steps(model, opt, sampler, args, 0, STEPS, rows, ddp, group))
+    log = list(train.train_steps(train.Session(args, model, opt, sampler, sync=ddp, rows=rows, dp_group=group), 0, STEPS))
     grads = {n: p.grad.copy() for n, p in model.named_parameters()}
     return [r["loss"] for r in log], grads, model.state_dict(), ddp, [r["grad_norm"] for r in log], model
 
@@ -155,7 +155,7 @@ def test_grad_sync_bytes_equal_the_ring_formula():
     sampler = data.Sampler(tokens(), cfg.block_size, args.batch_size, args.seed)
     rows = (grid.dp_rank * 2, grid.dp_rank * 2 + 2)
     opt = train.build_optimizer(model, args)
-    for row in train.train_steps(model, opt, sampler, args, 0, 2, rows, ddp, grid.dp_group):
+    for row in train.train_steps(train.Session(args, model, opt, sampler, sync=ddp, rows=rows, dp_group=grid.dp_group), 0, 2):
         assert row["grad_sync_bytes"] == 2 * 3 * n_bytes // 4, (row, n_bytes)
     sub.Free()
 

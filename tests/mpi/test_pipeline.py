@@ -9,6 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from minipar import comm, data, train
+from minipar.config import RunSpec
 from minipar.model import GPT, GPTConfig
 from minipar.parallel import data_parallel, pipeline, schedules
 from minipar.parallel.grid import ProcessGrid
@@ -60,7 +61,7 @@ def twin(n_layer, m, tied=True):
         model = GPT(config(n_layer, tied), seed=0, dtype=np.float64)
         opt = train.build_optimizer(model, args)
         sampler = data.Sampler(tokens(), 16, B, 0)
-        steps = train.train_steps(model, opt, sampler, args, 0, STEPS, (0, B))
+        steps = train.train_steps(train.Session(args, model, opt, sampler, rows=(0, B)), 0, STEPS)
         rows = [next(steps)]
         grads = {n: p.grad.copy() for n, p in model.named_parameters()}    # of step 0
         rows += list(steps)
@@ -74,14 +75,15 @@ def run(n_layer, pp, schedule, m, dp=1, tp=1, tied=True, mode="bucketed", bucket
     sub = WORLD.Split(color=RANK // k, key=RANK)
     grid = ProcessGrid(sub, dp, tp, pp)
     args = flags(n_layer, m, tied, schedule)
-    plan = train.Plan(config(n_layer, tied), np.float64, tokens(), 0, None, None, None, dp, tp, pp)
-    model, opt = train.init_model(plan, args, grid.tp_group, grid)
+    spec = RunSpec(config(n_layer, tied), np.float64, tokens(), 0, None, None, None, dp, tp, pp)
+    model, opt = train.init_model(spec, args, grid)
     ddp = data_parallel.make(model.parameters(), grid.dp_group, mode, bucket_mb) if dp > 1 else None
     pipe = pipeline.PipelineEngine(model, schedule, m)
     sampler = data.Sampler(tokens(), 16, B, 0)
     rows = (grid.dp_rank * B // dp, (grid.dp_rank + 1) * B // dp)
-    steps = train.train_steps(model, opt, sampler, args, 0, STEPS, rows, ddp,
-                              grid.dp_group if dp > 1 else None, pipe)
+    s = train.Session(args, model, opt, sampler, sync=ddp, rows=rows, dp_group=grid.dp_group if dp > 1 else None,
+                      pipe=pipe)
+    steps = train.train_steps(s, 0, STEPS)
     out = [next(steps)]
     grads = {n: p.grad.copy() for n, p in model.named_parameters()}   # of step 0: same weights as
     if tp > 1:                                                        # the twin, so the maths shows
@@ -183,8 +185,8 @@ def test_consolidated_state_and_evaluate():
     sub = WORLD.Split(color=0, key=RANK)
     grid = ProcessGrid(sub, 1, 1, pp)
     args = flags(n_layer, 1)
-    plan = train.Plan(config(n_layer), np.float64, tokens(), 0, None, None, None, 1, 1, pp)
-    model, _ = train.init_model(plan, args, grid.tp_group, grid)
+    spec = RunSpec(config(n_layer), np.float64, tokens(), 0, None, None, None, 1, 1, pp)
+    model, _ = train.init_model(spec, args, grid)
     ref = GPT(config(n_layer), seed=0, dtype=np.float64)
     state = model.state_dict()
     if grid.pp_rank == 0:

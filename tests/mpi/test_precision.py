@@ -33,7 +33,7 @@ def setup(mode, dp, tp, pp, m=2, n_layer=2):
     args = flags(mode, m, n_layer, dp, tp, pp)
     grid = ProcessGrid(WORLD, dp, tp, pp)
     plan = train.prepare(args, SIZE)
-    model, opt = train.init_model(plan, args, grid.tp_group, grid)
+    model, opt = train.init_model(plan, args, grid)
     return args, grid, plan, model, opt
 
 
@@ -70,8 +70,9 @@ def test_every_rank_skips_the_step_one_rank_overflowed(dp, tp, pp, dp_mode, mode
         step_now[0] = step
         before = snapshot(model, opt)
         with train.quiet_overflow(True):
-            row = train.train_step(model, opt, sampler, args, step, rows, ddp,
-                                   grid.dp_group if dp > 1 else None, pipe, grid.world)
+            row = train.train_step(train.Session(args, model, opt, sampler, sync=ddp, rows=rows,
+                                                 dp_group=grid.dp_group if dp > 1 else None,
+                                                 world_group=grid.world, pipe=pipe), step)
         after = snapshot(model, opt)
         unchanged = all(np.array_equal(a, b) for a, b in zip(before[0], after[0])) and before[1] == after[1]
         assert unchanged == row["skipped"], f"step {step}: skipped={row['skipped']} but unchanged={unchanged} {what}"
@@ -93,7 +94,8 @@ def test_memory_is_2P_2P_12P_of_the_local_parameters(dp, tp, pp, mode):
     pipe = pipeline.PipelineEngine(model, "1f1b", 1) if pp > 1 else None
     sampler = data.Sampler(plan.tokens, 16, B, 0)
     rows = (grid.dp_rank * B // dp, (grid.dp_rank + 1) * B // dp)
-    train.train_step(model, opt, sampler, args, 0, rows, ddp, grid.dp_group if dp > 1 else None, pipe)
+    train.train_step(train.Session(args, model, opt, sampler, sync=ddp, rows=rows,
+                                   dp_group=grid.dp_group if dp > 1 else None, pipe=pipe), 0)
     if pp > 1:
         P = pipeline.local_param_count(plan.cfg, grid.pp_rank, pp, tp)
     else:

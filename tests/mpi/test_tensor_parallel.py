@@ -219,12 +219,12 @@ def test_dp2_tp2_in_train_steps():
     model = TensorParallelGPT(cfg, grid.tp_group)
     ddp = data_parallel.make(model.parameters(), grid.dp_group, "bucketed", 0.02)
     rows = (grid.dp_rank * 2, grid.dp_rank * 2 + 2)
-    losses = [r["loss"] for r in train.train_steps(model, train.build_optimizer(model, args),
-                                                   data.Sampler(tokens, T, 4, 0), args, 0, 3, rows, ddp,
-                                                   grid.dp_group)]
+    s = train.Session(args, model, train.build_optimizer(model, args), data.Sampler(tokens, T, 4, 0),
+                      sync=ddp, rows=rows, dp_group=grid.dp_group)
+    losses = [r["loss"] for r in train.train_steps(s, 0, 3)]
     twin = GPT(cfg)
-    ref = [r["loss"] for r in train.train_steps(twin, train.build_optimizer(twin, args),
-                                                data.Sampler(tokens, T, 4, 0), args, 0, 3, (0, 4))]
+    s = train.Session(args, twin, train.build_optimizer(twin, args), data.Sampler(tokens, T, 4, 0), rows=(0, 4))
+    ref = [r["loss"] for r in train.train_steps(s, 0, 3)]
     check("loss", losses, ref, 1e-12, "train_steps losses")
     state = model.state_dict()
     for n, rp in twin.state_dict().items():

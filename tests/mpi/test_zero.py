@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minipar import data, train
+from minipar import checkpoint, data, train
 from minipar.model import GPT, GPTConfig
 from minipar.parallel import tensor_parallel, zero
 from minipar.parallel.grid import ProcessGrid
@@ -41,12 +41,12 @@ def run(args, sub=None, stage=0, tp=1):
         opt = z = zero.Zero(model, train.build_optimizer(model, args), grid.dp_group, stage)
         group = grid.dp_group if grid.dp_size > 1 else None
         rows = (grid.dp_rank * B // grid.dp_size, (grid.dp_rank + 1) * B // grid.dp_size)
-    out = list(train.train_steps(model, opt, sampler, args, 0, STEPS, rows, z, group))
+    out = list(train.train_steps(train.Session(args, model, opt, sampler, sync=z, rows=rows, dp_group=group), 0, STEPS))
     if z is None:
         grads = {n: p.grad.copy() for n, p in model.named_parameters()}
     else:
-        grads = train.canonical(model, z.gather_local("grad_shard"))     # summed, whole, canonical
-    return {"losses": [r["loss"] for r in out], "grads": grads, "params": train.canonical_state(model, opt),
+        grads = model.consolidate(z.gather_local("grad_shard"))     # summed, whole, canonical
+    return {"losses": [r["loss"] for r in out], "grads": grads, "params": checkpoint.canonical_state(model, opt),
             "rows": out, "zero": z}
 
 

@@ -1,28 +1,39 @@
-"""The generator-free path: blocking all_reduce, reduce_scatter and all_gather written
-straight-line.
+"""Straight-line fast paths: the blocking all_reduce, reduce_scatter and all_gather,
+written as plain functions instead of generators. Read ring.py, doubling.py and direct.py
+first: this file adds no algorithm, only a faster way to run three of theirs.
 
-For a message of a few KiB the wire time is a microsecond or two, and what a call costs is
-the Python around it. The general path (doubling.py, direct.py, ring.py) writes each
-algorithm as a generator so that the same code runs blocking (`run`) or a step at a time
-(`Handle`); resuming it, catching its StopIteration, building request lists step by step
-costs a few microseconds per call, as much as MPICH's whole collective at 4 KiB. With 4
-ranks on 2 cores each microsecond of CPU is paid about twice, since the rank we wait for
-needs our core.
+What it is. The general algorithms (doubling.py, direct.py, ring.py) are generators, so that
+one piece of code runs either blocking (`run`) or a step at a time (`Handle`, for
+all_reduce_async & co.). Each function here sends exactly the same messages as its general
+twin (same peers, sizes, steps, tags, ledger entries and trace lines) but runs straight
+through: post one step's Isend/Irecv, `c.wait` for them, reduce, next step. Nothing else
+differs: timeouts, MINIPAR_TRACE and MINIPAR_DEBUG live in `Call` (group.py) and work the
+same; receive buffers are the group's reused scratch (Group.scratch).
 
-So the blocking calls the user makes run these plain functions instead: recursive doubling
-on small messages (minipar/comm/__init__.py: SMALL_MAX_BYTES), and the one-round direct
-reduce-scatter and all-gather at any size (a 1 MiB one was a few microseconds faster
-here too). They are the same algorithms as the
-general path, message for message (same peers, sizes, steps, tags, ledger entries and trace
-lines), written straight-line: post one step's Isend/Irecv, `c.wait` for them, reduce,
-next step. Timeouts, MINIPAR_TRACE and MINIPAR_DEBUG work the same, since they live in
-`Call`. Receive buffers are the group's reused scratch (Group.scratch). The non-blocking
-calls (all_reduce_async, ...) always take the general path.
+    all_reduce_into          recursive doubling, as doubling.all_reduce (fix-up steps when p
+                             is not a power of 2)
+    all_reduce_direct_into   direct exchange, as direct.all_reduce: reduce-scatter round, then
+                             all-gather round
+    reduce_scatter_into      direct exchange, as direct.reduce_scatter: one round of p-1
+                             messages each way
+    all_gather_into          direct exchange, as direct.all_gather, or Bruck's algorithm, as
+                             doubling.all_gather (bruck=True)
 
-    all_reduce       recursive doubling (doubling.py), fix-up steps when p is not a power of 2;
-                     or direct exchange (direct.py), reduce-scatter then all-gather
-    reduce_scatter   direct exchange (direct.py): one round of p-1 messages each way
-    all_gather       direct exchange, or Bruck (doubling.py) when bruck=True
+The ring has no straight-line version (above direct.DIRECT_MAX_RANKS ranks the blocking calls
+run ring.py's generators), nor do the rooted collectives of tree.py.
+
+Why it exists. For a message of a few KiB the wire time is a microsecond or two, and what a
+call costs is the Python around it: resuming a generator, catching its StopIteration and
+building request lists step by step cost a few microseconds per call, as much as MPICH's
+whole collective at 4 KiB. With 4 ranks on 2 cores each microsecond of CPU is paid about
+twice, since the rank we wait for needs our core.
+
+When it runs: minipar/comm/__init__.py dispatches the blocking calls here for recursive
+doubling up to SMALL_MAX_BYTES, and for the one-round direct reduce-scatter and all-gather
+(and the two-round direct all-reduce) at any size (a 1 MiB one was a few microseconds faster
+here too). The non-blocking calls (all_reduce_async, ...) always take the general path. The
+tests check that both paths give the same bytes, results, ledger and trace
+(tests/mpi/test_comm_features.py).
 """
 from .group import describe, reduce_op, result, split_offsets
 from .doubling import all_reduce_steps, bruck_offsets

@@ -1,0 +1,216 @@
+"""The docs stay true, and the project cites only itself.
+
+- Every command line in a fenced block of README.md and docs/*.md that runs minipar
+  (`python -m minipar.train ...`, under `mpirun` or not) is run with --dry-run appended: a
+  renamed flag or a layout that no longer fits fails here. `python -m minipar.plan ...` lines
+  run as they are (the planner only computes). Commands that run pytest or a script must name
+  files that exist.
+- No file of the repository refers to a document outside it (docs/design.md §10's rule: cite
+  docs/design.md, a paper, or the formula itself).
+- The README stays short, and docs/ has its pages.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+DOCS = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(REPO, "docs"))
+                              if f.endswith(".md"))
+PAGES = ["design", "collectives", "data-parallel", "tensor-parallel", "pipeline", "zero", "mixed-precision",
+         "checkpoints", "verify", "planner", "performance", "debugging"]
+
+
+def fenced_commands(text: str) -> list[str]:
+    """The command lines inside ``` blocks: lines that start (after an optional `$ ` and
+    VAR=value settings) with mpirun or `python -m minipar`, backslash continuations joined."""
+    out, inside, pending = [], False, ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            inside, pending = not inside, ""
+            continue
+        if not inside:
+            continue
+        line = pending + line.strip().removeprefix("$ ")
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        words = line.split()
+        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+            words = words[1:]
+        if words and (words[0] == "mpirun" or words[:3] == ["python", "-m", "minipar.train"]
+                      or (words[:2] == ["python", "-m"] and words[2].startswith("minipar"))):
+            out.append(line)
+    return out
+
+
+def doc_commands() -> list[tuple[str, str]]:
+    seen, out = set(), []
+    for doc in DOCS:
+        with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+            for cmd in fenced_commands(f.read()):
+                if cmd not in seen:
+                    seen.add(cmd)
+                    out.append((doc, cmd))
+    return out
+
+
+def runnable(cmd: str) -> tuple[dict, list[str], str]:
+    """-> (environment additions, argv with this venv's python and mpirun, what it runs:
+    "train", "plan", "pytest", "script" or "other")."""
+    words = shlex.split(cmd)
+    env = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        k, v = words.pop(0).split("=", 1)
+        env[k] = v
+    argv = [os.path.join(BIN, "mpirun") if w == "mpirun" else sys.executable if w == "python" else w
+            for w in words]
+    if "minipar.train" in words:
+        kind = "train"
+    elif "minipar.plan" in words:
+        kind = "plan"
+    elif "pytest" in words:
+        kind = "pytest"
+    elif any(w.startswith("scripts/") for w in words):
+        kind = "script"
+    else:
+        kind = "other"
+    return env, argv, kind
+
+
+COMMANDS = doc_commands()
+
+
+def test_the_docs_show_commands():
+    kinds = {runnable(cmd)[2] for _, cmd in COMMANDS}
+    assert {"train", "plan"} <= kinds and len(COMMANDS) >= 20, (kinds, len(COMMANDS))
+
+
+@pytest.mark.parametrize("doc,cmd", COMMANDS, ids=[f"{d}:{c[:60]}" for d, c in COMMANDS])
+def test_doc_command_runs(doc, cmd, tmp_path):
+    env, argv, kind = runnable(cmd)
+    if kind in ("pytest", "script"):
+        paths = [w.split("::")[0] for w in argv if w.startswith(("tests/", "scripts/"))]
+        missing = [p for p in paths if not os.path.exists(os.path.join(REPO, p))]
+        assert paths and not missing, f"{doc}: `{cmd}` names missing files {missing}"
+        return
+    assert kind in ("train", "plan"), f"{doc}: `{cmd}` runs neither minipar.train nor minipar.plan"
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", **env}
+    if kind == "train":
+        argv = argv + ["--dry-run"]
+        if "--resume" in argv:              # the checkpoint the docs wrote before, made for real
+            argv = resume_from_docs(argv, tmp_path, full_env, f"{doc}: `{cmd}`")
+    p = subprocess.run(argv, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, f"{doc}: `{cmd}` exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+    if kind == "train":
+        assert "dry run: the flags, the layout" in p.stdout and "mechanisms:" in p.stdout, p.stdout
+
+
+def resume_from_docs(argv, tmp_path, env, what) -> list[str]:
+    """A --resume DIR command: run the docs' command that saves DIR (its --save DIR), for
+    real, into tmp_path; -> argv resuming from there."""
+    d = argv[argv.index("--resume") + 1]
+    savers = [c for _, c in COMMANDS if runnable(c)[2] == "train" and f"--save {d}" in c and "--resume" not in c]
+    assert savers, f"{what}: no command in the docs saves the checkpoint {d}"
+    saver_env, saver, _ = runnable(savers[0])
+    saver = [str(tmp_path / "ckpt") if w == d else w for w in saver]
+    p = subprocess.run(saver, cwd=REPO, env={**env, **saver_env}, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"{what}: making its checkpoint with `{savers[0]}` failed:\n{p.stderr[-2000:]}"
+    return [str(tmp_path / "ckpt") if w == d else w for w in argv]
+
+
+def test_a_stale_command_fails_the_dry_run():
+    """The check above can fail: a renamed flag and a layout that does not fit exit 2."""
+    for bad in (["--micro-batch", "2"], ["--dp", "3"]):
+        p = subprocess.run([sys.executable, "-m", "minipar.train", *bad, "--dry-run"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, (bad, p.stdout, p.stderr)
+
+
+def test_fenced_commands_are_extracted():
+    text = ("```\n$ mpirun -n 2 python -m minipar.train --dp 2 \\\n    --verify\n"
+            "MINIPAR_TRACE=1 python -m minipar.plan --dp 2\nstep 0 | loss 5.5\n```\n"
+            "python -m minipar.train outside a block\n")
+    assert fenced_commands(text) == ["mpirun -n 2 python -m minipar.train --dp 2 --verify",
+                                     "MINIPAR_TRACE=1 python -m minipar.plan --dp 2"]
+
+
+# --- only documents inside the repository are cited --------------------------------------------
+
+OUTSIDE = re.compile(r"DESIGN [0-9]|DESIGN's|DESIGN\.md|STYLE\.md|\b[Ii]ssues? #?[0-9]+|the seed's|"
+                     r"\b[Tt]he seeds\b|seeds'|\.\./shared|shared/(seeds|hooks)")
+
+
+def outside_references(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if OUTSIDE.search(line)]
+
+
+def tracked_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                         capture_output=True, text=True)
+    if out.returncode != 0:                     # not a git checkout: walk the tree
+        return [os.path.relpath(os.path.join(d, f), REPO) for d, dirs, files in os.walk(REPO)
+                if not any(part.startswith(".") for part in os.path.relpath(d, REPO).split(os.sep)[1:])
+                for f in files]
+    return out.stdout.split()
+
+
+def test_no_reference_to_documents_outside_the_repository():
+    hits = []
+    for path in tracked_files():
+        if path == "tests/test_docs.py" or not path.endswith((".py", ".md", ".cfg", ".toml", "Makefile", "run")):
+            continue
+        full = os.path.join(REPO, path)
+        if os.path.isfile(full):
+            with open(full, encoding="utf-8", errors="replace") as f:
+                hits += [f"{path}: {line}" for line in outside_references(f.read())]
+    assert not hits, "cite docs/design.md, a paper or the formula instead:\n" + "\n".join(hits[:20])
+
+
+def test_the_reference_check_catches_planted_ones():
+    planted = ["the names of DESIGN 2.2", "see issue 9", "as in issue #12", "the seed's example",
+               "The seeds list seven", "read ../shared/STYLE.md"]
+    assert all(outside_references(t) for t in planted), [t for t in planted if not outside_references(t)]
+    assert not outside_references("the same seed gives the same weights; docs/design.md §2")
+
+
+# --- the shape of the documentation ------------------------------------------------------------
+
+def test_readme_is_short_and_links_every_page():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert len(readme.splitlines()) <= 300, len(readme.splitlines())
+    for page in PAGES:
+        assert os.path.isfile(os.path.join(REPO, "docs", page + ".md")), f"docs/{page}.md is missing"
+        assert f"docs/{page}.md" in readme, f"README.md does not link docs/{page}.md"
+
+
+def test_relative_links_resolve():
+    broken = []
+    for doc in DOCS:
+        with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+            text = f.read()
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not os.path.exists(os.path.join(REPO, os.path.dirname(doc), target)):
+                broken.append(f"{doc} -> {target}")
+    assert not broken, broken
+
+
+def test_no_library_line_over_120_characters():
+    long = []
+    for d, _, files in os.walk(os.path.join(REPO, "minipar")):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(d, f), encoding="utf-8") as fh:
+                    long += [f"{os.path.relpath(os.path.join(d, f), REPO)}:{i}" for i, line in enumerate(fh, 1)
+                             if len(line.rstrip("\n")) > 120]
+    assert not long, long
