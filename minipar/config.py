@@ -39,7 +39,7 @@ class ConfigError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m minipar.train",
+        prog="python -m minipar.train", allow_abbrev=False,     # a renamed flag must not match a prefix
         description="Train a small GPT-2 on a NumPy autograd engine, on one process or across "
                     "MPI ranks: mpirun -n 4 python -m minipar.train")
     g = p.add_argument_group("layout (world = dp * tp * pp)")
@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=20, help="linear warm-up steps [%(default)s]")
     t.add_argument("--min-lr", type=float, default=1e-4, help="cosine decays to this [%(default)s]")
     t.add_argument("--weight-decay", type=float, default=0.1, help="[%(default)s]")
-    t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm; 0 disables [%(default)s]")
+    t.add_argument("--grad-clip", type=float, default=1.0,
+                   help="clip the global gradient norm; 0 disables [%(default)s]")
     t.add_argument("--seed", type=int, help="seeds init and data sampling [0; on --resume the checkpoint's]")
     t.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="[%(default)s]")
     t.add_argument("--precision", choices=tuple(precision.PRECISIONS), default="fp32",
@@ -91,13 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     io = p.add_argument_group("data, checkpoints, output")
     io.add_argument("--data", metavar="FILE", help="UTF-8 text to train on (default: the built-in corpus)")
     io.add_argument("--save", metavar="DIR", help="write a checkpoint here at the end (and every --save-every)")
-    io.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps [%(default)s]")
+    io.add_argument("--save-every", type=int, default=0, metavar="N",
+                    help="also checkpoint every N steps [%(default)s]")
     io.add_argument("--resume", metavar="DIR", help="continue exactly from this checkpoint")
     io.add_argument("--log", metavar="FILE.jsonl", help="one JSON object per step, then a summary object")
     io.add_argument("--timeline", metavar="FILE.svg", help="with --pp: draw the last step's pipeline timeline")
     io.add_argument("--log-every", type=int, default=0, metavar="N",
                     help="progress line every N steps (0: about 20 lines per run)")
-    io.add_argument("--sample", type=int, default=200, metavar="N", help="bytes of text to generate at the end [%(default)s]")
+    io.add_argument("--sample", type=int, default=200, metavar="N",
+                    help="bytes of text to generate at the end [%(default)s]")
     return p
 
 
@@ -260,7 +263,8 @@ def prepare(args, world: int) -> RunSpec:
     if meta is not None:
         want = meta.get("data", {})
         if want.get("sha256_16") not in (None, data.tokens_digest(tokens)):
-            raise ConfigError(f"data {args.data or data.BUILTIN_NAME!r} ({len(tokens):,} tokens) is not the data of the "
+            raise ConfigError(f"data {args.data or data.BUILTIN_NAME!r} ({len(tokens):,} tokens) is not the data "
+                              f"of the "
                               f"checkpoint {args.resume} ({want.get('source')!r}, {want.get('tokens'):,} tokens)")
     start = 0 if meta is None else int(meta["step"])
     if start >= args.steps:

@@ -198,7 +198,8 @@ _BODY = {
         "if one rank is {slow}, the others wait for it in the all-reduce.",
         "a rank can split its {per} sequences into four micro-batches of {micro} and add up the gradients.",
         "the loss is the same as on one process, because the mean over the global batch does not change.",
-        "why do the copies stay the same? Because {each} rank starts from the same weights and applies the same update.",
+        "why do the copies stay the same? Because {each} rank starts from the same weights and applies the "
+        "same update.",
         "data parallelism saves time, but not memory: {each} rank still holds the whole model.",
         "the test compares the loss of {p} ranks with the loss of one process, to twelve digits.",
     ],

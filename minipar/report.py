@@ -161,7 +161,8 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
                                 "skipped_steps": len(skips), "first_skipped": skips[:10],
                                 "optimizer_steps": opt.step_count}
         lines.append(f"  precision {a.precision}: {len(skips)} of {steps_run} steps skipped"
-                     + (f" (steps {', '.join(map(str, skips[:10]))}{' ...' if len(skips) > 10 else ''})" if skips else "")
+                     + (f" (steps {', '.join(map(str, skips[:10]))}{' ...' if len(skips) > 10 else ''})"
+                        if skips else "")
                      + (f"; loss scale now {sc.scale:g}, {sc.good_steps} clean steps since its last change"
                         if sc.dynamic else ""))
     if a.zero:
@@ -205,7 +206,8 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
         tp_bytes = float(np.mean([r["tp_bytes"] for r in rows_log]))
         summary["tensor_parallel"] = {"tp": g.tp_size, "all_reduces_per_step": tp_calls / steps_run,
                                       "elements_per_step": tp_elems / steps_run, "bytes_per_step": tp_bytes,
-                                      "megatron_all_reduces_per_step": calls * M, "megatron_elements_per_step": elems * M}
+                                      "megatron_all_reduces_per_step": calls * M,
+                                      "megatron_elements_per_step": elems * M}
         lines.append(f"  tensor parallel: {tp_calls / steps_run:.0f} all-reduces/step of {tp_elems / steps_run:,.0f} "
                      f"elements (Megatron: {'(4L+5)' if pp == 1 else 'stage 0, 4 x its layers + 1'} x {M} "
                      f"micro-batch(es) = {calls * M}, {elems * M:,} elements), {human_bytes(tp_bytes)}/step sent "

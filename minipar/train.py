@@ -147,7 +147,7 @@ def train_step(s: Session, step: int) -> dict:
     scaler = opt.scaler if args.precision != "fp32" else None
     scale = scaler.scale if scaler is not None else 1.0
     t0 = time.perf_counter()
-    sent0, tp0, pp0, z0 = comm_sent(), tp_sent(), pp_sent(), zero_sent()
+    sent0 = sent_by_axis()
     lr = lr_at(step, args.lr, args.lr_schedule, args.warmup, args.steps, args.min_lr)
     opt.lr = lr
     sync.zero_grad()
@@ -163,8 +163,7 @@ def train_step(s: Session, step: int) -> dict:
             loss.backward(precision.backward_seed(scale))   # None (i.e. 1) unless scaling
             loss_local += loss.item()
         sync.finish()
-    pp_bytes = pp_sent() - pp0
-    grad_bytes = (comm_sent() - sent0) - (tp_sent() - tp0) - pp_bytes   # dp's share of what was sent
+    synced = sent_by_axis()                             # the gradient sync's (and pipeline's) bytes end here
     loss_sum = loss_local if s.dp_group is None else float(comm.all_reduce(s.dp_group, np.array([loss_local]))[0])
     norm = math.sqrt(sync.grad_norm_sq(model)) / scale  # of the unscaled gradients
     skipped = False
@@ -178,10 +177,13 @@ def train_step(s: Session, step: int) -> dict:
     if scaler is not None:
         scaler.update(skipped)                          # a skipped step: nothing in opt has changed
     dt = time.perf_counter() - t0
+    step_sent = {axis: n - sent0.get(axis, 0) for axis, n in sent_by_axis().items()}      # by axis
+    sync_sent = {axis: n - sent0.get(axis, 0) for axis, n in synced.items()}   # up to the gradient sync
     return {"step": step, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens_per_s": B * T / dt,
-            "comm_bytes": comm_sent() - sent0, "grad_sync_bytes": grad_bytes, "tp_bytes": tp_sent() - tp0,
-            "pp_bytes": pp_bytes, "zero_bytes": zero_sent() - z0, "exposed_comm_s": sync.exposed_seconds,
-            "step_time": dt, "loss_scale": scale, "skipped": skipped}
+            "comm_bytes": sum(step_sent.values()),
+            "grad_sync_bytes": sync_sent.get("dp", 0) + sync_sent.get("zero", 0), "pp_bytes": sync_sent.get("pp", 0),
+            "tp_bytes": step_sent.get("tp", 0), "zero_bytes": step_sent.get("zero", 0),
+            "exposed_comm_s": sync.exposed_seconds, "step_time": dt, "loss_scale": scale, "skipped": skipped}
 
 
 def train_steps(s: Session, start: int, stop: int):
@@ -198,25 +200,12 @@ def quiet_overflow(on: bool):
     return np.errstate(over="ignore", invalid="ignore") if on else contextlib.nullcontext()
 
 
-def comm_sent() -> int:
-    return sum(v["bytes_sent"] for v in comm.traffic().values())
-
-
-def tp_sent() -> int:
-    return sum(v["bytes_sent"] for v in tensor_parallel.traffic().values())
-
-
-def zero_sent() -> int:
-    """Bytes of ZeRO's collectives: during a step only it reduce-scatters and all-gathers."""
-    t = comm.traffic()
-    return sum(t.get(op, {}).get("bytes_sent", 0) for op in ("reduce_scatter", "all_gather"))
-
-
-def pp_sent() -> int:
-    """Bytes of the pipeline's messages: only it sends point-to-point ("send": activations,
-    gradients, the tied wte gradient) and broadcasts (the step's loss) during a step."""
-    t = comm.traffic()
-    return sum(t.get(op, {}).get("bytes_sent", 0) for op in ("send", "broadcast"))
+def sent_by_axis() -> dict:
+    """Bytes this rank has sent so far, by the axis of the group they went over (the ledger
+    tags them where they are sent, minipar.comm): "dp" (gradient sums, the step's loss and
+    clipping's norm over dp), "zero" (ZeRO's reduce-scatters and all-gathers), "tp", "pp",
+    "world" (the fp16 overflow flag)."""
+    return {axis: v["bytes_sent"] for axis, v in comm.traffic_by_axis().items()}
 
 
 # --- a run ------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def fenced_commands(text: str) -> list[str]:
             words = words[1:]
         if words and (words[0] == "mpirun" or words[:3] == ["python", "-m", "minipar.train"]
                       or (words[:2] == ["python", "-m"] and words[2].startswith("minipar"))):
-            out.append(line)
+            out.append(" ".join(line.split()))
     return out
 
 
@@ -65,7 +65,7 @@ def doc_commands() -> list[tuple[str, str]]:
 def runnable(cmd: str) -> tuple[dict, list[str], str]:
     """-> (environment additions, argv with this venv's python and mpirun, what it runs:
     "train", "plan", "pytest", "script" or "other")."""
-    words = shlex.split(cmd)
+    words = shlex.split(cmd, comments=True)
     env = {}
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
         k, v = words.pop(0).split("=", 1)
@@ -128,7 +128,7 @@ def resume_from_docs(argv, tmp_path, env, what) -> list[str]:
 
 def test_a_stale_command_fails_the_dry_run():
     """The check above can fail: a renamed flag and a layout that does not fit exit 2."""
-    for bad in (["--micro-batch", "2"], ["--dp", "3"]):
+    for bad in (["--micro-batch", "2"], ["--microbatches", "2"], ["--dp", "3"]):
         p = subprocess.run([sys.executable, "-m", "minipar.train", *bad, "--dry-run"], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2, (bad, p.stdout, p.stderr)

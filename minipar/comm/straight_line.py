@@ -28,12 +28,12 @@ building request lists step by step cost a few microseconds per call, as much as
 whole collective at 4 KiB. With 4 ranks on 2 cores each microsecond of CPU is paid about
 twice, since the rank we wait for needs our core.
 
-When it runs: minipar/comm/__init__.py dispatches the blocking calls here for recursive
-doubling up to SMALL_MAX_BYTES, and for the one-round direct reduce-scatter and all-gather
-(and the two-round direct all-reduce) at any size (a 1 MiB one was a few microseconds faster
-here too). The non-blocking calls (all_reduce_async, ...) always take the general path. The
-tests check that both paths give the same bytes, results, ledger and trace
-(tests/mpi/test_comm_features.py).
+When it runs: minipar/comm/__init__.py sends the blocking calls here whenever their
+algorithm has a version here: recursive-doubling all-reduces up to SMALL_MAX_BYTES, Bruck
+all-gathers, and direct exchange at any size (one or two rounds; measured faster than the
+generator at 1 MiB too, see the comment on SMALL_MAX_BYTES). The non-blocking calls
+(all_reduce_async, ...) always take the general path. tests/mpi/test_comm_features.py checks
+that both paths give the same results, ledger and trace lines.
 """
 from .group import describe, reduce_op, result, split_offsets
 from .doubling import all_reduce_steps, bruck_offsets

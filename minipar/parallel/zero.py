@@ -66,6 +66,7 @@ import numpy as np
 
 from minipar import comm
 from minipar.optim import adamw_update, sum_of_squares
+from minipar.precision import MixedPrecisionAdamW
 from minipar.tensor import Function, is_grad_enabled
 
 STAGES = (0, 1, 2, 3)
@@ -184,9 +185,10 @@ class Regather(Function):
 
 
 class Zero:
-    """ZeRO over the dp group: a data-parallel synchroniser (zero_grad, start_step,
-    sync_now, finish: the trainer's dp interface) and the sharded optimizer (lr, step,
-    step_count, grad_norm_sq, state) in one object.
+    """ZeRO over the dp group: a gradient synchroniser (interfaces.GradSync: zero_grad,
+    start_step, sync_now, finish, grad_norm_sq, local_found_inf, tied_grad) and the sharded
+    optimizer (lr, step, step_count, state) in one object. Its messages go on the dp group's
+    ranks, counted in the ledger under the axis "zero".
 
     Built from a model and its plain optimizer (AdamW or MixedPrecisionAdamW) after any
     checkpoint has been loaded into them: each rank keeps its shard of their state and the
@@ -195,13 +197,14 @@ class Zero:
     def __init__(self, model, opt, group: comm.Group, stage: int):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-        self.model, self.group, self.stage = model, group, stage
+        self.model, self.group, self.stage = model, group.with_axis("zero"), stage
+        self.dp_group = group                      # clipping's norm: a dp all-reduce, not ZeRO's own
         self.N, self.rank = group.size, group.rank
         self.lr, self.betas, self.eps, self.weight_decay = opt.lr, opt.betas, opt.eps, opt.weight_decay
         self.step_count = opt.step_count
-        self.scaler = getattr(opt, "scaler", None)
-        self.mixed = hasattr(opt, "master")
-        self.dtype = np.dtype(getattr(opt, "dtype", model.dtype))     # storage dtype
+        self.mixed = isinstance(opt, MixedPrecisionAdamW)                # fp32 master weights
+        self.scaler = opt.scaler if self.mixed else None
+        self.dtype = np.dtype(opt.dtype if self.mixed else model.dtype)  # storage dtype
         named = dict(model.named_parameters())
         masters = dict(zip(named, opt.master)) if self.mixed else {}
         ms, vs = dict(zip(named, opt.m)), dict(zip(named, opt.v))
@@ -395,7 +398,7 @@ class Zero:
             for p, sh, _ in u.segments:
                 if self.model.counts_in_norm(p.name):
                     local += sum_of_squares(u.grad_shard[sh])
-        total = comm.all_reduce(self.group, np.array([local]))[0] if self.N > 1 else local
+        total = comm.all_reduce(self.dp_group, np.array([local]))[0] if self.N > 1 else local
         return self.model.reduce_norm_sq(float(total))
 
     def local_found_inf(self, model=None) -> bool:

@@ -450,7 +450,7 @@ def test_bad_arguments_raise_before_any_message(groups):
     np.testing.assert_array_equal(comm.all_reduce(g, x), np.full(4, g.size))  # still in step
 
 
-# ---------------------------------------------------------------------------- straight-line fast paths
+# ---------------------------------------------------------------------- straight-line fast paths
 
 def test_straight_line_path_matches_the_general_path(groups, capfd):
     """Blocking calls on small messages run straight_line.py instead of the generators: the
