@@ -28,6 +28,20 @@ def record(name: str, err: float):
     ERRORS[name] = max(ERRORS.get(name, 0.0), float(err))
 
 
+def numerical_grad(objective, a: np.ndarray, eps: float) -> np.ndarray:
+    """d objective / d a by central differences, one element of `a` at a time (in place)."""
+    num = np.zeros_like(a)
+    for j in range(a.size):
+        old = a.flat[j]
+        a.flat[j] = old + eps
+        fp = objective()
+        a.flat[j] = old - eps
+        fm = objective()
+        a.flat[j] = old
+        num.flat[j] = (fp - fm) / (2 * eps)
+    return num
+
+
 def rel_err(analytic: np.ndarray, numeric: np.ndarray, scale: float | None = None) -> float:
     scale = float(np.max(np.abs(analytic))) if scale is None else scale
     scale = max(scale, float(np.max(np.abs(numeric))), 1e-12)
@@ -58,16 +72,7 @@ def gradcheck(f, *arrays, eps=EPS, tol=TOL, name="op", seed=0):
     for i, (a, t) in enumerate(zip(arrays, ts)):
         assert t.grad is not None, f"{name}: input {i} got no gradient"
         assert t.grad.shape == a.shape, f"{name}: input {i} grad shape {t.grad.shape} != {a.shape}"
-        num = np.zeros_like(a)
-        for j in range(a.size):
-            old = a.flat[j]
-            a.flat[j] = old + eps
-            fp = objective()
-            a.flat[j] = old - eps
-            fm = objective()
-            a.flat[j] = old
-            num.flat[j] = (fp - fm) / (2 * eps)
-        e = rel_err(t.grad, num)
+        e = rel_err(t.grad, numerical_grad(objective, a, eps))
         record(name, e)
         errs.append(e)
         assert e < tol, (f"{name}: input {i} shape {a.shape}: max relative error {e:.3e} >= {tol:.0e}\n"

@@ -103,23 +103,16 @@ def reset_traffic():
 
 
 def _account(name, axis, sent, recvd, seconds):
-    """One finished call, added to both ledgers (written out: it runs once per call)."""
-    e = _LEDGER.get(name)
-    if e is None:
-        _LEDGER[name] = [1, sent, recvd, seconds]
-    else:
-        e[0] += 1
-        e[1] += sent
-        e[2] += recvd
-        e[3] += seconds
-    e = _AXES.get(axis)
-    if e is None:
-        _AXES[axis] = [1, sent, recvd, seconds]
-    else:
-        e[0] += 1
-        e[1] += sent
-        e[2] += recvd
-        e[3] += seconds
+    """One finished call, added to both ledgers: under its operation and under its axis."""
+    for ledger, key in ((_LEDGER, name), (_AXES, axis)):
+        e = ledger.get(key)
+        if e is None:
+            ledger[key] = [1, sent, recvd, seconds]
+        else:
+            e[0] += 1
+            e[1] += sent
+            e[2] += recvd
+            e[3] += seconds
 
 
 # --------------------------------------------------------------------------------------------
