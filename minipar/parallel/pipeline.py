@@ -54,7 +54,8 @@ import time
 import numpy as np
 
 from minipar import comm, ops
-from minipar.interfaces import Model
+from minipar.interfaces import GradSync, Model
+from minipar.parallel.data_parallel import NoSync
 from minipar.model import GPTConfig, param_specs
 from minipar.parallel import schedules
 from minipar.parallel.schedules import (Backward, Forward, RecvActivation, RecvGrad, SendActivation,
@@ -231,14 +232,16 @@ class PipelineEngine:
     def bubble_theory(self) -> float:
         return schedules.bubble_theory(self.schedule, self.model.n_stages, self.n_micro)
 
-    def train_step(self, batches, loss_denom, dp=None, loss_scale: float = 1.0) -> float:
+    def train_step(self, batches, loss_denom, sync: GradSync | None = None, loss_scale: float = 1.0) -> float:
         """Forward and backward of every micro-batch in `batches` [(x, y), ...] as the
         schedule orders them; then dp's gradient sync, the tied-embedding gradient
         exchange, and the loss broadcast. Returns the sum of the micro-batch losses (each
         divided by loss_denom), identical on every pp rank. Gradients accumulate into .grad.
         loss_scale (fp16): the last stage seeds each backward with it instead of 1, so every
-        gradient sent back through the pipe, and every .grad, is scaled by it."""
-        self.batches, self.loss_denom, self.dp, self.loss_scale = batches, loss_denom, dp, loss_scale
+        gradient sent back through the pipe, and every .grad, is scaled by it. sync: the dp
+        group's gradient synchroniser (interfaces.GradSync; None: one dp rank)."""
+        sync = sync if sync is not None else NoSync(self.model.parameters())
+        self.batches, self.loss_denom, self.sync, self.loss_scale = batches, loss_denom, sync, loss_scale
         self.acts, self.grads = {}, {}      # received activations / output gradients, by micro-batch
         self.inputs, self.outputs = {}, {}  # the leaf input and the output (or loss) of each graph in flight
         self.sends, self.loss_sum = [], 0.0
@@ -250,9 +253,8 @@ class PipelineEngine:
             self.push_sends()
         self.wait_sends()
         watch.on_step_end()
-        if dp is not None:
-            dp.finish()
-        self.sync_tied_embedding(dp)
+        sync.finish()
+        self.sync_tied_embedding(sync)
         self.steps.append(watch.stats())
         return self.broadcast_loss()
 
@@ -274,8 +276,7 @@ class PipelineEngine:
                 self.loss_sum += out.item()
             return out
         elif isinstance(ins, Backward):
-            if self.dp is not None:
-                self.dp.sync_now(k == self.last_backward)
+            self.sync.sync_now(k == self.last_backward)
             out = self.outputs.pop(mb)
             out.backward(backward_seed(self.loss_scale) if model.is_last else self.grads.pop(mb))
         elif isinstance(ins, SendActivation):
@@ -302,16 +303,16 @@ class PipelineEngine:
             return self.loss_sum
         return float(comm.broadcast(model.group, np.array([self.loss_sum]), model.n_stages - 1)[0])
 
-    def sync_tied_embedding(self, dp=None):
+    def sync_tied_embedding(self, sync: GradSync):
         """Megatron's embedding group: stage 0 and the last stage each add the other's
-        wte.weight gradient, in place, so both copies stay equal. With ZeRO (dp.tied_grad)
+        wte.weight gradient, in place, so both copies stay equal. With ZeRO (Zero.tied_grad)
         the gradient is already reduce-scattered over dp: the two stages' dp rank r hold
         the same shard of it (wte is a unit of its own), and exchange only that."""
         model = self.model
         if not model.cfg.tie_embeddings or model.n_stages == 1 or not (model.is_first or model.is_last):
             return
         w = model.params["wte.weight"]
-        grad = dp.tied_grad(w) if hasattr(dp, "tied_grad") else w.grad
+        grad = sync.tied_grad(w)
         other = model.n_stages - 1 if model.is_first else 0
         h = comm.send_async(model.group, grad, other)
         theirs = comm.recv(model.group, other)
