@@ -39,34 +39,43 @@ class ConfigError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m minipar.train", allow_abbrev=False,     # a renamed flag must not match a prefix
+        # allow_abbrev=False: a renamed flag must not match a prefix
+        prog="python -m minipar.train", allow_abbrev=False,
         description="Train a small GPT-2 on a NumPy autograd engine, on one process or across "
                     "MPI ranks: mpirun -n 4 python -m minipar.train")
     g = p.add_argument_group("layout (world = dp * tp * pp)")
-    g.add_argument("--dp", type=int, metavar="D", help="data-parallel replicas [world / (tp*pp)]")
-    g.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel ranks [%(default)s]")
+    g.add_argument("--dp", type=int, metavar="D",
+                   help="data-parallel replicas [world / (tp*pp)]")
+    g.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor-parallel ranks [%(default)s]")
     g.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline stages [%(default)s]")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, metavar="{0,1,2,3}",
                    help="ZeRO stage over the dp group: shard the optimizer state (1), and the "
-                        "gradients (2), and the parameters (3); 0: plain data parallelism [%(default)s]")
+                        "gradients (2), and the parameters (3); 0: plain data parallelism "
+                        "[%(default)s]")
     g.add_argument("--dp-mode", choices=("bucketed", "naive"),
-                   help="--zero 0: gradient all-reduce per bucket during backward, or per parameter "
+                   help="--zero 0: gradient all-reduce per bucket during backward, "
+                        "or per parameter "
                         "after [bucketed]")
     g.add_argument("--bucket-mb", type=float, metavar="X",
                    help="--zero 0, bucketed: bucket size in MiB [1.0]")
     g.add_argument("--schedule", choices=tuple(schedules.SCHEDULES), default="1f1b",
                    help="pipeline schedule with --pp > 1 [%(default)s]")
     g.add_argument("--verify", action="store_true",
-                   help="re-run the same steps on one process and compare (exit 1 beyond tolerance)")
+                   help="re-run the same steps on one process and compare "
+                        "(exit 1 beyond tolerance)")
     g.add_argument("--dry-run", action="store_true",
                    help="check the flags, the layout, any checkpoint and the data, print the run's "
                         "description, and exit 0 without training or writing anything")
-    m = p.add_argument_group("model (unset: the checkpoint's value on --resume, else the default shown)")
+    m = p.add_argument_group(
+        "model (unset: the checkpoint's value on --resume, else the default shown)")
     d = MODEL_DEFAULTS
     m.add_argument("--n-layer", type=int, metavar="L", help=f"transformer blocks [{d['n_layer']}]")
     m.add_argument("--n-head", type=int, metavar="H", help=f"attention heads [{d['n_head']}]")
-    m.add_argument("--n-embd", type=int, metavar="C", help=f"channels, divisible by H [{d['n_embd']}]")
-    m.add_argument("--block-size", type=int, metavar="T", help=f"context length [{d['block_size']}]")
+    m.add_argument("--n-embd", type=int, metavar="C",
+                   help=f"channels, divisible by H [{d['n_embd']}]")
+    m.add_argument("--block-size", type=int, metavar="T",
+                   help=f"context length [{d['block_size']}]")
     m.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
     t = p.add_argument_group("training")
     t.add_argument("--batch-size", type=int, metavar="B", default=16,
@@ -76,13 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, metavar="S", default=600,
                    help="the step number the run ends at (steps count from 0) [%(default)s]")
     t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate [%(default)s]")
-    t.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine", help="[%(default)s]")
+    t.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
+                   help="[%(default)s]")
     t.add_argument("--warmup", type=int, default=20, help="linear warm-up steps [%(default)s]")
     t.add_argument("--min-lr", type=float, default=1e-4, help="cosine decays to this [%(default)s]")
     t.add_argument("--weight-decay", type=float, default=0.1, help="[%(default)s]")
     t.add_argument("--grad-clip", type=float, default=1.0,
                    help="clip the global gradient norm; 0 disables [%(default)s]")
-    t.add_argument("--seed", type=int, help="seeds init and data sampling [0; on --resume the checkpoint's]")
+    t.add_argument("--seed", type=int,
+                   help="seeds init and data sampling [0; on --resume the checkpoint's]")
     t.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="[%(default)s]")
     t.add_argument("--precision", choices=tuple(precision.PRECISIONS), default="fp32",
                    help="fp16/bf16: 2-byte parameters, gradients and activations, fp32 compute and "
@@ -90,13 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--loss-scale", type=float, metavar="S",
                    help="fp16: initial loss scale of the dynamic scaler [65536 = 2^16]")
     io = p.add_argument_group("data, checkpoints, output")
-    io.add_argument("--data", metavar="FILE", help="UTF-8 text to train on (default: the built-in corpus)")
-    io.add_argument("--save", metavar="DIR", help="write a checkpoint here at the end (and every --save-every)")
+    io.add_argument("--data", metavar="FILE",
+                    help="UTF-8 text to train on (default: the built-in corpus)")
+    io.add_argument("--save", metavar="DIR",
+                    help="write a checkpoint here at the end (and every --save-every)")
     io.add_argument("--save-every", type=int, default=0, metavar="N",
                     help="also checkpoint every N steps [%(default)s]")
     io.add_argument("--resume", metavar="DIR", help="continue exactly from this checkpoint")
-    io.add_argument("--log", metavar="FILE.jsonl", help="one JSON object per step, then a summary object")
-    io.add_argument("--timeline", metavar="FILE.svg", help="with --pp: draw the last step's pipeline timeline")
+    io.add_argument("--log", metavar="FILE.jsonl",
+                    help="one JSON object per step, then a summary object")
+    io.add_argument("--timeline", metavar="FILE.svg",
+                    help="with --pp: draw the last step's pipeline timeline")
     io.add_argument("--log-every", type=int, default=0, metavar="N",
                     help="progress line every N steps (0: about 20 lines per run)")
     io.add_argument("--sample", type=int, default=200, metavar="N",
@@ -105,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_model(args, meta: dict | None) -> GPTConfig:
-    """Explicit flag > checkpoint > default; an explicit flag that contradicts the checkpoint is an error."""
+    """Explicit flag > checkpoint > default; a flag that contradicts the checkpoint is an error."""
     saved = (meta or {}).get("config", {})
     values = {}
     for key, default in MODEL_DEFAULTS.items():
@@ -125,26 +140,32 @@ def resolve_model(args, meta: dict | None) -> GPTConfig:
 def validate(args, cfg: GPTConfig):
     for flag in ("n_layer", "n_head", "n_embd", "block_size"):
         if getattr(cfg, flag) <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(cfg, flag)}")
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, "
+                              f"got {getattr(cfg, flag)}")
     for flag in ("batch_size", "micro_batches", "steps"):
         if getattr(args, flag) <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, "
+                              f"got {getattr(args, flag)}")
     if cfg.n_embd % cfg.n_head:
         raise ConfigError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     if args.batch_size % args.micro_batches:
-        raise ConfigError(f"--batch-size {args.batch_size} is not divisible by --micro-batches {args.micro_batches}")
+        raise ConfigError(f"--batch-size {args.batch_size} is not divisible by "
+                          f"--micro-batches {args.micro_batches}")
     if args.lr <= 0:
         raise ConfigError(f"--lr must be > 0, got {args.lr}")
-    for flag in ("min_lr", "grad_clip", "warmup", "save_every", "weight_decay", "seed", "log_every", "sample"):
+    for flag in ("min_lr", "grad_clip", "warmup", "save_every", "weight_decay", "seed", "log_every",
+                 "sample"):
         if getattr(args, flag) < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.precision != "fp32" and args.dtype != "float32":
-        raise ConfigError(f"--precision {args.precision} needs --dtype float32 (its master weights and "
+        raise ConfigError(f"--precision {args.precision} needs --dtype float32 "
+                          f"(its master weights and "
                           f"optimizer state are float32), got --dtype {args.dtype}")
     if args.loss_scale is not None:
         if args.precision != "fp16":
-            raise ConfigError(f"--loss-scale is for --precision fp16 (got --precision {args.precision}: "
-                              f"{'bf16 needs no loss scaling' if args.precision == 'bf16' else 'no scaling'})")
+            raise ConfigError(
+                f"--loss-scale is for --precision fp16 (got --precision {args.precision}: "
+                f"{'bf16 needs no loss scaling' if args.precision == 'bf16' else 'no scaling'})")
         if not (math.isfinite(args.loss_scale) and args.loss_scale > 0):
             raise ConfigError(f"--loss-scale must be a finite number > 0, got {args.loss_scale}")
 
@@ -154,14 +175,16 @@ def check_checkpoint(args, cfg: GPTConfig, state: dict, meta: dict):
     its shape and the run's dtype (checkpoint.load has already checked that the optimizer
     shards cover exactly these tensors)."""
     try:
-        checkpoint.check_model(os.path.abspath(args.resume), state, [(n, s) for n, s, _ in param_specs(cfg)])
+        checkpoint.check_model(os.path.abspath(args.resume), state,
+                               [(n, s) for n, s, _ in param_specs(cfg)])
     except checkpoint.CheckpointError as e:
         raise ConfigError(f"{e} (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={cfg.block_size}, "
                           f"{'tied' if cfg.tie_embeddings else 'untied'})") from None
     dtypes = sorted({a.dtype.name for a in state.values()})
     if dtypes != [meta.get("dtype", args.dtype)]:
-        raise ConfigError(f"checkpoint file {os.path.join(os.path.abspath(args.resume), 'model.npz')} holds "
-                          f"{'/'.join(dtypes)} arrays, its meta.json says {meta.get('dtype', args.dtype)}")
+        raise ConfigError(
+            f"checkpoint file {os.path.join(os.path.abspath(args.resume), 'model.npz')} holds "
+            f"{'/'.join(dtypes)} arrays, its meta.json says {meta.get('dtype', args.dtype)}")
 
 
 def check_save_dir(path: str):
@@ -176,14 +199,17 @@ def check_save_dir(path: str):
         raise ConfigError(f"--save {path} exists and is not a directory")
 
 
-def check_split(cfg: GPTConfig | None, dp: int, tp: int, pp: int, batch_size: int, micro_batches: int):
+def check_split(cfg: GPTConfig | None, dp: int, tp: int, pp: int, batch_size: int,
+                micro_batches: int):
     """Can the model and the batch be cut this way? (The trainer and the planner both ask.)
     cfg None: the model's shape is unknown, only the batch is checked."""
     if cfg is not None and pp > cfg.n_layer:
-        raise ConfigError(f"--pp {pp} is more than --n-layer {cfg.n_layer}: every pipeline stage needs "
+        raise ConfigError(f"--pp {pp} is more than --n-layer {cfg.n_layer}: "
+                          f"every pipeline stage needs "
                           f"at least one layer")
     if cfg is not None and cfg.n_head % tp:
-        raise ConfigError(f"--n-head {cfg.n_head} is not divisible by --tp {tp}: each tensor-parallel "
+        raise ConfigError(f"--n-head {cfg.n_head} is not divisible by --tp {tp}: "
+                          f"each tensor-parallel "
                           f"rank needs whole heads")
     if batch_size % (dp * micro_batches):
         raise ConfigError(f"--batch-size {batch_size} is not divisible by dp*micro-batches = "
@@ -195,8 +221,9 @@ def resolve_dp_flags(args):
     set to their defaults (bucketed, 1 MiB) when not given."""
     if args.zero and (args.dp_mode is not None or args.bucket_mb is not None):
         flag = "--dp-mode" if args.dp_mode is not None else "--bucket-mb"
-        raise ConfigError(f"{flag} is for plain data parallelism; --zero {args.zero} replaces the gradient "
-                          f"all-reduce by its own reduce-scatters, unit by unit (wte, each block, the rest)")
+        raise ConfigError(f"{flag} is for plain data parallelism; --zero {args.zero} replaces "
+                          f"the gradient all-reduce by its own reduce-scatters, unit by unit "
+                          f"(wte, each block, the rest)")
     args.dp_mode = args.dp_mode or "bucketed"
     args.bucket_mb = 1.0 if args.bucket_mb is None else args.bucket_mb
     if args.bucket_mb <= 0:
@@ -230,7 +257,8 @@ def prepare(args, world: int) -> RunSpec:
     if args.seed is None:
         args.seed = int(meta.get("seed", 0)) if meta is not None else 0
     elif meta is not None and args.seed != meta.get("seed", args.seed):
-        raise ConfigError(f"--seed {args.seed} does not match the checkpoint {args.resume} (seed {meta['seed']})")
+        raise ConfigError(f"--seed {args.seed} does not match the checkpoint {args.resume} "
+                          f"(seed {meta['seed']})")
     validate(args, cfg)
     if meta is not None:
         check_checkpoint(args, cfg, state, meta)
@@ -245,16 +273,20 @@ def prepare(args, world: int) -> RunSpec:
     check_split(cfg, dp, tp, pp, args.batch_size, args.micro_batches)
     resolve_dp_flags(args)
     if args.zero == 3 and pp > 1:
-        raise ConfigError(f"--zero 3 does not combine with --pp {pp}: it would all-gather and release every "
-                          f"stage's parameters around every micro-batch's forward and backward, as the schedule "
-                          f"interleaves them (DeepSpeed does not combine them either); use --zero 1 or 2 with --pp")
+        raise ConfigError(f"--zero 3 does not combine with --pp {pp}: it would all-gather and "
+                          f"release every stage's parameters around every micro-batch's forward "
+                          f"and backward, as the schedule interleaves them (DeepSpeed does not "
+                          f"combine them either); use --zero 1 or 2 with --pp")
     if meta is not None and meta.get("dtype", args.dtype) != args.dtype:
-        raise ConfigError(f"--dtype {args.dtype} does not match the checkpoint {args.resume} ({meta['dtype']})")
+        raise ConfigError(f"--dtype {args.dtype} does not match the checkpoint {args.resume} "
+                          f"({meta['dtype']})")
     if meta is not None and meta.get("precision", "fp32") != args.precision:
-        raise ConfigError(f"--precision {args.precision} does not match the checkpoint {args.resume} "
+        raise ConfigError(f"--precision {args.precision} does not match "
+                          f"the checkpoint {args.resume} "
                           f"({meta.get('precision', 'fp32')})")
     if meta is not None and args.loss_scale is not None:
-        raise ConfigError(f"--loss-scale sets a new run's initial scale; --resume {args.resume} continues "
+        raise ConfigError(f"--loss-scale sets a new run's initial scale; "
+                          f"--resume {args.resume} continues "
                           f"the checkpoint's (scale {meta.get('loss_scaler', {}).get('scale')})")
     try:
         tokens = data.load_tokens(args.data, cfg.block_size)
@@ -263,12 +295,15 @@ def prepare(args, world: int) -> RunSpec:
     if meta is not None:
         want = meta.get("data", {})
         if want.get("sha256_16") not in (None, data.tokens_digest(tokens)):
-            raise ConfigError(f"data {args.data or data.BUILTIN_NAME!r} ({len(tokens):,} tokens) is not the data "
+            raise ConfigError(f"data {args.data or data.BUILTIN_NAME!r} "
+                              f"({len(tokens):,} tokens) is not the data "
                               f"of the "
-                              f"checkpoint {args.resume} ({want.get('source')!r}, {want.get('tokens'):,} tokens)")
+                              f"checkpoint {args.resume} "
+                              f"({want.get('source')!r}, {want.get('tokens'):,} tokens)")
     start = 0 if meta is None else int(meta["step"])
     if start >= args.steps:
-        raise ConfigError(f"--steps {args.steps} is not beyond the checkpoint's step {start}: nothing to train")
+        raise ConfigError(f"--steps {args.steps} is not beyond the checkpoint's step {start}: "
+                          f"nothing to train")
     return RunSpec(cfg, DTYPES[args.dtype], tokens, start, meta, state, ostate, dp, tp, pp)
 
 

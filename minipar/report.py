@@ -34,7 +34,7 @@ def memory_report(model, opt: AdamW) -> dict:
     else:
         P = model.num_params() if tp == 1 else tensor_parallel.local_param_count(model.cfg, tp)
     s = model.dtype.itemsize
-    so = 12 if isinstance(opt, precision.MixedPrecisionAdamW) else 2 * s      # optimizer bytes/param
+    so = 12 if isinstance(opt, precision.MixedPrecisionAdamW) else 2 * s  # optimizer bytes/param
     return {
         "params": sum(p.data.nbytes for p in model.parameters()),
         "grads": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
@@ -56,12 +56,14 @@ def mechanisms(s) -> str:
     if g.tp_size > 1:
         out.append(f"tensor parallelism over {g.tp_size} ranks")
     if g.pp_size > 1:
-        out.append(f"pipeline parallelism over {g.pp_size} stages ({a.schedule}, {a.micro_batches} micro-batches)")
+        out.append(f"pipeline parallelism over {g.pp_size} stages "
+                   f"({a.schedule}, {a.micro_batches} micro-batches)")
     elif a.micro_batches > 1:
         out.append(f"gradient accumulation over {a.micro_batches} micro-batches")
     if a.precision != "fp32":
         out.append(f"mixed precision ({a.precision})")
-    return "  mechanisms: " + ("; ".join(out) if out else "none (one process, the single-process baseline)")
+    return "  mechanisms: " + ("; ".join(out) if out else
+                               "none (one process, the single-process baseline)")
 
 
 def describe(s) -> list[str]:
@@ -70,27 +72,34 @@ def describe(s) -> list[str]:
     B, T, M, dp = a.batch_size, cfg.block_size, a.micro_batches, g.dp_size
     mixed = a.precision != "fp32"
     lines = [f"minipar: GPT L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={T} V={cfg.vocab_size} "
-             f"({'tied' if cfg.tie_embeddings else 'untied'}), {model.num_params():,} params, {a.dtype}"
+             f"({'tied' if cfg.tie_embeddings else 'untied'}), "
+             f"{model.num_params():,} params, {a.dtype}"
              + (f", --precision {a.precision}" if mixed else ""), mechanisms(s)]
     if mixed:
         sc = opt.scaler
-        lines.append(f"  precision: parameters, gradients and activations in {opt.dtype.name}, matmuls and other "
+        lines.append(f"  precision: parameters, gradients and activations in {opt.dtype.name}, "
+                     f"matmuls and other "
                      f"ops computed in float32; fp32 master weights, m and v in the optimizer; "
-                     + (f"dynamic loss scale from {sc.scale:g}, x{sc.growth_factor:g} after {sc.growth_interval} "
+                     + (f"dynamic loss scale from {sc.scale:g}, x{sc.growth_factor:g} "
+                        f"after {sc.growth_interval} "
                         f"clean steps, x{sc.backoff_factor:g} and skip on inf/NaN" if sc.dynamic
                         else "no loss scaling (a step with an inf/NaN gradient is skipped)"))
     mode = "" if not s.has_dp or a.zero else (f", {a.dp_mode} gradient all-reduce" + (
-        f" in {len(s.sync.buckets)} bucket(s) of <= {a.bucket_mb:g} MiB" if a.dp_mode == "bucketed" else ""))
+        f" in {len(s.sync.buckets)} bucket(s) of <= {a.bucket_mb:g} MiB"
+        if a.dp_mode == "bucketed" else ""))
     lines.append(f"  layout: {s.world} process(es), {g.describe()}{mode}")
     if g.tp_size > 1:
-        lines.append(f"  tensor parallel: each tp rank holds {cfg.n_head // g.tp_size} of {cfg.n_head} heads, "
-                     f"1/{g.tp_size} of every MLP, {model.vocab_per_rank} of {model.vocab_padded} vocabulary rows "
-                     f"(V={cfg.vocab_size}{' padded' if model.vocab_padded != cfg.vocab_size else ''}); "
+        lines.append(f"  tensor parallel: each tp rank holds {cfg.n_head // g.tp_size} of "
+                     f"{cfg.n_head} heads, 1/{g.tp_size} of every MLP, "
+                     f"{model.vocab_per_rank} of {model.vocab_padded} vocabulary rows "
+                     f"(V={cfg.vocab_size}"
+                     f"{' padded' if model.vocab_padded != cfg.vocab_size else ''}); "
                      f"{model.num_local_params():,} of {model.num_params():,} parameters")
     if s.pipe is not None:
         pp = g.pp_size
         parts = schedules.partition(cfg.n_layer, pp)
-        lines.append(f"  pipeline: {pp} stages, layers " + ", ".join(f"{r.start}..{r.stop - 1}" for r in parts)
+        lines.append(f"  pipeline: {pp} stages, layers "
+                     + ", ".join(f"{r.start}..{r.stop - 1}" for r in parts)
                      + f" (stage 0 + wte/wpe, stage {pp - 1} + ln_f/head"
                      + (", tied wte copied to the last stage" if cfg.tie_embeddings else "")
                      + f"); {a.schedule} schedule over {M} micro-batch(es), bubble in theory "
@@ -99,11 +108,14 @@ def describe(s) -> list[str]:
         lines.append(f"  ZeRO stage {a.zero} over {dp} dp rank(s): "
                      + {1: "optimizer state", 2: "optimizer state and gradients",
                         3: "optimizer state, gradients and parameters"}[a.zero]
-                     + f" sharded in {len(s.sync.units)} units (wte, each block, the rest), each padded to a "
+                     + f" sharded in {len(s.sync.units)} units (wte, each block, the rest), "
+                       f"each padded to a "
                        f"multiple of {dp} ({s.sync.padding} padding elements on this rank)")
-    lines.append(f"  batch: {B} x {T} tokens; each dp rank {B // dp} sequences in {M} micro-batch(es) of "
+    lines.append(f"  batch: {B} x {T} tokens; each dp rank {B // dp} sequences in "
+                 f"{M} micro-batch(es) of "
                  f"{B // dp // M}")
-    lines.append(f"  data: {a.data or data.BUILTIN_NAME + ' corpus'}, {len(s.spec.tokens):,} tokens; steps "
+    lines.append(f"  data: {a.data or data.BUILTIN_NAME + ' corpus'}, "
+                 f"{len(s.spec.tokens):,} tokens; steps "
                  f"{s.spec.start}..{a.steps - 1}; lr {a.lr:g} {a.lr_schedule}, warm-up {a.warmup}"
                  + (f"; resumed from {a.resume}" if s.spec.meta is not None else ""))
     return lines
@@ -113,8 +125,10 @@ def progress_line(s, row: dict) -> str:
     exposed = f" (exposed {row['exposed_comm_s'] * 1e3:.1f} ms)" if s.has_dp else ""
     dynamic = s.args.precision != "fp32" and s.opt.scaler.dynamic
     scaling = f" | scale {row['loss_scale']:g}" if dynamic else ""
-    return (f"step {row['step']:5d} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | norm {row['grad_norm']:7.3f} | "
-            f"{row['tokens_per_s']:8.0f} tok/s | MFU {row['mfu']:5.1%} | comm {human_bytes(row['comm_bytes'])}"
+    return (f"step {row['step']:5d} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+            f"norm {row['grad_norm']:7.3f} | "
+            f"{row['tokens_per_s']:8.0f} tok/s | MFU {row['mfu']:5.1%} | "
+            f"comm {human_bytes(row['comm_bytes'])}"
             + exposed + scaling + (" | skipped (inf/NaN gradient)" if row["skipped"] else ""))
 
 
@@ -136,23 +150,32 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
     summary = {"summary": True, "params_count": model.num_params(), "steps": steps_run,
                "first_loss": losses[0], "final_loss": losses[-1], "val_loss": val_loss,
                "unigram_entropy": data.unigram_entropy(s.spec.tokens),
-               "tokens_per_s": B * T * steps_run / elapsed, "mfu": s.flops_step * steps_run / elapsed / s.peak,
+               "tokens_per_s": B * T * steps_run / elapsed,
+               "mfu": s.flops_step * steps_run / elapsed / s.peak,
                "peak_flops": s.peak, "seconds": elapsed, "memory": mem,
                "layout": {"dp": dp, "tp": g.tp_size, "pp": pp, "zero": a.zero},
-               "data_parallel": {"mode": f"zero{a.zero}" if a.zero else a.dp_mode if s.has_dp else None,
+               "data_parallel": {"mode": f"zero{a.zero}" if a.zero else
+                                 a.dp_mode if s.has_dp else None,
                                  "buckets": len(sync.units) if a.zero else
                                  len(sync.buckets) if s.has_dp and a.dp_mode == "bucketed" else 0,
-                                 "grad_sync_bytes_per_step": grad_sync, "theory_bytes_per_step": theory,
-                                 "exposed_comm_s_per_step": exposed, "step_time_s": step_time,
+                                 "grad_sync_bytes_per_step": grad_sync,
+                                 "theory_bytes_per_step": theory,
+                                 "exposed_comm_s_per_step": exposed,
+                                 "step_time_s": step_time,
                                  "replicas_sha256_16": digest}}
     f = mem["formula"]
-    lines = [f"summary: {steps_run} steps in {elapsed:.1f} s, {summary['tokens_per_s']:,.0f} tok/s, "
-             f"MFU {summary['mfu']:.1%} of {s.world} x {s.peak / s.world / 1e9:.0f} GFLOP/s {a.dtype} matmul peak",
-             f"  loss {losses[0]:.3f} -> {losses[-1]:.3f} (val {val_loss:.3f}); a model that ignores context "
+    lines = [f"summary: {steps_run} steps in {elapsed:.1f} s, "
+             f"{summary['tokens_per_s']:,.0f} tok/s, "
+             f"MFU {summary['mfu']:.1%} of {s.world} x {s.peak / s.world / 1e9:.0f} GFLOP/s "
+             f"{a.dtype} matmul peak",
+             f"  loss {losses[0]:.3f} -> {losses[-1]:.3f} (val {val_loss:.3f}); "
+             f"a model that ignores context "
              f"scores {summary['unigram_entropy']:.3f} nats (the unigram entropy of the data)",
-             f"  memory per rank: params {human_bytes(mem['params'])}, grads {human_bytes(mem['grads'])}, "
+             f"  memory per rank: params {human_bytes(mem['params'])}, "
+             f"grads {human_bytes(mem['grads'])}, "
              f"optimizer {human_bytes(mem['optimizer'])}; formula {f['text']} = "
-             f"{human_bytes(f['params'])} + {human_bytes(f['grads'])} + {human_bytes(f['optimizer'])}"]
+             f"{human_bytes(f['params'])} + {human_bytes(f['grads'])} + "
+             f"{human_bytes(f['optimizer'])}"]
     if mixed:
         skips = [r["step"] for r in rows_log if r["skipped"]]
         sc = opt.scaler
@@ -161,39 +184,50 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
                                 "skipped_steps": len(skips), "first_skipped": skips[:10],
                                 "optimizer_steps": opt.step_count}
         lines.append(f"  precision {a.precision}: {len(skips)} of {steps_run} steps skipped"
-                     + (f" (steps {', '.join(map(str, skips[:10]))}{' ...' if len(skips) > 10 else ''})"
+                     + (f" (steps {', '.join(map(str, skips[:10]))}"
+                        f"{' ...' if len(skips) > 10 else ''})"
                         if skips else "")
-                     + (f"; loss scale now {sc.scale:g}, {sc.good_steps} clean steps since its last change"
+                     + (f"; loss scale now {sc.scale:g}, "
+                        f"{sc.good_steps} clean steps since its last change"
                         if sc.dynamic else ""))
     if a.zero:
-        z = summary["zero"] = {**mem["zero"], "bytes_per_step": float(np.mean([r["zero_bytes"] for r in rows_log])),
-                               "theory_bytes_per_step": sync.traffic_theory(M), "plain_dp_bytes_per_step": theory}
-        ratio = z["bytes_per_step"] / z["theory_bytes_per_step"] if z["theory_bytes_per_step"] else float("nan")
+        z = summary["zero"] = {
+            **mem["zero"], "bytes_per_step": float(np.mean([r["zero_bytes"] for r in rows_log])),
+            "theory_bytes_per_step": sync.traffic_theory(M), "plain_dp_bytes_per_step": theory}
+        ratio = (z["bytes_per_step"] / z["theory_bytes_per_step"] if z["theory_bytes_per_step"]
+                 else float("nan"))
         calls = {1: "reduce-scatter + all-gather", 2: f"{M} reduce-scatter(s) + all-gather",
                  3: f"{M} x (2 all-gathers + reduce-scatter)"}[a.zero]
-        lines.append(f"  ZeRO {a.zero}: sent {human_bytes(z['bytes_per_step'])}/step per rank; theory {calls} of "
+        lines.append(f"  ZeRO {a.zero}: sent {human_bytes(z['bytes_per_step'])}/step per rank; "
+                     f"theory {calls} of "
                      f"(N-1)/N x {human_bytes(z['P_padded'] * sync.dtype.itemsize)} = "
-                     f"{human_bytes(z['theory_bytes_per_step'])} (ratio {ratio:.3f}); plain data parallelism "
-                     f"would send {human_bytes(theory)}" + (f" (x{z['bytes_per_step'] / theory:.2f})" if theory else "")
+                     f"{human_bytes(z['theory_bytes_per_step'])} (ratio {ratio:.3f}); "
+                     f"plain data parallelism would send {human_bytes(theory)}"
+                     + (f" (x{z['bytes_per_step'] / theory:.2f})" if theory else "")
                      + f"; waiting for reduce-scatters after backward {exposed * 1e3:.1f} ms/step")
     elif s.has_dp:
         ratio = grad_sync / theory if theory else float("nan")
-        lines.append(f"  data parallel: gradient all-reduce sent {human_bytes(grad_sync)}/step per rank; theory "
-                     f"2(p-1)/p x {human_bytes(P_bytes)} = {human_bytes(theory)} (ratio {ratio:.3f}); exposed comm "
+        lines.append(f"  data parallel: gradient all-reduce sent {human_bytes(grad_sync)}/step "
+                     f"per rank; theory 2(p-1)/p x {human_bytes(P_bytes)} = {human_bytes(theory)} "
+                     f"(ratio {ratio:.3f}); exposed comm "
                      f"{exposed * 1e3:.1f} ms/step ({exposed / step_time:.0%} of the step)")
     if digest is not None:
         lines.append(f"  replicas identical across {dp} dp ranks (weights sha256 {digest})")
     if stages is not None:                                # pp rank 0 (world rank 0 among them)
         pl = summary["pipeline"] = pipeline_summary(a, s.pipe, stages, rows_log)
-        lines.append(f"  pipeline: {a.schedule}, p={pp}, m={M}: bubble measured {pl['bubble_measured']:.3f} (mean "
-                     f"over stages; per stage " + " ".join(f"{b:.3f}" for b in pl["bubble_per_stage"])
-                     + f"), theory {pl['bubble_theory']:.3f}; sent {human_bytes(pl['bytes_sent_per_step'])}/step "
+        lines.append(f"  pipeline: {a.schedule}, p={pp}, m={M}: "
+                     f"bubble measured {pl['bubble_measured']:.3f} (mean "
+                     f"over stages; per stage "
+                     + " ".join(f"{b:.3f}" for b in pl["bubble_per_stage"])
+                     + f"), theory {pl['bubble_theory']:.3f}; "
+                       f"sent {human_bytes(pl['bytes_sent_per_step'])}/step "
                        f"by stage 0")
         lines.append("  saved activations at peak per stage: " + ", ".join(
             f"{human_bytes(b)} ({b / max(u, 1):.1f} micro-batches)" for b, u in
             zip(pl["peak_activation_bytes"], pl["microbatch_activation_bytes"])))
         timeline = [r for st in stages for r in st["timeline"]]
-        lines.append(f"  last step's timeline ({pl['step_time_s'][0] * 1e3:.1f} ms on stage 0; F forward, "
+        lines.append(f"  last step's timeline ({pl['step_time_s'][0] * 1e3:.1f} ms on stage 0; "
+                     f"F forward, "
                      f"B backward, digits the micro-batch, '.' idle):")
         lines += ["    " + line for line in draw.ascii_gantt(timeline, pp, width=100).splitlines()]
     if g.tp_size > 1:
@@ -205,17 +239,22 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
         tp_elems = sum(v["elements"] for k, v in tp_ledger.items() if k != "grad_norm")
         tp_bytes = float(np.mean([r["tp_bytes"] for r in rows_log]))
         summary["tensor_parallel"] = {"tp": g.tp_size, "all_reduces_per_step": tp_calls / steps_run,
-                                      "elements_per_step": tp_elems / steps_run, "bytes_per_step": tp_bytes,
+                                      "elements_per_step": tp_elems / steps_run,
+                                      "bytes_per_step": tp_bytes,
                                       "megatron_all_reduces_per_step": calls * M,
                                       "megatron_elements_per_step": elems * M}
-        lines.append(f"  tensor parallel: {tp_calls / steps_run:.0f} all-reduces/step of {tp_elems / steps_run:,.0f} "
-                     f"elements (Megatron: {'(4L+5)' if pp == 1 else 'stage 0, 4 x its layers + 1'} x {M} "
-                     f"micro-batch(es) = {calls * M}, {elems * M:,} elements), {human_bytes(tp_bytes)}/step sent "
+        lines.append(f"  tensor parallel: {tp_calls / steps_run:.0f} all-reduces/step of "
+                     f"{tp_elems / steps_run:,.0f} elements (Megatron: "
+                     f"{'(4L+5)' if pp == 1 else 'stage 0, 4 x its layers + 1'} x {M} "
+                     f"micro-batch(es) = {calls * M}, {elems * M:,} elements), "
+                     f"{human_bytes(tp_bytes)}/step sent "
                      f"per rank, + 1 for the global grad norm")
     if a.save:
         writers = s.world if a.zero else s.world // dp                # see train.save_checkpoint
-        who = "one process" if s.world == 1 else "every rank" if writers == s.world else "dp rank 0 of each (tp, pp)"
-        lines.append(f"  checkpoint: {a.save} (step {a.steps}): model.npz and {writers} optimizer shard(s) in "
+        who = ("one process" if s.world == 1 else "every rank" if writers == s.world
+               else "dp rank 0 of each (tp, pp)")
+        lines.append(f"  checkpoint: {a.save} (step {a.steps}): model.npz and "
+                     f"{writers} optimizer shard(s) in "
                      f"{a.save}/optim, written by {who}")
     return summary, lines
 
@@ -225,7 +264,8 @@ def pipeline_summary(args, pipe, stages, rows_log) -> dict:
     bubble_measured: 1 - sum of busy time / (p * makespan), the mean over stages of each
     stage's idle fraction of the step's longest stage span, averaged over the steps after
     the first (the first pays for warming caches); pipeline.py's docstring."""
-    return {"schedule": args.schedule, "stages": pipe.model.n_stages, "micro_batches": args.micro_batches,
+    return {"schedule": args.schedule, "stages": pipe.model.n_stages,
+            "micro_batches": args.micro_batches,
             "bubble_measured": float(np.mean([st["bubble_mean"] for st in stages])),
             "bubble_per_stage": [st["bubble_mean"] for st in stages],
             "bubble_theory": pipe.bubble_theory,
@@ -238,7 +278,8 @@ def pipeline_summary(args, pipe, stages, rows_log) -> dict:
 
 def json_safe(row: dict) -> dict:
     """inf and NaN (a skipped step's gradient norm) as null: the log stays strict JSON."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in row.items()}
 
 
 def draw_timeline(s, summary: dict):
@@ -246,6 +287,7 @@ def draw_timeline(s, summary: dict):
     pl, a, pp = summary["pipeline"], s.args, s.grid.pp_size
     with open(a.timeline, "w") as f:
         f.write(draw.timeline_svg(pl["last_step_timeline"], pp,
-                                  f"{a.schedule} p={pp} m={a.micro_batches}: bubble {pl['bubble_measured']:.3f} "
+                                  f"{a.schedule} p={pp} m={a.micro_batches}: "
+                                  f"bubble {pl['bubble_measured']:.3f} "
                                   f"(theory {pl['bubble_theory']:.3f})"))
     s.say(f"  timeline drawn in {a.timeline}")

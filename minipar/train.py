@@ -96,8 +96,9 @@ def build_optimizer(model: Model, args) -> AdamW:
     if args.precision == "fp32":
         return AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     dtype = precision.storage_dtype(args.precision)
-    opt = precision.MixedPrecisionAdamW(model.parameters(), dtype, lr=args.lr, weight_decay=args.weight_decay,
-                                        scaler=precision.make_scaler(args.precision, args.loss_scale))
+    opt = precision.MixedPrecisionAdamW(
+        model.parameters(), dtype, lr=args.lr, weight_decay=args.weight_decay,
+        scaler=precision.make_scaler(args.precision, args.loss_scale))
     model.dtype = dtype
     if isinstance(model, pipeline.PipelineStage):
         model.inner.dtype = dtype
@@ -109,7 +110,8 @@ def init_model(spec: RunSpec, args, grid: ProcessGrid | None = None):
     group has > 1 rank; with pp > 1, only this rank's pipeline stage of it. With --resume,
     loaded from the checkpoint."""
     if grid is not None and grid.tp_size > 1:
-        model = tensor_parallel.TensorParallelGPT(spec.cfg, grid.tp_group, seed=args.seed, dtype=spec.dtype)
+        model = tensor_parallel.TensorParallelGPT(spec.cfg, grid.tp_group, seed=args.seed,
+                                                  dtype=spec.dtype)
     else:
         model = GPT(spec.cfg, seed=args.seed, dtype=spec.dtype)
     if grid is not None and grid.pp_size > 1:
@@ -152,7 +154,8 @@ def train_step(s: Session, step: int) -> dict:
     opt.lr = lr
     sync.zero_grad()
     sync.start_step()
-    batches = [s.sampler.batch(step, lo + k * mb, lo + (k + 1) * mb) for k in range(M)]  # (B/(dp*M), T)
+    # each micro-batch: (B/(dp*M), T)
+    batches = [s.sampler.batch(step, lo + k * mb, lo + (k + 1) * mb) for k in range(M)]
     if s.pipe is not None:                               # the stage's schedule, then dp's sync
         loss_local = s.pipe.train_step(batches, B * T, sync, loss_scale=scale)
     else:
@@ -163,13 +166,16 @@ def train_step(s: Session, step: int) -> dict:
             loss.backward(precision.backward_seed(scale))   # None (i.e. 1) unless scaling
             loss_local += loss.item()
         sync.finish()
-    synced = sent_by_axis()                             # the gradient sync's (and pipeline's) bytes end here
-    loss_sum = loss_local if s.dp_group is None else float(comm.all_reduce(s.dp_group, np.array([loss_local]))[0])
+    # the gradient sync's (and pipeline's) bytes end here
+    synced = sent_by_axis()
+    loss_sum = (loss_local if s.dp_group is None
+                else float(comm.all_reduce(s.dp_group, np.array([loss_local]))[0]))
     norm = math.sqrt(sync.grad_norm_sq(model)) / scale  # of the unscaled gradients
     skipped = False
     if scaler is not None:
         skipped = sync.local_found_inf(model)
-        if s.world_group is not None:                   # any rank's overflow skips the step everywhere
+        # any rank's overflow skips the step everywhere
+        if s.world_group is not None:
             flag = np.array([skipped], dtype=np.int64)
             skipped = bool(comm.all_reduce(s.world_group, flag, op="max")[0])
     if not skipped:                                     # clip (and unscale) inside AdamW's passes:
@@ -178,12 +184,15 @@ def train_step(s: Session, step: int) -> dict:
         scaler.update(skipped)                          # a skipped step: nothing in opt has changed
     dt = time.perf_counter() - t0
     step_sent = {axis: n - sent0.get(axis, 0) for axis, n in sent_by_axis().items()}      # by axis
-    sync_sent = {axis: n - sent0.get(axis, 0) for axis, n in synced.items()}   # up to the gradient sync
+    # up to the gradient sync
+    sync_sent = {axis: n - sent0.get(axis, 0) for axis, n in synced.items()}
     return {"step": step, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens_per_s": B * T / dt,
             "comm_bytes": sum(step_sent.values()),
-            "grad_sync_bytes": sync_sent.get("dp", 0) + sync_sent.get("zero", 0), "pp_bytes": sync_sent.get("pp", 0),
+            "grad_sync_bytes": sync_sent.get("dp", 0) + sync_sent.get("zero", 0),
+            "pp_bytes": sync_sent.get("pp", 0),
             "tp_bytes": step_sent.get("tp", 0), "zero_bytes": step_sent.get("zero", 0),
-            "exposed_comm_s": sync.exposed_seconds, "step_time": dt, "loss_scale": scale, "skipped": skipped}
+            "exposed_comm_s": sync.exposed_seconds, "step_time": dt, "loss_scale": scale,
+            "skipped": skipped}
 
 
 def train_steps(s: Session, start: int, stop: int):
@@ -219,14 +228,17 @@ def open_rank0_outputs(args):
         if not path or (flag == "--log" and not args.dry_run):
             continue
         parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK) or os.path.isdir(path):
+        if (not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK)
+                or os.path.isdir(path)):
             why = "is a directory" if os.path.isdir(path) else \
-                f"directory {parent} {'is not writable' if os.path.isdir(parent) else 'does not exist'}"
+                f"directory {parent} " \
+                f"{'is not writable' if os.path.isdir(parent) else 'does not exist'}"
             raise ConfigError(f"{flag} {path}: {why}")
     if not args.log or args.dry_run:
         return None
     try:
-        return open(args.log, "w", buffering=1)     # line-buffered: each step's row is on disk at once
+        # line-buffered: each step's row is on disk at once
+        return open(args.log, "w", buffering=1)
     except OSError as e:
         raise ConfigError(f"--log {args.log}: {e.strerror}") from None
 
@@ -263,10 +275,13 @@ def set_up(args) -> Session:
     B, T, dp, r = args.batch_size, spec.cfg.block_size, grid.dp_size, grid.dp_rank
     return Session(args, model, opt, data.Sampler(spec.tokens, T, B, args.seed), sync=sync,
                    rows=(r * B // dp, (r + 1) * B // dp),
-                   dp_group=grid.dp_group if dp > 1 else None, world_group=grid.world if world > 1 else None,
-                   pipe=pipeline.PipelineEngine(model, args.schedule, args.micro_batches) if grid.pp_size > 1 else None,
+                   dp_group=grid.dp_group if dp > 1 else None,
+                   world_group=grid.world if world > 1 else None,
+                   pipe=(pipeline.PipelineEngine(model, args.schedule, args.micro_batches)
+                         if grid.pp_size > 1 else None),
                    spec=spec, grid=grid, say=Printer(rank == 0), logf=logf,
-                   peak=0.0 if args.dry_run else matmul_peak_flops(spec.dtype, seconds=0.1) * world,  # all ranks
+                   peak=(0.0 if args.dry_run
+                         else matmul_peak_flops(spec.dtype, seconds=0.1) * world),  # all ranks
                    flops_step=train_flops_per_token(spec.cfg, T) * B * T)
 
 
@@ -302,7 +317,8 @@ def sample(s: Session):
     if a.sample <= 0:
         return
     if s.grid.tp_size > 1 or s.grid.pp_size > 1 or a.zero == 3:
-        full = checkpoint.canonical_state(model, s.opt)    # collective over tp, pp, dp; whole on rank 0
+        # collective over tp, pp, dp; whole on rank 0
+        full = checkpoint.canonical_state(model, s.opt)
         if s.rank == 0:
             model = GPT(s.cfg, seed=a.seed, dtype=s.spec.dtype)
             model.load_state_dict(full)
@@ -319,15 +335,19 @@ def run(args) -> dict:
     for line in report.describe(s):
         s.say(line)
     if args.dry_run:
-        s.say(f"dry run: the flags, the layout{', the checkpoint' if args.resume else ''} and the data "
+        s.say(f"dry run: the flags, the layout{', the checkpoint' if args.resume else ''} "
+              f"and the data "
               f"check out on all {s.world} rank(s); nothing trained, nothing written")
         return {"dry_run": True}
     t0 = time.perf_counter()
     rows_log = train_loop(s)
     elapsed = time.perf_counter() - t0
-    tp_ledger = tensor_parallel.traffic()                   # the training steps' only (not validation)
-    replicated = s.grid.dp_size > 1 and args.zero != 3      # stage 3: every dp rank holds other shards
-    digest = data_parallel.check_replicas(s.model.parameters(), s.grid.dp_group) if replicated else None
+    # the training steps' only (not validation)
+    tp_ledger = tensor_parallel.traffic()
+    # stage 3: every dp rank holds other shards
+    replicated = s.grid.dp_size > 1 and args.zero != 3
+    digest = (data_parallel.check_replicas(s.model.parameters(), s.grid.dp_group)
+              if replicated else None)
     if args.save:
         checkpoint.save_run(args.save, s, args.steps)
     val_loss = validation_loss(s)
