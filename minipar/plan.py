@@ -72,7 +72,7 @@ from minipar import comm, config, precision
 from minipar.comm import direct, tree
 from minipar.comm.group import HEADER_BYTES, split_offsets
 from minipar.model import GPTConfig, param_specs
-from minipar.parallel import pipeline, schedules, tensor_parallel, zero
+from minipar.parallel import data_parallel, pipeline, schedules, tensor_parallel, zero
 from minipar.perf import human_bytes
 
 PRESETS = {   # name: (n_layer, n_head, n_embd, vocab_size, block_size)
@@ -236,14 +236,8 @@ def dp_bytes(tensors: list, units: list, lay, itemsize: int) -> int:
         return rs_calls * rs + ag_calls * ag
     if lay.dp_mode == "naive":                            # one all-reduce per parameter
         return sum(all_reduce_sent(n, itemsize, N) for _, n in tensors)
-    limit, buckets, size, count = max(1, int(lay.bucket_mb * 1024 * 1024)), [], 0, 0
-    for _, n in reversed(tensors):                        # DataParallelBucketed's buckets
-        size, count = size + n * itemsize, count + n
-        if size >= limit:
-            buckets.append(count)
-            size = count = 0
-    if count:
-        buckets.append(count)
+    members = data_parallel.bucket_members([n * itemsize for _, n in tensors], lay.bucket_mb)
+    buckets = [sum(tensors[i][1] for i in m) for m in members]     # elements per bucket
     return sum(all_reduce_sent(n, itemsize, N) for n in buckets)
 
 
@@ -300,9 +294,9 @@ def itemsizes(lay) -> tuple[int, int, int]:
     """(itemsize, compute_itemsize, K): storage and compute bytes per element, optimizer
     bytes per parameter."""
     if lay.precision != "fp32":
-        return 2, 4, 12
+        return 2, 4, precision.optimizer_bytes_per_param(True, 2)
     itemsize = 8 if lay.dtype == "float64" else 4
-    return itemsize, itemsize, 2 * itemsize
+    return itemsize, itemsize, precision.optimizer_bytes_per_param(False, itemsize)
 
 
 def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: float | None = None) -> dict:

@@ -131,6 +131,12 @@ def backward_seed(scale: float):
 
 # --- fp32 master weights in the optimizer ------------------------------------------------------
 
+def optimizer_bytes_per_param(mixed: bool, itemsize: int) -> int:
+    """K, the optimizer's bytes per parameter: AdamW's m and v in the parameters' dtype,
+    2 * itemsize; with fp16/bf16 (mixed) the fp32 master weights, m and v, 4 + 4 + 4 = 12."""
+    return 12 if mixed else 2 * itemsize
+
+
 class MixedPrecisionAdamW(AdamW):
     """AdamW on fp32 master weights for a model whose parameters are stored in 2 bytes.
 

@@ -33,14 +33,13 @@ def memory_report(model, opt: AdamW) -> dict:
         P = pipeline.local_param_count(model.cfg, model.stage, model.n_stages, tp)
     else:
         P = model.num_params() if tp == 1 else tensor_parallel.local_param_count(model.cfg, tp)
-    s = model.dtype.itemsize
-    so = 12 if isinstance(opt, precision.MixedPrecisionAdamW) else 2 * s  # optimizer bytes/param
+    itemsize = model.dtype.itemsize
+    K = precision.optimizer_bytes_per_param(isinstance(opt, precision.MixedPrecisionAdamW), itemsize)
     return {
         "params": sum(p.data.nbytes for p in model.parameters()),
         "grads": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
         "optimizer": opt.state_bytes(),
-        "formula": {"params": s * P, "grads": s * P, "optimizer": so * P,
-                    "text": f"{s}P + {s}P + {so}P"},
+        "formula": zero.formula(0, P, P, 1, itemsize, K),      # the table's zero-0 row
     }
 
 

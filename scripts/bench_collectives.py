@@ -129,17 +129,17 @@ def compare(world, g, op, size, budget, rounds):
         variants = {"minipar": lambda: comm.all_reduce(g, x, out=full),
                     "new": lambda: comm.all_reduce(g, x),
                     "mpi": lambda: world.Allreduce(x, full)}
-        algorithm = comm._all_reduce_algorithm(g, x).__name__.split(".")[-1]
+        algorithm = comm.all_reduce_algorithm(g, x).__name__.split(".")[-1]
     elif op == "reduce_scatter":
         variants = {"minipar": lambda: comm.reduce_scatter(g, x, out=piece),
                     "new": lambda: comm.reduce_scatter(g, x),
                     "mpi": lambda: world.Reduce_scatter_block(x, piece)}
-        algorithm = comm._reduce_scatter_algorithm(g, x).__name__.split(".")[-1]
+        algorithm = comm.reduce_scatter_algorithm(g, x).__name__.split(".")[-1]
     else:
         variants = {"minipar": lambda: comm.all_gather(g, mine, out=full),
                     "new": lambda: comm.all_gather(g, mine),
                     "mpi": lambda: world.Allgather(mine, full)}
-        algorithm = comm._all_gather_algorithm(g, mine, None).__name__.split(".")[-1]
+        algorithm = comm.all_gather_algorithm(g, mine, None).__name__.split(".")[-1]
         algorithm = "bruck" if algorithm == "doubling" else algorithm
     if size <= FLOOR_MAX_BYTES or op != "all_reduce":
         variants["floor"] = floor(world, op, x, mine, full, piece)

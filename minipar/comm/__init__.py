@@ -71,7 +71,9 @@ def _large(g):
     return direct if g.size <= direct.DIRECT_MAX_RANKS else ring
 
 
-def _all_reduce_algorithm(g, x):
+def all_reduce_algorithm(g, x):
+    """The module whose algorithm all_reduce runs for x on g (the crossovers above; the
+    benchmark asks it too)."""
     return doubling if x.nbytes <= ALL_REDUCE_DOUBLING_MAX_BYTES else _large(g)
 
 
@@ -81,7 +83,7 @@ def all_reduce(g, x, op="sum", *, out=None):
     out: write the result there instead of into a new array (same shape and dtype, C-order;
     x itself is allowed: an in-place all-reduce)."""
     x = array(x)
-    algorithm = _all_reduce_algorithm(g, x)
+    algorithm = all_reduce_algorithm(g, x)
     if algorithm is doubling and x.nbytes <= SMALL_MAX_BYTES:
         return straight_line.all_reduce_into(g, x, op, out)
     if algorithm is direct:                     # two rounds: straight-line at any size
@@ -94,17 +96,18 @@ def all_reduce_async(g, x, op="sum", *, out=None):
     it is done, handle.wait() finishes it and returns the result. Leave x (and out) alone
     until then."""
     x = array(x)
-    return Handle(*_all_reduce_algorithm(g, x).start_all_reduce(g, x, op, out))
+    return Handle(*all_reduce_algorithm(g, x).start_all_reduce(g, x, op, out))
 
 
-def _reduce_scatter_algorithm(g, x):
+def reduce_scatter_algorithm(g, x):
+    """The module whose algorithm reduce_scatter runs for x on g."""
     return _large(g)            # direct exchange is one round: no faster small-message path
 
 
 def reduce_scatter(g, x, op="sum", *, out=None):
     """Rank r gets piece r of np.array_split(op over all ranks' x.ravel(), p) (1-D)."""
     x = array(x)
-    algorithm = _reduce_scatter_algorithm(g, x)
+    algorithm = reduce_scatter_algorithm(g, x)
     if algorithm is direct:                     # one round: straight-line at any size
         return straight_line.reduce_scatter_into(g, x, op, out)
     return run(*algorithm.start_reduce_scatter(g, x, op, out))
@@ -112,14 +115,15 @@ def reduce_scatter(g, x, op="sum", *, out=None):
 
 def reduce_scatter_async(g, x, op="sum", *, out=None):
     x = array(x)
-    return Handle(*_reduce_scatter_algorithm(g, x).start_reduce_scatter(g, x, op, out))
+    return Handle(*reduce_scatter_algorithm(g, x).start_reduce_scatter(g, x, op, out))
 
 
 def _gathered_bytes(g, x, sizes):
     return (x.size * g.size if sizes is None else sum(int(s) for s in sizes)) * x.itemsize
 
 
-def _all_gather_algorithm(g, x, sizes):
+def all_gather_algorithm(g, x, sizes):
+    """The module whose algorithm all_gather runs for x (and the pieces' sizes) on g."""
     if g.size >= 4 and _gathered_bytes(g, x, sizes) <= ALL_GATHER_BRUCK_MAX_BYTES:
         return doubling
     return _large(g)
@@ -132,7 +136,7 @@ def all_gather(g, x, sizes=None, *, out=None):
     None means every rank's x has as many elements as this one's.
     """
     x = array(x)
-    algorithm = _all_gather_algorithm(g, x, sizes)
+    algorithm = all_gather_algorithm(g, x, sizes)
     if algorithm is not ring:                   # direct (any size) or Bruck (small): straight-line
         return straight_line.all_gather_into(g, x, sizes, out, bruck=algorithm is doubling)
     return run(*algorithm.start_all_gather(g, x, sizes, out))
@@ -140,4 +144,4 @@ def all_gather(g, x, sizes=None, *, out=None):
 
 def all_gather_async(g, x, sizes=None, *, out=None):
     x = array(x)
-    return Handle(*_all_gather_algorithm(g, x, sizes).start_all_gather(g, x, sizes, out))
+    return Handle(*all_gather_algorithm(g, x, sizes).start_all_gather(g, x, sizes, out))

@@ -110,17 +110,9 @@ class DataParallelBucketed(NoSync):
 
     def __init__(self, params, group: comm.Group, bucket_mb: float = 1.0):
         self.params, self.group = list(params), group
-        limit = max(1, int(bucket_mb * 1024 * 1024))
         dtype = self.params[0].data.dtype
-        self.buckets, cur, size = [], [], 0
-        for p in reversed(self.params):          # backward produces the last layers first
-            cur.append(p)
-            size += p.data.nbytes
-            if size >= limit:
-                self.buckets.append(Bucket(cur, dtype))
-                cur, size = [], 0
-        if cur:
-            self.buckets.append(Bucket(cur, dtype))
+        self.buckets = [Bucket([self.params[i] for i in members], dtype)
+                        for members in bucket_members([p.data.nbytes for p in self.params], bucket_mb)]
         self.bucket_of = {}
         for b in self.buckets:
             for p, view in zip(b.params, b.views):
@@ -182,6 +174,23 @@ class DataParallelBucketed(NoSync):
                     local += sum_of_squares(b.flat[a:z])
         total = comm.all_reduce(self.group, np.array([local]))[0] if n > 1 else local
         return model.reduce_norm_sq(float(total))
+
+
+def bucket_members(nbytes: list, bucket_mb: float) -> list[list[int]]:
+    """Which parameters share a bucket (indices into the parameter list, given each one's
+    gradient bytes): walked in reverse, since backward produces the last layers first, a
+    bucket closes as soon as it holds >= bucket_mb MiB. The planner counts buckets so too."""
+    limit = max(1, int(bucket_mb * 1024 * 1024))
+    buckets, members, size = [], [], 0
+    for i in reversed(range(len(nbytes))):
+        members.append(i)
+        size += nbytes[i]
+        if size >= limit:
+            buckets.append(members)
+            members, size = [], 0
+    if members:
+        buckets.append(members)
+    return buckets
 
 
 def make(params, group: comm.Group, mode: str = "bucketed", bucket_mb: float = 1.0):

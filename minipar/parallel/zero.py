@@ -66,7 +66,7 @@ import numpy as np
 
 from minipar import comm
 from minipar.optim import adamw_update, sum_of_squares
-from minipar.precision import MixedPrecisionAdamW
+from minipar.precision import MixedPrecisionAdamW, optimizer_bytes_per_param
 from minipar.tensor import Function, is_grad_enabled
 
 STAGES = (0, 1, 2, 3)
@@ -258,14 +258,14 @@ class Zero:
 
     def memory_report(self) -> dict:
         """Bytes this rank holds in its persistent buffers, beside the formula."""
-        s = self.dtype.itemsize
-        k = 12 if self.mixed else 2 * s
+        itemsize = self.dtype.itemsize
+        K = optimizer_bytes_per_param(self.mixed, itemsize)
         if self.stage == 3:
             params = sum(u.param_shard.nbytes for u in self.units)
         else:
             params = sum(u.param_flat.nbytes for u in self.units)
         grads = sum((u.grad_flat if self.stage == 1 else u.grad_shard).nbytes for u in self.units)
-        f = formula(self.stage, self.P, self.P_pad, self.N, s, k)
+        f = formula(self.stage, self.P, self.P_pad, self.N, itemsize, K)
         f["text"] = f"{f['text']} (P = {self.P:,} on this rank, N = {self.N}, padded to {self.P_pad:,})"
         return {"params": params, "grads": grads, "optimizer": self.state_bytes(), "formula": f,
                 "zero": {"stage": self.stage, "N": self.N, "P": self.P, "P_padded": self.P_pad,
