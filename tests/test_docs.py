@@ -214,3 +214,56 @@ def test_no_library_line_over_120_characters():
                     long += [f"{os.path.relpath(os.path.join(d, f), REPO)}:{i}" for i, line in enumerate(fh, 1)
                              if len(line.rstrip("\n")) > 120]
     assert not long, long
+
+
+# --- the names the docs cite exist -------------------------------------------------------------
+
+def cited_names(text: str) -> tuple[list[str], list[str]]:
+    """(file paths, module.attribute names) written in `code` spans of a page."""
+    paths, names = [], []
+    for span in re.findall(r"`([^`\n]+)`", text):
+        paths += re.findall(r"((?:minipar|tests|scripts)/[\w/]+\.py)", span)
+        if not span.startswith(("python", "mpirun", "$")):
+            names += [f"{a}.{b}" for a, b in re.findall(r"\b([a-z_]+)\.([A-Za-z_]\w*)\b", span)
+                      if b not in ("py", "md", "npz", "json", "jsonl", "svg", "txt")]
+    return paths, names
+
+
+def resolves(name: str) -> bool | None:
+    """Does module.attribute exist? None when the first part is not one of minipar's modules
+    (a variable such as `p.grad`). `model.x` is read as the Model interface's or a layout's."""
+    import importlib                            # noqa: PLC0415
+    import minipar                              # noqa: PLC0415, F401
+    from minipar.interfaces import Model        # noqa: PLC0415
+    from minipar.parallel.tensor_parallel import TensorParallelGPT  # noqa: PLC0415
+    head, attr = name.split(".")
+    if head == "model":
+        return hasattr(Model, attr) or hasattr(TensorParallelGPT, attr) or None
+    modules = {os.path.splitext(f)[0]: os.path.relpath(os.path.join(d, f), REPO)[:-3].replace(os.sep, ".")
+               for d, _, files in os.walk(os.path.join(REPO, "minipar")) for f in files if f.endswith(".py")}
+    modules.update({"comm": "minipar.comm", "parallel": "minipar.parallel", "minipar": "minipar"})
+    if head not in modules or head == "__init__":
+        return None
+    module = importlib.import_module(modules[head])
+    if hasattr(module, attr):
+        return True
+    try:
+        importlib.import_module(f"{module.__name__}.{attr}")
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_the_code_names_a_page_cites_exist(doc):
+    with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+        paths, names = cited_names(f.read())
+    missing = [p for p in paths if not os.path.exists(os.path.join(REPO, p))]
+    missing += [n for n in names if resolves(n) is False]
+    assert not missing, f"{doc} cites what the code does not have: {sorted(set(missing))}"
+
+
+def test_a_renamed_function_is_caught():
+    assert resolves("pipeline.local_param_count") and resolves("comm.traffic_by_axis")
+    assert resolves("pipeline.timeline_svg") is False and resolves("comm.small") is False
+    assert resolves("p.grad") is None
