@@ -144,8 +144,9 @@ def test_fenced_commands_are_extracted():
 
 # --- only documents inside the repository are cited --------------------------------------------
 
-OUTSIDE = re.compile(r"DESIGN [0-9]|DESIGN's|DESIGN\.md|STYLE\.md|\b[Ii]ssues? #?[0-9]+|the seed's|"
-                     r"\b[Tt]he seeds\b|seeds'|\.\./shared|shared/(seeds|hooks)")
+# (written with character classes, so that this file does not match itself)
+OUTSIDE = re.compile(r"DESIG[N] [0-9]|DESIG[N]'s|DESIG[N]\.md|STYL[E]\.md|\b[Ii]ssue[s]? #?[0-9]+|the see[d]'s|"
+                     r"\b[Tt]he see[d]s\b|see[d]s'|\.\./share[d]|share[d]/(seeds|hooks)")
 
 
 def outside_references(text: str) -> list[str]:
@@ -165,7 +166,7 @@ def tracked_files() -> list[str]:
 def test_no_reference_to_documents_outside_the_repository():
     hits = []
     for path in tracked_files():
-        if path == "tests/test_docs.py" or not path.endswith((".py", ".md", ".cfg", ".toml", "Makefile", "run")):
+        if not path.endswith((".py", ".md", ".cfg", ".toml", "Makefile", "run")):
             continue
         full = os.path.join(REPO, path)
         if os.path.isfile(full):
@@ -175,8 +176,8 @@ def test_no_reference_to_documents_outside_the_repository():
 
 
 def test_the_reference_check_catches_planted_ones():
-    planted = ["the names of DESIGN 2.2", "see issue 9", "as in issue #12", "the seed's example",
-               "The seeds list seven", "read ../shared/STYLE.md"]
+    planted = ["the names of DESI" + "GN 2.2", "see iss" + "ue 9", "as in iss" + "ue #12", "the se" + "ed's example",
+               "The se" + "eds list seven", "read ../sha" + "red/STY" + "LE.md"]     # split: see OUTSIDE
     assert all(outside_references(t) for t in planted), [t for t in planted if not outside_references(t)]
     assert not outside_references("the same seed gives the same weights; docs/design.md §2")
 
