@@ -249,7 +249,7 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
                      f"{human_bytes(tp_bytes)}/step sent "
                      f"per rank, + 1 for the global grad norm")
     if a.save:
-        writers = s.world if a.zero else s.world // dp                # see train.save_checkpoint
+        writers = s.world if a.zero else s.world // dp                # see checkpoint.save_run
         who = ("one process" if s.world == 1 else "every rank" if writers == s.world
                else "dp rank 0 of each (tp, pp)")
         lines.append(f"  checkpoint: {a.save} (step {a.steps}): model.npz and "
