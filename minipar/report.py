@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from minipar import data, draw, precision
+from minipar import data, draw, plan, precision
 from minipar.optim import AdamW
 from minipar.parallel import pipeline, schedules, tensor_parallel, zero
 from minipar.perf import human_bytes
@@ -117,6 +117,24 @@ def describe(s) -> list[str]:
                  f"{len(s.spec.tokens):,} tokens; steps "
                  f"{s.spec.start}..{a.steps - 1}; lr {a.lr:g} {a.lr_schedule}, warm-up {a.warmup}"
                  + (f"; resumed from {a.resume}" if s.spec.meta is not None else ""))
+    return lines
+
+
+def plan_lines(s) -> list[str]:
+    """--dry-run: what the planner (python -m minipar.plan, the same flags) expects a rank of
+    each pipeline stage to hold and send per step; the run's summary measures the same."""
+    a, g = s.args, s.grid
+    lay = plan.Layout(dp=g.dp_size, tp=g.tp_size, pp=g.pp_size, zero=a.zero, micro_batches=a.micro_batches,
+                      batch_size=a.batch_size, precision=a.precision, dtype=a.dtype, schedule=a.schedule,
+                      dp_mode=a.dp_mode, bucket_mb=a.bucket_mb)
+    r = plan.plan(s.cfg, lay)
+    lines = []
+    for mem, sent in zip(r["memory_per_stage"], r["comm_per_stage"]):
+        where = f"a rank of stage {mem['stage']}" if g.pp_size > 1 else "each rank"
+        lines.append(f"  plan: {where} holds {human_bytes(mem['model_states'])} of model states + "
+                     f"{human_bytes(mem['activations'])} of activations at peak, sends "
+                     f"{human_bytes(sent['bytes_per_step'])}/step (dp {human_bytes(sent['dp'])}, "
+                     f"tp {human_bytes(sent['tp'])}, pp {human_bytes(sent['pp'])})")
     return lines
 
 

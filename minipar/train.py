@@ -335,8 +335,9 @@ def run(args) -> dict:
     for line in report.describe(s):
         s.say(line)
     if args.dry_run:
-        s.say(f"dry run: the flags, the layout{', the checkpoint' if args.resume else ''} "
-              f"and the data "
+        for line in report.plan_lines(s):
+            s.say(line)
+        s.say(f"dry run: the flags, the layout{', the checkpoint' if args.resume else ''} and the data "
               f"check out on all {s.world} rank(s); nothing trained, nothing written")
         return {"dry_run": True}
     t0 = time.perf_counter()
