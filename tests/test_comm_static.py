@@ -1,7 +1,6 @@
 """minipar.comm without MPI ranks: the library never calls MPI's own collectives (a scan of
 the source), and, in two small mpirun jobs, a stuck rank or a failing test ends the job
 with its message instead of hanging."""
-import ast
 import os
 import shutil
 import subprocess
@@ -12,44 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from minipar.comm.static_check import mpi_collective_uses
+
 ROOT = Path(__file__).resolve().parents[1]
 MPIRUN = Path(sys.executable).parent / "mpirun"
-
-# MPI's collectives as mpi4py spells them: buffer-based (upper case), their non-blocking
-# (I...) and persistent (..._init) forms, and the pickle-based lower-case ones.
-_UPPER = ["Allgather", "Allgatherv", "Allreduce", "Alltoall", "Alltoallv", "Alltoallw",
-          "Barrier", "Bcast", "Exscan", "Gather", "Gatherv", "Reduce", "Reduce_scatter",
-          "Reduce_scatter_block", "Scan", "Scatter", "Scatterv",
-          "Neighbor_allgather", "Neighbor_allgatherv", "Neighbor_alltoall",
-          "Neighbor_alltoallv", "Neighbor_alltoallw"]
-FORBIDDEN = set(_UPPER) | {"I" + n.lower() for n in _UPPER} | {n + "_init" for n in _UPPER} | {
-    "allgather", "allreduce", "alltoall", "barrier", "bcast", "exscan", "scan",
-    "ibarrier", "ibcast", "igather", "iscatter", "iallgather", "iallreduce", "ialltoall",
-    "ireduce", "neighbor_allgather", "neighbor_alltoall"}
-# gather, reduce and scatter are also minipar's own names (comm.gather(g, x)), and reduce is
-# NumPy's and functools'; they are MPI's when called on a communicator: g.comm.gather(...),
-# MPI.COMM_WORLD.reduce(...).
-AMBIGUOUS = {"gather", "reduce", "scatter"}
-COMMUNICATOR_NAMES = {"comm", "mpi_comm", "COMM_WORLD", "COMM_SELF", "world", "Intracomm", "Comm"}
-
-
-def _receiver_is_communicator(node):
-    return (isinstance(node, ast.Attribute) and node.attr in COMMUNICATOR_NAMES) or \
-        (isinstance(node, ast.Name) and node.id in COMMUNICATOR_NAMES - {"comm"})
-
-
-def mpi_collective_uses(source, filename="<source>"):
-    """(line, text) of every MPI collective referenced in Python source."""
-    found = []
-    for node in ast.walk(ast.parse(source, filename)):
-        if isinstance(node, ast.Attribute):
-            if node.attr in FORBIDDEN or (node.attr in AMBIGUOUS
-                                          and _receiver_is_communicator(node.value)):
-                found.append((node.lineno, ast.unparse(node)))
-        elif isinstance(node, (ast.ImportFrom,)) and node.module and "mpi4py" in node.module:
-            found += [(node.lineno, f"import {a.name}") for a in node.names if a.name in FORBIDDEN]
-    return found
-
 
 def test_scanner_catches_collectives():
     """The scan itself: it must see each way of calling a collective, and not our own names."""
