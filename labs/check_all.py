@@ -1,0 +1,133 @@
+"""make labs-check: every lab's grader can fail, and passes what it should.
+
+For every lab folder:
+  - minipar's own code (reference.py) and the hand-written solution.py pass every criterion;
+  - the untouched stub fails, with its NotImplementedError text;
+  - every mutant (at least 3) fails first at the criterion its header names;
+  - no stub holds a body of the solution or the reference: each stub function is a docstring
+    and `raise NotImplementedError(...)` (compared on the syntax tree);
+  - every minipar name a hint mentions exists.
+Prints one line per lab and a total; exit 1 on any finding. `python -m labs.check_all 02 07`
+checks only those labs.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import re
+import sys
+import time
+
+from labs import framework
+from labs.grade import grade
+
+MIN_MUTANTS = 3
+
+
+def stub_findings(lab_dir: str) -> list[str]:
+    """Stub functions that are more than a docstring and a NotImplementedError, or that share
+    a body with the solution or the reference."""
+    def functions(path):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+
+    stub = functions(os.path.join(lab_dir, "student.py"))
+    answers = [functions(os.path.join(lab_dir, name)) for name in ("solution.py", "reference.py")]
+    found = []
+    for name, fn in stub.items():
+        body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        raises = len(body) == 1 and isinstance(body[0], ast.Raise) and "NotImplementedError" in ast.unparse(body[0])
+        if not raises:
+            found.append(f"student.py: {name} has a body beyond its docstring and NotImplementedError")
+        for answer in answers:
+            if name in answer and [ast.dump(s) for s in answer[name].body] == [ast.dump(s) for s in fn.body]:
+                found.append(f"student.py: {name} has the answer's body")
+    if not stub:
+        found.append("student.py defines no function")
+    return found
+
+
+def hint_findings(lab) -> list[str]:
+    """Names like comm.traffic or minipar.comm.ring in the hints that do not exist."""
+    found = []
+    for c in lab.CRITERIA:
+        for dotted in re.findall(r"\b((?:minipar\.)?(?:comm|train|parallel|ops|tensor|model|optim|precision)"
+                                 r"(?:\.[A-Za-z_]\w*)+)", c.hint):
+            parts = dotted.split(".")
+            if parts[0] != "minipar":
+                parts = ["minipar"] + parts
+            obj, ok = importlib.import_module("minipar"), True
+            for i, part in enumerate(parts[1:], start=1):
+                if hasattr(obj, part):
+                    obj = getattr(obj, part)
+                    continue
+                try:
+                    obj = importlib.import_module(".".join(parts[:i + 1]))
+                except ImportError:
+                    ok = False
+                    break
+            if not ok:
+                found.append(f"hint of {c.name!r} names {dotted}, which does not exist")
+    return found
+
+
+def check_lab(lab_dir: str, say) -> tuple[list[str], int, float]:
+    """-> (findings, mutants caught, seconds to grade the solution)."""
+    lab = framework.load_lab(lab_dir)
+    names = [c.name for c in lab.CRITERIA]
+    quiet = lambda line: None                                       # noqa: E731
+    findings = stub_findings(lab_dir) + hint_findings(lab)
+    for who in ("reference.py", "solution.py"):
+        start = time.monotonic()
+        for r in grade(lab_dir, os.path.join(lab_dir, who), say=quiet):
+            if not r["ok"]:
+                findings.append(f"{who} fails {r['name']!r}: {r['message']}")
+        solution_seconds = time.monotonic() - start                  # the last: solution.py
+    stub = grade(lab_dir, os.path.join(lab_dir, "student.py"), first_failure=True, say=quiet)
+    if stub[-1]["ok"] or "NotImplementedError" not in stub[-1]["message"]:
+        findings.append(f"the stub does not fail with its NotImplementedError: {stub[-1]}")
+    mutants = sorted(os.listdir(os.path.join(lab_dir, "mutants")))
+    mutants = [m for m in mutants if m.endswith(".py")]
+    if len(mutants) < MIN_MUTANTS:
+        findings.append(f"{len(mutants)} mutants, at least {MIN_MUTANTS} wanted")
+    caught = 0
+    for m in mutants:
+        path = os.path.join(lab_dir, "mutants", m)
+        want = framework.mutant_criterion(path)
+        if want not in names:
+            findings.append(f"mutants/{m} names {want!r}, not a criterion ({names})")
+            continue
+        results = grade(lab_dir, path, first_failure=True, say=quiet)
+        failed = next((r for r in results if not r["ok"]), None)
+        if failed is None:
+            findings.append(f"mutants/{m} passes every criterion")
+        elif failed["name"] != want:
+            findings.append(f"mutants/{m} fails {failed['name']!r} first, its header names {want!r}")
+        else:
+            caught += 1
+    say(f"{os.path.basename(lab_dir)}: {len(names)} criteria; reference and solution pass "
+        f"(solution graded in {solution_seconds:.1f} s); stub fails; {caught} of {len(mutants)} mutants caught"
+        + ("" if not findings else f"; {len(findings)} finding(s)"))
+    return findings, caught, solution_seconds
+
+
+def main(argv=None):
+    wanted = (sys.argv[1:] if argv is None else argv)
+    dirs = [framework.find(w) for w in wanted] if wanted else framework.lab_dirs()
+    start = time.monotonic()
+    all_findings, caught = [], 0
+    for d in dirs:
+        findings, n, _ = check_lab(d, say=lambda line: print(line, flush=True))
+        all_findings += [f"{os.path.basename(d)}: {f}" for f in findings]
+        caught += n
+    for f in all_findings:
+        print(f"  FINDING {f}")
+    print(f"labs-check: {len(dirs)} lab(s), {caught} mutants caught, {len(all_findings)} finding(s), "
+          f"{time.monotonic() - start:.0f} s")
+    sys.exit(1 if all_findings else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""What a lab is, for its grader (labs/grade.py), the trainer runner (labs/run.py) and the
+check that every grader can fail (labs/check_all.py).
+
+A lab is a folder labs/NN_name/:
+
+    README.md      the handout: background, the contract, hints, how to check
+    student.py     the stub a student fills in: full signatures and docstrings, every body
+                   `raise NotImplementedError("lab NN: ... see labs/NN_name/README.md")`
+    solution.py    a solution written by hand, as a student would (CI grades it)
+    reference.py   minipar's own code behind the stub's signatures (grade --solution)
+    lab.py         the seam and the criteria (below)
+    mutants/*.py   typical mistakes, each a whole student file whose first line names the
+                   criterion that must catch it: `# criterion: <name>`
+
+lab.py defines
+    TITLE          one line
+    CRITERIA       [Criterion, ...] in the order they are graded
+    install(student) -> counter
+                   puts the student's functions at the seam of minipar, on this rank, for
+                   the real trainer; counter() is how many times they ran here
+    and the check functions the criteria name.
+
+Every criterion runs in a subprocess of its own, under mpirun when it needs ranks, with a
+timeout that ends the whole job; inside it, the student's module is a copy in a scratch
+folder, loaded by path (never minipar's code under the student's name).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+LABS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(LABS)
+
+
+@dataclass
+class Criterion:
+    """One graded property. check(student) runs on every rank of `ranks` and raises
+    AssertionError with the numbers when the property fails; trainer: flags of
+    `python -m minipar.train` to run with the student's code at the seam instead (the run
+    must pass --verify and the student's code must have run on every rank)."""
+    name: str
+    ranks: int = 1
+    check: Callable | None = None
+    trainer: list = field(default_factory=list)
+    timeout: float = 60.0
+    hint: str = ""
+
+
+def lab_dirs() -> list[str]:
+    """Every lab folder, in teaching order."""
+    return sorted(os.path.join(LABS, d) for d in os.listdir(LABS)
+                  if d[:2].isdigit() and os.path.isfile(os.path.join(LABS, d, "lab.py")))
+
+
+def find(lab: str) -> str:
+    """'2', '02' or '02_ring' -> the lab's folder; ValueError naming the labs there are."""
+    for d in lab_dirs():
+        base = os.path.basename(d)
+        if base == lab or (lab.isdigit() and int(base[:2]) == int(lab)):
+            return d
+    names = ", ".join(os.path.basename(d) for d in lab_dirs())
+    raise ValueError(f"no lab {lab!r} (labs: {names})")
+
+
+def load(path: str, name: str):
+    """The module in file `path`, loaded under `name` (and registered, so it can pickle)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_lab(lab_dir: str):
+    return load(os.path.join(lab_dir, "lab.py"), f"lab_{os.path.basename(lab_dir)[:2]}")
+
+
+def criterion(lab, name: str) -> Criterion:
+    for c in lab.CRITERIA:
+        if c.name == name:
+            return c
+    raise ValueError(f"no criterion {name!r} in this lab (criteria: {[c.name for c in lab.CRITERIA]})")
+
+
+def mutant_criterion(path: str) -> str:
+    """The criterion a mutant's first line names: `# criterion: <name>`."""
+    with open(path, encoding="utf-8") as f:
+        first = f.readline().strip()
+    prefix = "# criterion:"
+    if not first.startswith(prefix):
+        raise ValueError(f"{path}: the first line must be '{prefix} <name>', got {first!r}")
+    return first[len(prefix):].strip()
+
+
+def first_difference(got, want, rtol: float = 1e-12, atol: float = 0.0) -> str | None:
+    """None when got equals want within tolerance (shapes and dtypes too), else a line
+    naming the largest difference and the first bad index."""
+    import numpy as np                          # noqa: PLC0415 - keep `import labs` light
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape:
+        return f"shape {got.shape}, want {want.shape}"
+    if got.dtype != want.dtype:
+        return f"dtype {got.dtype}, want {want.dtype}"
+    if got.size == 0:
+        return None
+    g, w = got.astype(np.float64).ravel(), want.astype(np.float64).ravel()
+    bad = ~np.isclose(g, w, rtol=rtol, atol=atol) & ~(np.isnan(g) & np.isnan(w))
+    if not bad.any():
+        return None
+    first = int(np.argmax(bad))
+    worst = float(np.nanmax(np.abs(g - w)))
+    return f"largest |difference| {worst:.3g}; first bad index {first}: got {g[first]!r}, want {w[first]!r}"
