@@ -8,7 +8,7 @@ export OMP_NUM_THREADS := 1
 export OPENBLAS_NUM_THREADS := 1
 export MKL_NUM_THREADS := 1
 
-.PHONY: install run test test-serial test-mpi bench clean
+.PHONY: install run test test-serial test-mpi labs-check lab bench clean
 
 install: $(VENV)/.installed
 
@@ -23,7 +23,7 @@ RUN_FLAGS ?= $(if $(filter 4,$(NP)),--dp 2 --pp 2 --zero 1 --micro-batches 4,)
 run: install
 	$(MPIRUN) -n $(NP) $(PY) -m minipar.train $(RUN_FLAGS)
 
-test: test-serial test-mpi
+test: test-serial labs-check test-mpi
 
 test-serial: install
 	$(PY) -m pytest -q tests
@@ -31,6 +31,16 @@ test-serial: install
 # MPI tests: 4 ranks, a hard timeout, and any failing rank aborts the world (tests/mpi/conftest.py).
 test-mpi: install
 	timeout -k 10 900 $(MPIRUN) -n $(NP) $(PY) -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
+
+# The teaching labs (labs/README.md): every grader passes minipar's code and a hand-written
+# solution, fails the stub, and catches every planted mistake.
+labs-check: install
+	timeout -k 10 600 $(PY) -m labs.check_all
+
+# Grade one lab: make lab L=02 (labs/02_*/student.py), or STUDENT=path/to/file.py.
+lab: install
+	@test -n "$(L)" || { echo "make lab L=NN [STUDENT=file.py]: which lab? see labs/README.md"; exit 2; }
+	$(PY) -m labs.grade $(L) $(if $(STUDENT),--student $(STUDENT),)
 
 bench: install
 	@for s in scripts/bench_*.py; do echo "== $$s"; $(PY) $$s || exit 1; done

@@ -113,4 +113,5 @@ def first_difference(got, want, rtol: float = 1e-12, atol: float = 0.0) -> str |
         return None
     first = int(np.argmax(bad))
     worst = float(np.nanmax(np.abs(g - w)))
-    return f"largest |difference| {worst:.3g}; first bad index {first}: got {g[first]!r}, want {w[first]!r}"
+    return f"largest |difference| {worst:.3g}; first bad index {first}: got {g[first].item()!r}, " \
+           f"want {w[first].item()!r}"

@@ -1,0 +1,55 @@
+"""The labs' machinery itself (labs/framework.py, grade.py, run.py, check_all.py); every lab's
+grader is proved by `make labs-check`. Here: the checks that protect a class from a grader
+that judges the wrong code."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from labs import check_all, framework  # noqa: E402
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+        "--steps", "2", "--sample", "0"]
+
+
+def test_a_run_where_the_students_code_never_ran_fails():
+    """One process has no dp group: no reduce-scatter runs, so the seam was never reached and
+    labs.run must say so instead of passing on minipar's own code."""
+    p = subprocess.run([sys.executable, "-m", "labs.run", "02", "--student",
+                        os.path.join(REPO, "labs", "02_ring", "solution.py"), "--", *TINY],
+                       cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
+    assert p.returncode == 1 and "the student's code never ran on rank(s) [0]" in p.stdout, (p.stdout, p.stderr)
+
+
+def test_stub_check_catches_a_stub_with_the_answer(tmp_path):
+    lab = tmp_path / "02_ring"
+    shutil.copytree(os.path.join(REPO, "labs", "02_ring"), lab)
+    assert check_all.stub_findings(str(lab)) == []
+    shutil.copyfile(lab / "solution.py", lab / "student.py")         # the answer handed out
+    found = check_all.stub_findings(str(lab))
+    assert any("has the answer's body" in f for f in found) and \
+        any("beyond its docstring" in f for f in found), found
+
+
+def test_hint_check_catches_a_name_that_does_not_exist():
+    class Lab:
+        CRITERIA = [framework.Criterion("x", hint="see comm.traffic() and minipar.comm.ring.all_gather"),
+                    framework.Criterion("y", hint="comm.no_such_function shows it")]
+    assert check_all.hint_findings(Lab) == ["hint of 'y' names comm.no_such_function, which does not exist"]
+
+
+def test_mutant_headers_and_lab_names():
+    assert framework.find("2") == framework.find("02") == framework.find("02_ring")
+    with pytest.raises(ValueError, match="no lab '99'"):
+        framework.find("99")
+    path = os.path.join(REPO, "labs", "02_ring", "mutants", "m01_no_reduction.py")
+    assert framework.mutant_criterion(path) == "reduce_scatter against NumPy"
+    assert framework.first_difference([1.0, 2.0], [1.0, 2.5]) == \
+        "largest |difference| 0.5; first bad index 1: got 2.0, want 2.5"
+    assert framework.first_difference([1.0, 2.0], [1.0, 2.0]) is None
