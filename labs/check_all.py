@@ -88,23 +88,26 @@ def check_lab(lab_dir: str, say) -> tuple[list[str], int, float]:
     stub = grade(lab_dir, os.path.join(lab_dir, "student.py"), first_failure=True, say=quiet)
     if stub[-1]["ok"] or "NotImplementedError" not in stub[-1]["message"]:
         findings.append(f"the stub does not fail with its NotImplementedError: {stub[-1]}")
-    mutants = sorted(os.listdir(os.path.join(lab_dir, "mutants")))
-    mutants = [m for m in mutants if m.endswith(".py")]
+    folders = [os.path.join(lab_dir, "mutants")]
+    if framework.extra_dir(lab_dir):                                  # a teacher's private mutants
+        folders.append(os.path.join(framework.extra_dir(lab_dir), "mutants"))
+    mutants = sorted(os.path.join(d, m) for d in folders if os.path.isdir(d)
+                     for m in os.listdir(d) if m.endswith(".py"))
     if len(mutants) < MIN_MUTANTS:
         findings.append(f"{len(mutants)} mutants, at least {MIN_MUTANTS} wanted")
     caught = 0
-    for m in mutants:
-        path = os.path.join(lab_dir, "mutants", m)
+    for path in mutants:
+        m = os.path.relpath(path, lab_dir)
         want = framework.mutant_criterion(path)
         if want not in names:
-            findings.append(f"mutants/{m} names {want!r}, not a criterion ({names})")
+            findings.append(f"{m} names {want!r}, not a criterion ({names})")
             continue
         results = grade(lab_dir, path, first_failure=True, say=quiet)
         failed = next((r for r in results if not r["ok"]), None)
         if failed is None:
-            findings.append(f"mutants/{m} passes every criterion")
+            findings.append(f"{m} passes every criterion")
         elif failed["name"] != want:
-            findings.append(f"mutants/{m} fails {failed['name']!r} first, its header names {want!r}")
+            findings.append(f"{m} fails {failed['name']!r} first, its header names {want!r}")
         else:
             caught += 1
     say(f"{os.path.basename(lab_dir)}: {len(names)} criteria; reference and solution pass "

@@ -96,6 +96,25 @@ def mutant_criterion(path: str) -> str:
     return first[len(prefix):].strip()
 
 
+def extra_dir(lab_dir: str) -> str | None:
+    """A teacher's private cases for this lab: $MINIPAR_LAB_EXTRA/NN_name/ (mutants/*.py and
+    cases.json), or None."""
+    root = os.environ.get("MINIPAR_LAB_EXTRA")
+    d = os.path.join(root, os.path.basename(lab_dir.rstrip("/"))) if root else None
+    return d if d and os.path.isdir(d) else None
+
+
+def extra_cases(lab_dir: str) -> dict:
+    """The teacher's cases.json for this lab ({} without one): e.g. {"sizes": [...], "seeds": [...]}."""
+    import json                                 # noqa: PLC0415
+    d = extra_dir(lab_dir)
+    path = os.path.join(d, "cases.json") if d else None
+    if not path or not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def first_difference(got, want, rtol: float = 1e-12, atol: float = 0.0) -> str | None:
     """None when got equals want within tolerance (shapes and dtypes too), else a line
     naming the largest difference and the first bad index."""

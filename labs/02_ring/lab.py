@@ -6,11 +6,12 @@ Oracle: NumPy on every rank's inputs, gathered by MPI's own Allgather (the grade
 MPI's collectives; the student may not), in groups of p = 2, 3, 4 and 5 ranks cut from 5.
 """
 import ast
+import os
 
 import numpy as np
 from mpi4py import MPI
 
-from labs.framework import Criterion, first_difference
+from labs.framework import Criterion, extra_cases, first_difference
 from minipar import comm
 from minipar.comm.static_check import mpi_collective_uses
 
@@ -22,8 +23,10 @@ COLLECTIVES = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduc
 
 
 def sizes_for(p: int) -> list[int]:
-    """Empty, one element, fewer than p, p +- 1, odd, and large enough for real pieces."""
-    return sorted({0, 1, p - 1, p, p + 1, 2 * p - 1, 7, 13, 96, 1001})
+    """Empty, one element, fewer than p, p +- 1, odd, and large enough for real pieces; and a
+    teacher's extra "sizes" ($MINIPAR_LAB_EXTRA/02_ring/cases.json)."""
+    extra = extra_cases(os.path.dirname(os.path.abspath(__file__))).get("sizes", [])
+    return sorted({0, 1, p - 1, p, p + 1, 2 * p - 1, 7, 13, 96, 1001, *map(int, extra)})
 
 
 def groups():
