@@ -1,0 +1,43 @@
+# criterion: state_dict round trip
+"""Mutant: state_dict leaves out good_steps, so a resumed run restarts the clean-step count at 0
+and grows the scale later than the run that never stopped."""
+import numpy as np
+
+from minipar import comm
+
+
+class LossScaler:
+    def __init__(self, scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                 dynamic=True):
+        self.scale = float(scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.dynamic = bool(dynamic)
+        self.good_steps = 0
+
+    def update(self, found_inf):
+        if not self.dynamic:                    # bf16, or a scale fixed on purpose
+            return
+        if found_inf:                           # the step was skipped: S was too large
+            self.scale = self.scale * self.backoff_factor
+            self.good_steps = 0
+        elif self.good_steps + 1 < self.growth_interval:
+            self.good_steps += 1
+        else:                                   # growth_interval clean steps in a row: try a larger S
+            self.scale = self.scale * self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self):
+        return {"scale": self.scale, "growth_interval": self.growth_interval, "dynamic": self.dynamic}
+
+    def load_state_dict(self, state):
+        self.scale = float(state["scale"])
+        self.growth_interval = int(state["growth_interval"])
+        self.dynamic = bool(state["dynamic"])
+
+
+def step_is_skipped(world_group, local_found_inf):
+    mine = np.array([1 if local_found_inf else 0], dtype=np.uint8)
+    flags = comm.all_gather(world_group, mine)          # (p,): every rank's flag, in rank order
+    return bool(flags.any())

@@ -1,0 +1,46 @@
+# criterion: trainer --dp 2 --tp 2 fp16 backoff
+"""Mutant: the scale is kept in float32 ("the loss scale: fp32" in minipar.precision's table):
+exact for powers of two, but --loss-scale 1e15 becomes 999999986991104 and every scale
+after it is off by 1.3e-8 relative."""
+import numpy as np
+
+from minipar import comm
+
+
+class LossScaler:
+    def __init__(self, scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                 dynamic=True):
+        self.scale = np.float32(scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.dynamic = bool(dynamic)
+        self.good_steps = 0
+
+    def update(self, found_inf):
+        if not self.dynamic:                    # bf16, or a scale fixed on purpose
+            return
+        if found_inf:                           # the step was skipped: S was too large
+            self.scale = self.scale * self.backoff_factor
+            self.good_steps = 0
+        elif self.good_steps + 1 < self.growth_interval:
+            self.good_steps += 1
+        else:                                   # growth_interval clean steps in a row: try a larger S
+            self.scale = self.scale * self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self):
+        return {"scale": float(self.scale), "good_steps": self.good_steps,
+                "growth_interval": self.growth_interval, "dynamic": self.dynamic}
+
+    def load_state_dict(self, state):
+        self.scale = np.float32(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.growth_interval = int(state["growth_interval"])
+        self.dynamic = bool(state["dynamic"])
+
+
+def step_is_skipped(world_group, local_found_inf):
+    mine = np.array([1 if local_found_inf else 0], dtype=np.uint8)
+    flags = comm.all_gather(world_group, mine)          # (p,): every rank's flag, in rank order
+    return bool(flags.any())
