@@ -58,8 +58,15 @@ def run_criterion(lab_dir: str, c: framework.Criterion, student: str) -> dict:
         message = f"did not finish within {c.timeout:g} s (a deadlock? MINIPAR_TRACE=1 shows every message)"
     elif not ok:
         fails = [line for line in (out + "\n" + err).splitlines() if line.startswith("FAIL ")]
-        errors = [line for line in err.splitlines() if line.strip() and "Abort(" not in line]
-        message = fails[0][5:].split("FAIL rank")[0] if fails else (errors[-1].strip() if errors else f"exit code {proc.returncode}")
+        verdicts = [line for line in out.splitlines() if line.startswith("verify:") and "-> FAILED" in line]
+        errors = [line for line in err.splitlines()
+                  if line.strip() and "Abort(" not in line and "aborting" not in line]
+        if fails:
+            message = fails[0][5:].split("FAIL rank")[0]
+        elif verdicts:                          # the trainer ran, and --verify disagreed
+            message = verdicts[-1]
+        else:
+            message = errors[-1].strip() if errors else f"exit code {proc.returncode}"
     elif c.trainer:
         verdicts = [line for line in out.splitlines() if line.startswith("verify:") and "vs 1 process" in line]
         message = verdicts[-1].rsplit("; ", 1)[-1] if verdicts else ""
