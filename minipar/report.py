@@ -15,7 +15,7 @@ import numpy as np
 
 from minipar import data, draw, plan, precision
 from minipar.optim import AdamW
-from minipar.parallel import pipeline, schedules, tensor_parallel, zero
+from minipar.parallel import data_parallel, pipeline, schedules, tensor_parallel, zero
 from minipar.perf import human_bytes
 
 
@@ -41,6 +41,11 @@ def memory_report(model, opt: AdamW) -> dict:
         "optimizer": opt.state_bytes(),
         "formula": zero.formula(0, P, P, 1, itemsize, K),      # the table's zero-0 row
     }
+
+
+def n_buckets(s) -> int:
+    """Bucketed data parallelism's bucket count for this model (data_parallel.bucket_members)."""
+    return len(data_parallel.bucket_members([p.data.nbytes for p in s.model.parameters()], s.args.bucket_mb))
 
 
 def mechanisms(s) -> str:
@@ -84,7 +89,7 @@ def describe(s) -> list[str]:
                         f"clean steps, x{sc.backoff_factor:g} and skip on inf/NaN" if sc.dynamic
                         else "no loss scaling (a step with an inf/NaN gradient is skipped)"))
     mode = "" if not s.has_dp or a.zero else (f", {a.dp_mode} gradient all-reduce" + (
-        f" in {len(s.sync.buckets)} bucket(s) of <= {a.bucket_mb:g} MiB"
+        f" in {n_buckets(s)} bucket(s) of <= {a.bucket_mb:g} MiB"
         if a.dp_mode == "bucketed" else ""))
     lines.append(f"  layout: {s.world} process(es), {g.describe()}{mode}")
     if g.tp_size > 1:
@@ -174,7 +179,7 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
                "data_parallel": {"mode": f"zero{a.zero}" if a.zero else
                                  a.dp_mode if s.has_dp else None,
                                  "buckets": len(sync.units) if a.zero else
-                                 len(sync.buckets) if s.has_dp and a.dp_mode == "bucketed" else 0,
+                                 n_buckets(s) if s.has_dp and a.dp_mode == "bucketed" else 0,
                                  "grad_sync_bytes_per_step": grad_sync,
                                  "theory_bytes_per_step": theory,
                                  "exposed_comm_s_per_step": exposed,
