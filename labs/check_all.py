@@ -4,6 +4,8 @@ For every lab folder:
   - minipar's own code (reference.py) and the hand-written solution.py pass every criterion;
   - the untouched stub fails, with its NotImplementedError text;
   - every mutant (at least 3) fails first at the criterion its header names;
+  - every trainer criterion fails on at least one mutant when graded alone (a mistake that
+    earlier criteria catch must also sink the real run: the trainer criterion can fail);
   - no stub holds a body of the solution or the reference: each stub function is a docstring
     and `raise NotImplementedError(...)` (compared on the syntax tree);
   - every minipar name a hint mentions exists.
@@ -17,11 +19,13 @@ import ast
 import importlib
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 
 from labs import framework
-from labs.grade import grade
+from labs.grade import grade, run_criterion
 
 MIN_MUTANTS = 3
 
@@ -74,6 +78,23 @@ def hint_findings(lab) -> list[str]:
     return found
 
 
+def trainer_findings(lab, lab_dir: str, mutants: list[str]) -> list[str]:
+    """Each trainer criterion, graded alone on the mutants in turn, must fail on one."""
+    found = []
+    for c in lab.CRITERIA:
+        if not c.trainer:
+            continue
+        with tempfile.TemporaryDirectory(prefix="minipar-lab-") as scratch:
+            copy = os.path.join(scratch, "student.py")
+            for path in mutants:
+                shutil.copyfile(path, copy)
+                if not run_criterion(lab_dir, c, copy)["ok"]:
+                    break
+            else:
+                found.append(f"no mutant fails {c.name!r}: it is not shown that it can fail")
+    return found
+
+
 def check_lab(lab_dir: str, say, quick: bool = False) -> tuple[list[str], int, float]:
     """-> (findings, mutants caught, seconds to grade the solution)."""
     lab = framework.load_lab(lab_dir)
@@ -112,6 +133,8 @@ def check_lab(lab_dir: str, say, quick: bool = False) -> tuple[list[str], int, f
             findings.append(f"{m} fails {failed['name']!r} first, its header names {want!r}")
         else:
             caught += 1
+    if not quick:
+        findings += trainer_findings(lab, lab_dir, mutants)
     say(f"{os.path.basename(lab_dir)}: {len(names)} criteria; reference and solution pass "
         f"(solution graded in {solution_seconds:.1f} s); stub fails; {caught} of {len(graded)} mutants caught"
         + (f" (--quick: {len(mutants)} in all)" if quick else "")

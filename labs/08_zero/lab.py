@@ -467,6 +467,8 @@ CRITERIA = [
     Criterion("stages 1-3 against one process", ranks=4, check=check_twin, timeout=60,
               hint="update the shard first, then all-gather it; in stage 2 add every micro-batch's piece "
                    "into grad_shard (first=True sets it); comm.reduce_scatter hands rank r the piece [lo, hi)"),
+    Criterion("trainer --dp 2 --zero 1 --verify", ranks=2, trainer=["--dp", "2", "--zero", "1", *TINY],
+              timeout=60, hint="the real trainer with your ZeRO-1 on 2 ranks, against one process in float64"),
     Criterion("trainer --dp 2 --zero 2 --verify", ranks=2, trainer=["--dp", "2", "--zero", "2", *TINY],
               timeout=60, hint="the real trainer with your ZeRO-2 on 2 ranks, against one process in float64"),
     Criterion("trainer --dp 2 --zero 3 --verify", ranks=2, trainer=["--dp", "2", "--zero", "3", *TINY],
