@@ -19,7 +19,6 @@ import ast
 import importlib
 import os
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -87,7 +86,8 @@ def trainer_findings(lab, lab_dir: str, mutants: list[str]) -> list[str]:
         with tempfile.TemporaryDirectory(prefix="minipar-lab-") as scratch:
             copy = os.path.join(scratch, "student.py")
             for path in mutants:
-                shutil.copyfile(path, copy)
+                with open(copy, "w", encoding="utf-8") as f:
+                    f.write(framework.materialize(lab_dir, path))
                 if not run_criterion(lab_dir, c, copy)["ok"]:
                     break
             else:
@@ -114,7 +114,7 @@ def check_lab(lab_dir: str, say, quick: bool = False) -> tuple[list[str], int, f
     if framework.extra_dir(lab_dir):                                  # a teacher's private mutants
         folders.append(os.path.join(framework.extra_dir(lab_dir), "mutants"))
     mutants = sorted(os.path.join(d, m) for d in folders if os.path.isdir(d)
-                     for m in os.listdir(d) if m.endswith(".py"))
+                     for m in os.listdir(d) if m.endswith((".py", ".mutant")))
     if len(mutants) < MIN_MUTANTS:
         findings.append(f"{len(mutants)} mutants, at least {MIN_MUTANTS} wanted")
     graded = mutants[:1] if quick else mutants

@@ -9,8 +9,11 @@ A lab is a folder labs/NN_name/:
     solution.py    a solution written by hand, as a student would (CI grades it)
     reference.py   minipar's own code behind the stub's signatures (grade --solution)
     lab.py         the seam and the criteria (below)
-    mutants/*.py   typical mistakes, each a whole student file whose first line names the
-                   criterion that must catch it: `# criterion: <name>`
+    mutants/*.mutant  typical mistakes, each a patch of solution.py: its first line names the
+                   criterion that must catch it, `# criterion: <name>`, comment lines say the
+                   mistake, then blocks `--- solution.py` (lines of the solution) and
+                   `+++ mutant` (what replaces them). A mutant may also be a whole student
+                   file, mutants/*.py (a teacher's private ones usually are).
 
 lab.py defines
     TITLE          one line
@@ -84,6 +87,39 @@ def criterion(lab, name: str) -> Criterion:
         if c.name == name:
             return c
     raise ValueError(f"no criterion {name!r} in this lab (criteria: {[c.name for c in lab.CRITERIA]})")
+
+
+def materialize(lab_dir: str, path: str) -> str:
+    """The whole student file a mutant stands for: a .py mutant is one; a .mutant is the lab's
+    solution.py with each `--- solution.py` block replaced by the `+++ mutant` block after it
+    (each must occur exactly once), under the mutant's comment lines."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not path.endswith(".mutant"):
+        return text
+    lines = text.splitlines(keepends=True)
+    head = 0
+    while head < len(lines) and lines[head].startswith("#"):
+        head += 1
+    blocks, mode = [], None
+    for line in lines[head:]:
+        if line.rstrip("\n") == "--- solution.py":
+            blocks.append(["", ""])
+            mode = 0
+        elif line.rstrip("\n") == "+++ mutant" and blocks:
+            mode = 1
+        elif mode is None:
+            raise ValueError(f"{path}: expected '--- solution.py', got {line!r}")
+        else:
+            blocks[-1][mode] += line
+    with open(os.path.join(lab_dir, "solution.py"), encoding="utf-8") as f:
+        code = f.read()
+    for old, new in blocks:
+        if code.count(old) != 1:
+            raise ValueError(f"{path}: a '--- solution.py' block occurs {code.count(old)} times in "
+                             f"solution.py, not once: {old.splitlines()[:1]}")
+        code = code.replace(old, new)
+    return "".join(lines[:head]) + code
 
 
 def mutant_criterion(path: str) -> str:

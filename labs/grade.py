@@ -16,7 +16,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -79,7 +78,8 @@ def grade(lab_dir: str, student: str, first_failure: bool = False, say=print) ->
     results = []
     with tempfile.TemporaryDirectory(prefix="minipar-lab-") as scratch:
         copy = os.path.join(scratch, "student.py")
-        shutil.copyfile(student, copy)
+        with open(copy, "w", encoding="utf-8") as f:      # a .mutant becomes the file it stands for
+            f.write(framework.materialize(lab_dir, student))
         for c in lab.CRITERIA:
             r = run_criterion(lab_dir, c, copy)
             results.append(r)

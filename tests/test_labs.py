@@ -48,8 +48,20 @@ def test_mutant_headers_and_lab_names():
     assert framework.find("2") == framework.find("02") == framework.find("02_ring")
     with pytest.raises(ValueError, match="no lab '99'"):
         framework.find("99")
-    path = os.path.join(REPO, "labs", "02_ring", "mutants", "m01_no_reduction.py")
+    path = os.path.join(REPO, "labs", "02_ring", "mutants", "m01_no_reduction.mutant")
     assert framework.mutant_criterion(path) == "reduce_scatter against NumPy"
+    student = framework.materialize(os.path.join(REPO, "labs", "02_ring"), path)
+    assert student.startswith("# criterion: reduce_scatter against NumPy\n") and \
+        "sending = arriving" in student and "sending = reduce(arriving" not in student
     assert framework.first_difference([1.0, 2.0], [1.0, 2.5]) == \
         "largest |difference| 0.5; first bad index 1: got 2.0, want 2.5"
     assert framework.first_difference([1.0, 2.0], [1.0, 2.0]) is None
+
+
+def test_a_mutant_patch_that_no_longer_applies_is_an_error(tmp_path):
+    lab = os.path.join(REPO, "labs", "02_ring")
+    stale = tmp_path / "m99_stale.mutant"
+    stale.write_text("# criterion: reduce_scatter against NumPy\n# stale\n--- solution.py\n"
+                     "    this line is not in solution.py\n+++ mutant\n    pass\n")
+    with pytest.raises(ValueError, match="occurs 0 times in solution.py"):
+        framework.materialize(lab, str(stale))
