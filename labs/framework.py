@@ -151,6 +151,64 @@ def extra_cases(lab_dir: str) -> dict:
         return json.load(f)
 
 
+def trainer_flags(*extra, **change) -> list[str]:
+    """The tiny float64 model the trainer criteria run (3 steps, --verify), with `change`
+    (n_head=4 -> --n-head 4) and `extra` flags: e.g. trainer_flags("--dp", "4", batch_size=12)."""
+    values = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "batch_size": 8, "steps": 3,
+              "dtype": "float64", "sample": 0, **change}
+    flags = [x for k, v in values.items() if v is not None for x in (f"--{k.replace('_', '-')}", str(v))]
+    return [*extra, *flags, "--verify"]
+
+
+def collective_uses(student, dispatcher=()) -> list[str]:
+    """'line N: code' of each MPI collective the student's file references (the scan minipar's
+    own code passes), and of each comm.<name> for a name in `dispatcher` (minipar.comm's own
+    collectives: calling them would grade minipar, not the student)."""
+    import ast                                  # noqa: PLC0415
+
+    from minipar.comm.static_check import mpi_collective_uses  # noqa: PLC0415
+    with open(student.__file__, encoding="utf-8") as f:
+        source = f.read()
+    found = [f"line {line}: {text}" for line, text in mpi_collective_uses(source)]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "comm" \
+                and node.attr in dispatcher:
+            found.append(f"line {node.lineno}: {ast.unparse(node)} (minipar's own collective)")
+    return found
+
+
+def gathered(g, x):
+    """Every rank's x, stacked (p, *x.shape), by MPI's own Allgather: an oracle's inputs (a
+    grader may use MPI's collectives; the student may not). Equal shapes on every rank."""
+    import numpy as np                          # noqa: PLC0415
+    x = np.ascontiguousarray(x)
+    out = np.empty((g.size, *x.shape), dtype=x.dtype)
+    g.comm.Allgather(x, out)
+    return out
+
+
+class Done:
+    """A comm.Handle that finished when it was made: what a lab's seam returns for the
+    non-blocking collectives when the student's functions block."""
+    done = True
+
+    def __init__(self, value):
+        self.value = value
+
+    def test(self):
+        return True
+
+    def wait(self):
+        return self.value
+
+
+def expect(got, want, what: str, rtol: float = 0.0, atol: float = 0.0):
+    """AssertionError naming `what`, the largest difference and the first bad index, unless
+    got equals want within the tolerances."""
+    diff = first_difference(got, want, rtol=rtol, atol=atol)
+    assert diff is None, f"{what}: {diff}"
+
+
 def first_difference(got, want, rtol: float = 1e-12, atol: float = 0.0) -> str | None:
     """None when got equals want within tolerance (shapes and dtypes too), else a line
     naming the largest difference and the first bad index."""

@@ -5,15 +5,13 @@ reduce-scatter and all-gather of the trainer (ZeRO's above all) runs the student
 Oracle: NumPy on every rank's inputs, gathered by MPI's own Allgather (the grader may use
 MPI's collectives; the student may not), in groups of p = 2, 3, 4 and 5 ranks cut from 5.
 """
-import ast
 import os
 
 import numpy as np
 from mpi4py import MPI
 
-from labs.framework import Criterion, extra_cases, first_difference
+from labs.framework import Criterion, Done, collective_uses, expect, extra_cases, gathered, trainer_flags
 from minipar import comm
-from minipar.comm.static_check import mpi_collective_uses
 
 TITLE = "ring reduce-scatter and all-gather on point-to-point messages"
 DTYPES = (np.float64, np.float32, np.int64, np.int32)
@@ -47,29 +45,12 @@ def case_input(p, r, n, dtype, salt=0):
     return rng.standard_normal(n).astype(dtype)
 
 
-def gathered(g, x):
-    """Every rank's x (equal sizes), by MPI's own Allgather: the oracle's inputs."""
-    out = np.empty((g.size, x.size), dtype=x.dtype)
-    g.comm.Allgather(x, out)
-    return out
-
-
-def expect(got, want, what, rtol=0.0, atol=0.0):
-    diff = first_difference(got, want, rtol=rtol, atol=atol)
-    assert diff is None, f"{what}: {diff}"
-
-
 # --- the criteria -------------------------------------------------------------------------
 
 def check_static(student):
     """The student's file calls no MPI collective (the scan minipar's own code passes), nor
     minipar.comm's dispatcher (comm.reduce_scatter would grade minipar, not the student)."""
-    source = open(student.__file__, encoding="utf-8").read()
-    found = [f"line {line}: {text}" for line, text in mpi_collective_uses(source)]
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "comm" \
-                and node.attr in COLLECTIVES:
-            found.append(f"line {node.lineno}: {ast.unparse(node)} (minipar's own collective)")
+    found = collective_uses(student, COLLECTIVES)
     assert not found, "communicates other than by g.begin / sendrecv: " + "; ".join(found[:3])
 
 
@@ -149,18 +130,6 @@ def install(student):
     """The trainer's reduce-scatters and all-gathers, blocking and not, become the student's."""
     calls = [0]
 
-    class Done:                                  # a Handle that finished when it was made
-        done = True
-
-        def __init__(self, value):
-            self.value = value
-
-        def test(self):
-            return True
-
-        def wait(self):
-            return self.value
-
     def reduce_scatter(g, x, op="sum", *, out=None):
         calls[0] += 1
         y = student.reduce_scatter(g, x, op)
@@ -183,8 +152,6 @@ def install(student):
     return lambda: calls[0]
 
 
-TRAINER = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
-           "--steps", "3", "--dtype", "float64", "--sample", "0", "--verify"]
 
 CRITERIA = [
     Criterion("no MPI collective, none of minipar's", check=check_static, timeout=30,
@@ -197,7 +164,7 @@ CRITERIA = [
     Criterion("bytes in the ledger", ranks=5, check=check_ledger, timeout=30,
               hint="send one piece per step, not the whole array; comm.traffic() after a call "
                    "shows what was counted"),
-    Criterion("trainer --dp 4 --zero 2 --verify", ranks=4, trainer=["--dp", "4", "--zero", "2", *TRAINER],
+    Criterion("trainer --dp 4 --zero 2 --verify", ranks=4, trainer=trainer_flags("--dp", "4", "--zero", "2"),
               timeout=90, hint="ZeRO-2 reduce-scatters every gradient unit and all-gathers the "
                                "parameters with your functions; the twin is one process"),
 ]

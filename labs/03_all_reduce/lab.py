@@ -8,14 +8,12 @@ student's two functions.
 Oracle: NumPy on every rank's inputs, gathered by MPI's own Allgather (the grader may use
 MPI's collectives; the student may not), in groups of p = 2, 3, 4 and 5 ranks cut from 5.
 """
-import ast
 
 import numpy as np
 from mpi4py import MPI
 
-from labs.framework import Criterion, first_difference
+from labs.framework import Criterion, Done, collective_uses, expect, first_difference, gathered, trainer_flags
 from minipar import comm
-from minipar.comm.static_check import mpi_collective_uses
 
 TITLE = "all-reduce two ways: the ring and recursive doubling"
 DTYPES = (np.float64, np.float32, np.int64, np.int32)
@@ -47,21 +45,8 @@ def case_input(p, r, shape, dtype, salt=0):
     return rng.standard_normal(shape).astype(dtype)
 
 
-def gathered(g, x):
-    """Every rank's x.ravel() (equal sizes), by MPI's own Allgather: the oracle's inputs."""
-    flat = np.ascontiguousarray(x).ravel()
-    out = np.empty((g.size, flat.size), dtype=flat.dtype)
-    g.comm.Allgather(flat, out)
-    return out
-
-
 def largest_power_of_two(p: int) -> int:
     return 1 << (p.bit_length() - 1)
-
-
-def expect(got, want, what, rtol=0.0, atol=0.0):
-    diff = first_difference(got, want, rtol=rtol, atol=atol)
-    assert diff is None, f"{what}: {diff}"
 
 
 # --- the criteria -------------------------------------------------------------------------
@@ -69,12 +54,7 @@ def expect(got, want, what, rtol=0.0, atol=0.0):
 def check_static(student):
     """The student's file calls no MPI collective (the scan minipar's own code passes), nor
     minipar.comm's dispatcher (comm.all_reduce would grade minipar, not the student)."""
-    source = open(student.__file__, encoding="utf-8").read()
-    found = [f"line {line}: {text}" for line, text in mpi_collective_uses(source)]
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "comm" \
-                and node.attr in COLLECTIVES:
-            found.append(f"line {node.lineno}: {ast.unparse(node)} (minipar's own collective)")
+    found = collective_uses(student, COLLECTIVES)
     assert not found, "communicates other than by g.begin / sendrecv / isend / irecv: " + "; ".join(found[:3])
 
 
@@ -101,7 +81,7 @@ def check_against_numpy(student, name):
             x = case_input(p, r, shape, dtype)
             if transposed:
                 x = x.T
-            keep, inputs = x.copy(), gathered(g, x)
+            keep, inputs = x.copy(), gathered(g, np.ravel(x))
             got = fn(g, x, op)
             want = OPS[op](inputs, axis=0, dtype=dtype).reshape(x.shape)
             # a sum in another order: a few roundings of the largest input apart
@@ -231,20 +211,6 @@ def check_ledger(student):
 
 # --- the seam ------------------------------------------------------------------------------
 
-class Done:
-    """A Handle that finished when it was made (the student's functions block)."""
-    done = True
-
-    def __init__(self, value):
-        self.value = value
-
-    def test(self):
-        return True
-
-    def wait(self):
-        return self.value
-
-
 def install(student):
     """The trainer's all-reduces, blocking and not, become the student's: doubling up to
     comm.ALL_REDUCE_DOUBLING_MAX_BYTES, the ring above. counter() counts both."""
@@ -273,8 +239,6 @@ def install(student):
 # A tiny float64 model whose tied embedding (256 x 32 + the positions' 16 x 32, 68 KiB)
 # closes the last bucket above 64 KiB (the ring), while 0.01 MiB buckets keep every other
 # bucket, the loss and the norm below it (doubling).
-TRAINER = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "12",
-           "--steps", "3", "--dtype", "float64", "--sample", "0", "--bucket-mb", "0.01", "--verify"]
 
 CRITERIA = [
     Criterion("no MPI collective, none of minipar's", check=check_static, timeout=30,
@@ -293,10 +257,10 @@ CRITERIA = [
     Criterion("bytes in the ledger", ranks=5, check=check_ledger, timeout=30,
               hint="send pieces, not the array, in the ring; the whole partial result, once per "
                    "round, in doubling, in x's dtype; comm.traffic() after a call shows what was counted"),
-    Criterion("trainer --dp 4 --verify", ranks=4, trainer=["--dp", "4", *TRAINER], timeout=90,
+    Criterion("trainer --dp 4 --verify", ranks=4, trainer=trainer_flags("--dp", "4", batch_size=12, bucket_mb=0.01), timeout=90,
               hint="every gradient bucket, the loss and the norm go through your two functions "
                    "(the ring above comm.ALL_REDUCE_DOUBLING_MAX_BYTES); the twin is one process"),
-    Criterion("trainer --dp 3 --verify", ranks=3, trainer=["--dp", "3", *TRAINER], timeout=90,
+    Criterion("trainer --dp 3 --verify", ranks=3, trainer=trainer_flags("--dp", "3", batch_size=12, bucket_mb=0.01), timeout=90,
               hint="p = 3 is not a power of two: doubling's fix-up (rank 2 folds into rank 0) "
                    "runs on every small bucket"),
 ]

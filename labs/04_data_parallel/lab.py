@@ -11,7 +11,7 @@ cut from 4 ranks: dp = 2 (ranks 0-1 and 2-3, both halves run) and dp = 4.
 import numpy as np
 from mpi4py import MPI
 
-from labs.framework import Criterion, first_difference
+from labs.framework import Criterion, first_difference, trainer_flags
 from minipar import comm, data, plan, tensor, train
 from minipar.model import GPT, GPTConfig
 from minipar.parallel import data_parallel
@@ -459,8 +459,6 @@ def install(student):
     return lambda: calls[0]
 
 
-TRAINER = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
-           "--steps", "3", "--dtype", "float64", "--sample", "0", "--verify"]
 
 CRITERIA = [
     Criterion("buffers allocated once", check=check_buffers, timeout=30,
@@ -483,10 +481,10 @@ CRITERIA = [
               hint="keep only the parameters with requires_grad True: a frozen one never calls its hook, "
                    "so its bucket would never be ready"),
     Criterion("trainer --dp 4 bucketed --verify", ranks=4,
-              trainer=["--dp", "4", "--dp-mode", "bucketed", "--bucket-mb", "0.05", "--micro-batches", "2",
-                       *TRAINER], timeout=90,
+              trainer=trainer_flags("--dp", "4", "--dp-mode", "bucketed", "--bucket-mb", "0.05",
+                                    "--micro-batches", "2"), timeout=90,
               hint="the real trainer on 4 ranks with your buckets of 0.05 MiB and 2 micro-batches; "
                    "the twin is one process"),
-    Criterion("trainer --dp 2 naive --verify", ranks=2, trainer=["--dp", "2", "--dp-mode", "naive", *TRAINER],
+    Criterion("trainer --dp 2 naive --verify", ranks=2, trainer=trainer_flags("--dp", "2", "--dp-mode", "naive"),
               timeout=90, hint="the real trainer on 2 ranks with your naive all-reduce"),
 ]

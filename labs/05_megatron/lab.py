@@ -13,9 +13,9 @@ of 2 (two of them) and 4 cut from 4 ranks; megatron_count for the number of all-
 import numpy as np
 from mpi4py import MPI
 
-from labs.framework import Criterion, first_difference
+from labs import framework
+from labs.framework import Criterion, collective_uses, gathered, trainer_flags
 from minipar import comm
-from minipar.comm.static_check import mpi_collective_uses
 from minipar.model import GPTConfig
 from minipar.parallel import tensor_parallel as tpar
 from minipar.tensor import Tensor
@@ -42,19 +42,11 @@ def normal(*seed, shape):
     return np.random.default_rng(list(seed)).standard_normal(shape)
 
 
-def gathered(g, x):
-    """Every rank's x, stacked (tp, *x.shape), by MPI's own Allgather: the oracle's inputs."""
-    out = np.empty((g.size, *x.shape), dtype=x.dtype)
-    g.comm.Allgather(np.ascontiguousarray(x), out)
-    return out
-
-
 def expect(got, want, what):
     """got == want to RTOL, entries near zero judged on the tensor's scale (sums reordered)."""
     assert got is not None, f"{what}: None (no gradient reached this tensor)"
     atol = RTOL * float(np.abs(want).max()) if np.size(want) else 0.0
-    diff = first_difference(got, want, rtol=RTOL, atol=atol)
-    assert diff is None, f"{what}: {diff}"
+    framework.expect(got, want, what, rtol=RTOL, atol=atol)
 
 
 def unchanged(a, keep, what):
@@ -65,8 +57,7 @@ def unchanged(a, keep, what):
 
 def check_static(student):
     """The student's file calls no MPI collective (the scan minipar's own code passes)."""
-    source = open(student.__file__, encoding="utf-8").read()
-    found = [f"line {line}: {text}" for line, text in mpi_collective_uses(source)]
+    found = collective_uses(student)
     assert not found, "calls MPI's own collectives: " + "; ".join(found[:3])
 
 
@@ -200,8 +191,6 @@ def install(student):
     return lambda: calls[0]
 
 
-TRAINER = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
-           "--steps", "3", "--dtype", "float64", "--sample", "0", "--verify"]
 
 CRITERIA = [
     Criterion("no MPI collective", check=check_static, timeout=30,
@@ -219,11 +208,11 @@ CRITERIA = [
               hint="2 per layer forward (g) and 2 backward (f), and nothing else in the layers; "
                    "minipar.parallel.tensor_parallel.megatron_count is the formula, "
                    "minipar.parallel.tensor_parallel.traffic what was sent, by kind"),
-    Criterion("trainer --tp 4 --verify", ranks=4, trainer=["--tp", "4", *TRAINER], timeout=60,
+    Criterion("trainer --tp 4 --verify", ranks=4, trainer=trainer_flags("--tp", "4", n_head=4), timeout=60,
               hint="tp 4 for 3 steps against one process: every operation on a parameter belongs "
                    "in __call__, where each step's graph is built; the verify: line names the "
                    "parameter that differs most"),
-    Criterion("trainer --tp 2 --verify", ranks=4, trainer=["--tp", "2", *TRAINER], timeout=60,
+    Criterion("trainer --tp 2 --verify", ranks=4, trainer=trainer_flags("--tp", "2", n_head=4), timeout=60,
               hint="dp 2 x tp 2 for 3 steps against one process: the data-parallel buckets wait "
                    "for every parameter's gradient, so one that never arrives stops the step"),
 ]

@@ -13,9 +13,9 @@ from 4 ranks, and of 3 (ranks 0..2, rank 3 sits out) where tp does not divide V.
 import numpy as np
 from mpi4py import MPI
 
-from labs.framework import Criterion, first_difference
+from labs import framework
+from labs.framework import Criterion, collective_uses, trainer_flags
 from minipar import comm
-from minipar.comm.static_check import mpi_collective_uses
 from minipar.model import GPTConfig
 from minipar.parallel import tensor_parallel as tpar
 from minipar.tensor import Tensor
@@ -72,8 +72,7 @@ def expect(got, want, what):
     assert got is not None, f"{what}: None (no gradient reached this tensor)"
     want = np.asarray(want)
     atol = RTOL * float(np.abs(want).max()) if want.size else 0.0
-    diff = first_difference(got, want, rtol=RTOL, atol=atol)
-    assert diff is None, f"{what}: {diff}"
+    framework.expect(got, want, what, rtol=RTOL, atol=atol)
 
 
 def call(what, fn, *args):
@@ -105,8 +104,7 @@ def same_on_every_rank(g, x, what):
 
 def check_static(student):
     """The student's file calls no MPI collective (the scan minipar's own code passes)."""
-    source = open(student.__file__, encoding="utf-8").read()
-    found = [f"line {line}: {text}" for line, text in mpi_collective_uses(source)]
+    found = collective_uses(student)
     assert not found, "calls MPI's own collectives: " + "; ".join(found[:3])
 
 
@@ -318,8 +316,6 @@ def install(student):
     return lambda: calls[0]
 
 
-TRAINER = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
-           "--steps", "3", "--dtype", "float64", "--sample", "0", "--verify"]
 
 CRITERIA = [
     Criterion("no MPI collective", check=check_static, timeout=30,
@@ -338,10 +334,10 @@ CRITERIA = [
               hint="the embedding 1 (sum, kind 'g') and the cross-entropy 3 (max, sum, sum, kind "
                    "'cross_entropy'), all forward, none backward; "
                    "minipar.parallel.tensor_parallel.traffic shows what you sent, by kind"),
-    Criterion("trainer --tp 4 --verify", ranks=4, trainer=["--tp", "4", *TRAINER], timeout=60,
+    Criterion("trainer --tp 4 --verify", ranks=4, trainer=trainer_flags("--tp", "4", n_head=4), timeout=60,
               hint="tp 4 for 3 steps against one process: read the weight in __call__ each time, "
                    "the optimizer updates it in place after every step; the verify: line names "
                    "the parameter that differs most"),
-    Criterion("trainer --tp 2 --verify", ranks=4, trainer=["--tp", "2", *TRAINER], timeout=60,
+    Criterion("trainer --tp 2 --verify", ranks=4, trainer=trainer_flags("--tp", "2", n_head=4), timeout=60,
               hint="dp 2 x tp 2 for 3 steps against one process: the tp groups are halves of the world"),
 ]

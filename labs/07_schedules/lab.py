@@ -19,7 +19,7 @@ import re
 from numbers import Integral
 
 from labs import framework
-from labs.framework import Criterion, extra_cases
+from labs.framework import Criterion, extra_cases, trainer_flags
 from minipar import draw
 from minipar.parallel import schedules
 from minipar.parallel.schedules import (Backward, Forward, RecvActivation, RecvGrad, ScheduleError, SendActivation,
@@ -231,8 +231,6 @@ def install(student):
     return lambda: calls[0]
 
 
-TRAINER = ["--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8", "--steps", "3",
-           "--dtype", "float64", "--sample", "0", "--verify"]
 
 CRITERIA = [
     Criterion("well-formed lists", check=check_well_formed, timeout=30,
@@ -248,11 +246,11 @@ CRITERIA = [
               hint="idle time comes from a stage waiting longer than it must: compare your chart with "
                    "minipar.draw.ascii_gantt(minipar.parallel.schedules.check(p, m, '1f1b').timeline, p)"),
     Criterion("trainer --pp 4 1f1b --verify", ranks=4, timeout=120,
-              trainer=["--pp", "4", "--micro-batches", "8", "--schedule", "1f1b", "--n-layer", "4", *TRAINER],
+              trainer=trainer_flags("--pp", "4", "--micro-batches", "8", "--schedule", "1f1b", n_layer=4),
               hint="each rank's minipar.parallel.pipeline.PipelineEngine walks your list for its stage; "
                    "--verify compares the run with one process"),
     Criterion("trainer --pp 2 gpipe --verify", ranks=2, timeout=90,
-              trainer=["--pp", "2", "--micro-batches", "4", "--schedule", "gpipe", "--n-layer", "2", *TRAINER],
+              trainer=trainer_flags("--pp", "2", "--micro-batches", "4", "--schedule", "gpipe"),
               hint="each rank's minipar.parallel.pipeline.PipelineEngine walks your list for its stage; "
                    "--verify compares the run with one process"),
 ]

@@ -21,9 +21,8 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from labs.framework import Criterion, extra_cases, first_difference
+from labs.framework import Criterion, collective_uses, extra_cases, first_difference, trainer_flags
 from minipar import checkpoint, comm, data, train
-from minipar.comm.static_check import mpi_collective_uses
 from minipar.model import GPT, GPTConfig
 from minipar.optim import adamw_update
 from minipar.parallel import zero
@@ -326,8 +325,7 @@ def case(stage, sub, M):
 
 def check_static(student):
     """The student's file calls none of MPI's collectives (its collectives are minipar's)."""
-    source = open(student.__file__, encoding="utf-8").read()
-    found = [f"line {line}: {text}" for line, text in mpi_collective_uses(source)]
+    found = collective_uses(student)
     assert not found, "MPI's own collectives: " + "; ".join(found[:3]) + \
         " (use comm.reduce_scatter(g, x) and comm.all_gather(g, piece))"
 
@@ -449,8 +447,8 @@ def check_bytes(student):
             steps(student, flags(2, M), sub, stage, each)
 
 
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "24", "--block-size", "16", "--batch-size", "12",
-        "--micro-batches", "2", "--steps", "3", "--dtype", "float64", "--sample", "0", "--verify"]
+
+TINY = dict(n_embd=24, batch_size=12, micro_batches=2)      # trainer_flags: the float64 model, no padding
 
 CRITERIA = [
     Criterion("no MPI collective", check=check_static, timeout=30,
@@ -467,11 +465,11 @@ CRITERIA = [
     Criterion("stages 1-3 against one process", ranks=4, check=check_twin, timeout=60,
               hint="update the shard first, then all-gather it; in stage 2 add every micro-batch's piece "
                    "into grad_shard (first=True sets it); comm.reduce_scatter hands rank r the piece [lo, hi)"),
-    Criterion("trainer --dp 2 --zero 1 --verify", ranks=2, trainer=["--dp", "2", "--zero", "1", *TINY],
+    Criterion("trainer --dp 2 --zero 1 --verify", ranks=2, trainer=trainer_flags("--dp", "2", "--zero", "1", **TINY),
               timeout=60, hint="the real trainer with your ZeRO-1 on 2 ranks, against one process in float64"),
-    Criterion("trainer --dp 2 --zero 2 --verify", ranks=2, trainer=["--dp", "2", "--zero", "2", *TINY],
+    Criterion("trainer --dp 2 --zero 2 --verify", ranks=2, trainer=trainer_flags("--dp", "2", "--zero", "2", **TINY),
               timeout=60, hint="the real trainer with your ZeRO-2 on 2 ranks, against one process in float64"),
-    Criterion("trainer --dp 2 --zero 3 --verify", ranks=2, trainer=["--dp", "2", "--zero", "3", *TINY],
+    Criterion("trainer --dp 2 --zero 3 --verify", ranks=2, trainer=trainer_flags("--dp", "2", "--zero", "3", **TINY),
               timeout=60, hint="stage 3 gathers each block before its forward and again before its "
                                "backward (parallel.zero.Regather), and releases it after each"),
 ]

@@ -18,9 +18,8 @@ import json
 import numpy as np
 from mpi4py import MPI
 
-from labs.framework import Criterion, first_difference
+from labs.framework import Criterion, collective_uses, first_difference
 from minipar import comm, precision, train
-from minipar.comm.static_check import mpi_collective_uses
 
 TITLE = "the dynamic loss scaler and the all-rank skip"
 SEAM = {"calls": 0, "inside": False, "flags": [], "scalers": [], "group": None}
@@ -69,9 +68,7 @@ def expect_trajectory(scaler, pattern, want, what):
 
 def check_static(student):
     """The student's file references no MPI collective (the scan minipar's own code passes)."""
-    with open(student.__file__, encoding="utf-8") as f:
-        source = f.read()
-    found = [f"line {line}: {text}" for line, text in mpi_collective_uses(source)]
+    found = collective_uses(student)
     assert not found, "uses MPI's own collectives: " + "; ".join(found[:3])
 
 
