@@ -308,7 +308,10 @@ class Zero:
             return
         u.pending -= 1
         if u.pending == 0:
-            u.handle = comm.reduce_scatter_async(self.group, u.flat_grad if self.stage >= 2 else u.grad_flat)
+            if self.stage == 1:                  # the shard lands in its own place in grad_flat: no new array
+                u.handle = comm.reduce_scatter_async(self.group, u.grad_flat, out=u.grad_flat[u.lo:u.hi])
+            else:
+                u.handle = comm.reduce_scatter_async(self.group, u.flat_grad)
             if self.stage == 3:
                 self.release(u, after_backward=True)
         for other in self.units:                 # push every reduce-scatter in flight along
@@ -322,7 +325,7 @@ class Zero:
                 continue
             piece = u.handle.wait()                                      # (shard,)
             if self.stage == 1:
-                u.grad_shard = piece
+                u.grad_shard = piece                                     # a view of grad_flat
             elif u.received == 0:
                 u.grad_shard[...] = piece
             else:

@@ -132,6 +132,13 @@ def test_memory_and_bytes_equal_the_formulas(stage, dp, m):
               3: (s * P_pad // N, s * P_pad // N, 16 * P_pad // N)}[stage]
     assert (f["params"], f["grads"], f["optimizer"]) == expect
     assert z.P == GPT(CFG).num_params() and P_pad == sum(zero.padded(u.n, N) for u in z.units)
+    held = {}                     # every array the units keep between steps, counted once per buffer
+    for u in z.units:
+        for a in vars(u).values():
+            if isinstance(a, np.ndarray):
+                base = a if a.base is None else a.base
+                held[id(base)] = base.nbytes
+    assert sum(held.values()) == mem["params"] + mem["grads"] + mem["optimizer"], (held, mem)
     calls = {1: 2, 2: m + 1, 3: 3 * m}[stage]
     for row in out["rows"]:
         if N > 1:
