@@ -1,8 +1,8 @@
 """Lab 08 answered by minipar's own code (python -m labs.grade 08 --solution): the per-unit
 lines of minipar/parallel/zero.py behind the lab's signatures (Unit.__init__'s layout,
-Zero._on_grad_ready and Zero._drain, Zero.step, Zero.gather and Zero.release). One change:
-stage 1 drops its gradient shard after the update, as the memory criterion asks (Zero keeps
-the reduce-scatter's piece until the next step, beside the full buffer)."""
+Zero._on_grad_ready and Zero._drain, Zero.step, Zero.gather and Zero.release). Stage 1 drops
+its gradient shard after the update, as the memory criterion asks (Zero itself receives the
+shard into its place in grad_flat, so it holds no more than the full buffer either)."""
 import numpy as np
 
 from minipar import comm
