@@ -14,14 +14,24 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[mpich,test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[mpich,test,plot]'
 	touch $@
 
 # On 4 ranks: 2 data-parallel replicas with ZeRO-1, each a 2-stage 1F1B pipeline, on the
-# built-in corpus. NP=1: one process; RUN_FLAGS="..." for any other layout.
+# built-in corpus. NP=1: one process; RUN_FLAGS="..." for any other layout. The log, the
+# trace and the plots go to one directory, runs/<date-time>/ (RUN_DIR=... to choose).
 RUN_FLAGS ?= $(if $(filter 4,$(NP)),--dp 2 --pp 2 --zero 1 --micro-batches 4,)
+ifndef RUN_DIR
+RUN_DIR := runs/$(shell date +%Y%m%d-%H%M%S)
+endif
 run: install
-	$(MPIRUN) -n $(NP) $(PY) -m minipar.train $(RUN_FLAGS)
+	@mkdir -p $(RUN_DIR)
+	$(MPIRUN) -n $(NP) $(PY) -m minipar.train $(RUN_FLAGS) --eval-every 50 \
+		--log $(RUN_DIR)/log.jsonl --trace $(RUN_DIR)/trace.json
+	@$(PY) -m minipar.plot $(RUN_DIR)/log.jsonl --trace $(RUN_DIR)/trace.json --out $(RUN_DIR) \
+		|| echo "(no plots: see the line above)"
+	@echo "run directory: $(RUN_DIR)/  log.jsonl (a row per step, then the summary), trace.json" \
+		"(open in https://ui.perfetto.dev), *.png and *.svg (the plots)"
 
 test: test-serial labs-check test-mpi
 

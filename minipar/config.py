@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one JSON object per step, then a summary object")
     io.add_argument("--timeline", metavar="FILE.svg",
                     help="with --pp: draw the last step's pipeline timeline")
+    io.add_argument("--trace", metavar="FILE.json",
+                    help="every rank's spans and messages, for Perfetto or chrome://tracing "
+                         "(docs/pictures.md)")
+    io.add_argument("--eval-every", type=int, default=0, metavar="N",
+                    help="also measure the validation loss every N steps (log rows' val_loss) "
+                         "[0: at the end only]")
     io.add_argument("--log-every", type=int, default=0, metavar="N",
                     help="progress line every N steps (0: about 20 lines per run)")
     io.add_argument("--sample", type=int, default=200, metavar="N",
@@ -154,7 +160,7 @@ def validate(args, cfg: GPTConfig):
     if args.lr <= 0:
         raise ConfigError(f"--lr must be > 0, got {args.lr}")
     for flag in ("min_lr", "grad_clip", "warmup", "save_every", "weight_decay", "seed", "log_every",
-                 "sample"):
+                 "sample", "eval_every"):
         if getattr(args, flag) < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.precision != "fp32" and args.dtype != "float32":

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from minipar import ops
+from minipar import ops, trace
 from minipar.interfaces import Model
 from minipar.tensor import Tensor, no_grad
 
@@ -130,13 +130,14 @@ class GPT(Model):
     def __call__(self, idx, targets=None, loss_denom=None):
         """Logits (B, t, V) without targets; with targets, the scalar loss: the sum of
         per-position cross-entropies divided by loss_denom (default: B*t, the mean)."""
-        x = self.embed(idx)
+        with trace.layer("embed"):                                      # --trace: a span each
+            x = self.embed(idx)
         for i in range(self.cfg.n_layer):
-            x = self.block(i, x)
-        logits = self.head(x)
-        if targets is None:
-            return logits
-        return ops.cross_entropy(logits, targets, loss_denom)
+            with trace.layer(f"h.{i}"):
+                x = self.block(i, x)
+        with trace.layer("head"):
+            logits = self.head(x)
+            return logits if targets is None else ops.cross_entropy(logits, targets, loss_denom)
 
     forward = __call__
 

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from minipar import data, draw, plan, precision
+from minipar import comm, data, draw, plan, precision
 from minipar.optim import AdamW
 from minipar.parallel import data_parallel, pipeline, schedules, tensor_parallel, zero
 from minipar.perf import human_bytes
@@ -41,6 +41,23 @@ def memory_report(model, opt: AdamW) -> dict:
         "optimizer": opt.state_bytes(),
         "formula": zero.formula(0, P, P, 1, itemsize, K),      # the table's zero-0 row
     }
+
+
+_MEMORY_FIELDS = ("params", "grads", "optimizer")
+
+
+def memory_per_rank(world, mem: dict) -> list[dict] | None:
+    """Every rank's memory_report, on rank 0 (a gather over the world: 6 numbers a rank);
+    None on the other ranks. Each: {"rank", "params", "grads", "optimizer" (bytes held),
+    "formula": {the same three by formula}} (docs/design.md §8)."""
+    f = mem["formula"]
+    mine = np.array([mem[k] for k in _MEMORY_FIELDS] + [f[k] for k in _MEMORY_FIELDS], np.float64)
+    rows = comm.gather(world, mine, 0) if world.size > 1 else mine
+    if rows is None:
+        return None
+    rows = rows.reshape(world.size, 2 * len(_MEMORY_FIELDS)).astype(np.int64)
+    return [{"rank": r, **dict(zip(_MEMORY_FIELDS, map(int, row[:3]))),
+             "formula": dict(zip(_MEMORY_FIELDS, map(int, row[3:])))} for r, row in enumerate(rows)]
 
 
 def n_buckets(s) -> int:
@@ -164,6 +181,7 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
     steps_run = len(rows_log)
     mixed = a.precision != "fp32"
     mem = memory_report(model, opt)
+    per_rank = memory_per_rank(g.world, mem)                 # collective over the world
     P_bytes = sum(p.data.nbytes for p in model.parameters())
     grad_sync = float(np.mean([r["grad_sync_bytes"] for r in rows_log]))
     theory = 2 * (dp - 1) / dp * P_bytes
@@ -174,7 +192,7 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
                "unigram_entropy": data.unigram_entropy(s.spec.tokens),
                "tokens_per_s": B * T * steps_run / elapsed,
                "mfu": s.flops_step * steps_run / elapsed / s.peak,
-               "peak_flops": s.peak, "seconds": elapsed, "memory": mem,
+               "peak_flops": s.peak, "seconds": elapsed, "memory": mem, "memory_per_rank": per_rank,
                "layout": {"dp": dp, "tp": g.tp_size, "pp": pp, "zero": a.zero},
                "data_parallel": {"mode": f"zero{a.zero}" if a.zero else
                                  a.dp_mode if s.has_dp else None,

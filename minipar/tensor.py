@@ -31,6 +31,8 @@ import itertools
 
 import numpy as np
 
+from minipar import trace as _trace
+
 _grad_enabled = True
 _node_seq = itertools.count()     # numbers graph nodes in order of creation
 
@@ -48,6 +50,12 @@ def no_grad():
 
 def is_grad_enabled() -> bool:
     return _grad_enabled
+
+
+def next_seq() -> int:
+    """A fresh creation number: nodes made after this call have larger ones (trace.layer
+    brackets a layer's nodes with two of them)."""
+    return next(_node_seq)
 
 
 class Tensor:
@@ -186,9 +194,12 @@ def backward(root: Tensor, grad: np.ndarray, retain_graph: bool = False):
         return
     order, pending = _graph(root)
     grads = {id(root): grad}
+    label = _trace.RECORDER.backward_labeler() if _trace.RECORDER is not None else None
     for t in reversed(order):
         g = grads.pop(id(t), None)
         ctx = t._ctx
+        if label is not None:                   # --trace: a span per layer (trace.layer)
+            label(ctx.seq)
         if g is None:                           # nothing flowed here (e.g. unused output)
             g = np.zeros_like(t.data)
         in_grads = ctx.backward(g)
@@ -213,6 +224,8 @@ def backward(root: Tensor, grad: np.ndarray, retain_graph: bool = False):
         if not retain_graph:
             ctx.saved = ()
             t._ctx = None
+    if label is not None:
+        label(None)
 
 
 def _finish_leaf(leaf: Tensor, g):

@@ -30,7 +30,7 @@ from typing import IO
 
 import numpy as np
 
-from minipar import checkpoint, comm, data, precision, report, verify
+from minipar import checkpoint, comm, data, precision, report, trace, verify
 from minipar.config import ConfigError, RunSpec, agree_on_errors, build_parser, prepare
 from minipar.interfaces import GradSync, Model
 from minipar.model import GPT, train_flops_per_token
@@ -162,10 +162,13 @@ def train_step(s: Session, step: int) -> dict:
         loss_local = 0.0
         for k, (x, y) in enumerate(batches):
             sync.sync_now(k == M - 1)                    # only the last micro-batch talks
-            loss = model(x, y, loss_denom=B * T)
-            loss.backward(precision.backward_seed(scale))   # None (i.e. 1) unless scaling
+            with trace.span(f"forward mb {k}", "microbatch", kind="F", mb=k, stage=0):
+                loss = model(x, y, loss_denom=B * T)
+            with trace.span(f"backward mb {k}", "microbatch", kind="B", mb=k, stage=0):
+                loss.backward(precision.backward_seed(scale))   # None (i.e. 1) unless scaling
             loss_local += loss.item()
-        sync.finish()
+        with trace.span("wait for gradient sync", "wait"):
+            sync.finish()
     # the gradient sync's (and pipeline's) bytes end here
     synced = sent_by_axis()
     loss_sum = (loss_local if s.dp_group is None
@@ -179,7 +182,8 @@ def train_step(s: Session, step: int) -> dict:
             flag = np.array([skipped], dtype=np.int64)
             skipped = bool(comm.all_reduce(s.world_group, flag, op="max")[0])
     if not skipped:                                     # clip (and unscale) inside AdamW's passes:
-        opt.step(grad_scale=clip_coef(norm, args.grad_clip) / scale)   # the grads stay as they are
+        with trace.span("optimizer step", "optimizer"):  # the grads stay as they are
+            opt.step(grad_scale=clip_coef(norm, args.grad_clip) / scale)
     if scaler is not None:
         scaler.update(skipped)                          # a skipped step: nothing in opt has changed
     dt = time.perf_counter() - t0
@@ -191,6 +195,7 @@ def train_step(s: Session, step: int) -> dict:
             "grad_sync_bytes": sync_sent.get("dp", 0) + sync_sent.get("zero", 0),
             "pp_bytes": sync_sent.get("pp", 0),
             "tp_bytes": step_sent.get("tp", 0), "zero_bytes": step_sent.get("zero", 0),
+            "bytes_by_axis": {str(axis): n for axis, n in step_sent.items() if n},
             "exposed_comm_s": sync.exposed_seconds, "step_time": dt, "loss_scale": scale,
             "skipped": skipped}
 
@@ -198,7 +203,7 @@ def train_step(s: Session, step: int) -> dict:
 def train_steps(s: Session, start: int, stop: int):
     """Steps start..stop-1, one log row per yield."""
     for step in range(start, stop):
-        with quiet_overflow(s.args.precision != "fp32"):
+        with quiet_overflow(s.args.precision != "fp32"), trace.span(f"step {step}", "step", step=step):
             row = train_step(s, step)
         yield row                                       # outside the errstate: the caller runs here
 
@@ -220,11 +225,11 @@ def sent_by_axis() -> dict:
 # --- a run ------------------------------------------------------------------------------------
 
 def open_rank0_outputs(args):
-    """The files only rank 0 writes, opened (--log) or checked (--timeline) before the ranks
+    """The files only rank 0 writes, opened (--log) or checked (--timeline, --trace) before the ranks
     agree on the configuration: a path rank 0 cannot write then stops every rank at once with
     exit code 2, where a failure later, on rank 0 alone, would leave the others waiting.
     --dry-run checks --log the same way without creating it. -> the open --log file, or None."""
-    for flag, path in (("--timeline", args.timeline), ("--log", args.log)):
+    for flag, path in (("--timeline", args.timeline), ("--trace", args.trace), ("--log", args.log)):
         if not path or (flag == "--log" and not args.dry_run):
             continue
         parent = os.path.dirname(os.path.abspath(path))
@@ -273,6 +278,8 @@ def set_up(args) -> Session:
     elif grid.dp_size > 1:
         sync = data_parallel.make(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb)
     B, T, dp, r = args.batch_size, spec.cfg.block_size, grid.dp_size, grid.dp_rank
+    if args.trace and not args.dry_run:         # after the clocks' ping-pong with rank 0
+        trace.start(grid.world, trace.process_name(grid))
     return Session(args, model, opt, data.Sampler(spec.tokens, T, B, args.seed), sync=sync,
                    rows=(r * B // dp, (r + 1) * B // dp),
                    dp_group=grid.dp_group if dp > 1 else None,
@@ -294,20 +301,24 @@ def train_loop(s: Session) -> list[dict]:
     for row in train_steps(s, start, a.steps):
         step = row["step"]
         row["mfu"] = s.flops_step / row["step_time"] / s.peak
+        row["tokens"] = (step + 1) * a.batch_size * s.cfg.block_size
+        if a.eval_every and (step + 1) % a.eval_every == 0 and step + 1 < a.steps:
+            row["val_loss"] = validation_loss(s)         # collective with --pp
         rows_log.append(row)
         if s.logf:
             s.logf.write(json.dumps(report.json_safe(row)) + "\n")
         if (step - start) % log_every == 0 or step == a.steps - 1 or row["skipped"]:
             s.say(report.progress_line(s, row))
         if a.save and a.save_every and (step + 1) % a.save_every == 0 and step + 1 < a.steps:
-            checkpoint.save_run(a.save, s, step + 1)
+            with trace.span("save checkpoint", "checkpoint", step=step + 1):
+                checkpoint.save_run(a.save, s, step + 1)
     return rows_log
 
 
 def validation_loss(s: Session) -> float:
     """The mean loss of 4 batches of the held-out split (collective with --pp: every stage)."""
     val = data.Sampler(s.spec.tokens, s.cfg.block_size, s.args.batch_size, s.args.seed, split="val")
-    with no_grad():
+    with no_grad(), trace.span("validation", "eval"):
         return float(np.mean([s.model.evaluate(*val.batch(i)) for i in range(4)]))
 
 
@@ -350,7 +361,8 @@ def run(args) -> dict:
     digest = (data_parallel.check_replicas(s.model.parameters(), s.grid.dp_group)
               if replicated else None)
     if args.save:
-        checkpoint.save_run(args.save, s, args.steps)
+        with trace.span("save checkpoint", "checkpoint", step=args.steps):
+            checkpoint.save_run(args.save, s, args.steps)
     val_loss = validation_loss(s)
     stages = s.pipe.gather_stats() if s.pipe is not None else None   # collective over pp
     summary, lines = report.summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger)
@@ -360,11 +372,23 @@ def run(args) -> dict:
         report.draw_timeline(s, summary)
     if args.verify:
         verify.verify(s, rows_log, summary)
+    if args.trace:                                  # collective: every rank's events to rank 0
+        written = trace.finish(s.grid.world, args.trace, trace_metadata(s))
+        if written:
+            s.say(f"trace: {written} (open it in https://ui.perfetto.dev or chrome://tracing)")
     if s.logf:
         s.logf.write(json.dumps(summary) + "\n")
         s.logf.close()
     sample(s)
     return summary
+
+
+def trace_metadata(s: Session) -> dict:
+    """What a reader of the trace needs to check it: the layout, the schedule, the command."""
+    a, g = s.args, s.grid
+    return {"layout": {"dp": g.dp_size, "tp": g.tp_size, "pp": g.pp_size, "zero": a.zero},
+            "schedule": a.schedule if g.pp_size > 1 else None, "micro_batches": a.micro_batches,
+            "steps": [s.spec.start, a.steps], "argv": sys.argv[1:]}
 
 
 def end_job(code: int):

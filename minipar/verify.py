@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from minipar import data
+from minipar import data, trace
 from minipar.checkpoint import canonical_state
 
 # The relative tolerances (compare()). float64 and float32: losses and every parameter
@@ -127,6 +127,7 @@ def verify(s, rows_log, summary: dict):
     if s.grid.rank != 0:
         return
     s.say(f"verify: re-running steps {s.spec.start}..{s.args.steps - 1} on one process ...")
-    ref_losses, ref_norms, ref_state = run_twin(s.spec, s.args, s.spec.start, s.args.steps)
+    with trace.span("verify twin", "verify"), trace.paused():     # --trace: one span
+        ref_losses, ref_norms, ref_state = run_twin(s.spec, s.args, s.spec.start, s.args.steps)
     summary["verify"], line = verdict(s, rows_log, ref_losses, ref_norms, state, ref_state)
     s.say(line)

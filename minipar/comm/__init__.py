@@ -43,7 +43,7 @@ tests run each of them).
 from . import direct, doubling, ring, straight_line, tree
 from .group import (CollectiveMismatch, CommError, CommTimeout, Group, Handle, abort_on_error,
                     abort_world, array, recv, recv_async, reset_traffic, run, send, send_async,
-                    traffic, traffic_by_axis)
+                    traffic, traffic_by_axis, untracked)
 from .tree import broadcast, gather, reduce, scatter
 
 # Measured crossovers (bytes of x, or of the result for all_gather): up to and including
@@ -62,7 +62,7 @@ __all__ = [
     "Group", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "scatter",
     "gather", "send", "recv", "send_async", "recv_async", "traffic", "traffic_by_axis",
     "reset_traffic", "all_reduce_async", "reduce_scatter_async", "all_gather_async", "Handle",
-    "CommError", "CommTimeout", "CollectiveMismatch", "abort_on_error", "abort_world",
+    "CommError", "CommTimeout", "CollectiveMismatch", "abort_on_error", "abort_world", "untracked",
 ]
 
 

@@ -82,7 +82,7 @@ def start_all_reduce(g, x, op, out=None):
     f = reduce_op(op)
     x = array(x)
     res = result(out, x.shape, x.dtype, "all_reduce")   # out may be x: piece r is written
-    c = g.begin("all_reduce", 2, describe(x, op=op) if g.debug else None)
+    c = g.begin("all_reduce", 2, describe(x, op=op) if g.debug else None, "direct exchange")
     return c, _all_reduce(c, x.ravel(), f, res)         # only after every send completed
 
 
@@ -109,7 +109,7 @@ def start_all_gather(g, x, sizes, out=None):
     x = array(x)
     off = gather_layout(g, x.size, sizes)
     res = result(out, (off[-1],), x.dtype, "all_gather")
-    c = g.begin("all_gather", 1, describe_gather(x, sizes) if g.debug else None)
+    c = g.begin("all_gather", 1, describe_gather(x, sizes) if g.debug else None, "direct exchange")
     return c, _all_gather_into(c, x.ravel(), off, res)
 
 

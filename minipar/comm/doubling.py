@@ -72,7 +72,8 @@ def start_all_reduce(g, x, op, out=None):
     f = reduce_op(op)
     x = array(x)
     res = result(out, x.shape, x.dtype, "all_reduce")
-    c = g.begin("all_reduce", all_reduce_steps(g.size), describe(x, op=op) if g.debug else None)
+    c = g.begin("all_reduce", all_reduce_steps(g.size), describe(x, op=op) if g.debug else None,
+                "recursive doubling")
     return c, _all_reduce(c, x.ravel(), f, res)
 
 
@@ -95,7 +96,7 @@ def start_reduce_scatter(g, x, op, out=None):
     off = split_offsets(x.size, g.size)
     res = result(out, (off[g.rank + 1] - off[g.rank],), x.dtype, "reduce_scatter")
     c = g.begin("reduce_scatter", all_reduce_steps(g.size),
-                describe(x, op=op) if g.debug else None)
+                describe(x, op=op) if g.debug else None, "recursive doubling")
     return c, _reduce_scatter(c, x.ravel(), f, res)
 
 
@@ -141,7 +142,7 @@ def start_all_gather(g, x, sizes, out=None):
     off = gather_layout(g, x.size, sizes)
     res = result(out, (off[-1],), x.dtype, "all_gather")
     c = g.begin("all_gather", (g.size - 1).bit_length(),
-                describe_gather(x, sizes) if g.debug else None)
+                describe_gather(x, sizes) if g.debug else None, "Bruck")
     return c, _all_gather(c, x.ravel(), off, res)
 
 

@@ -44,6 +44,8 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
+from minipar import trace as _trace
+
 BYTE = MPI.BYTE
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
@@ -100,6 +102,21 @@ def reset_traffic():
     """Clear the ledger: by operation and by axis."""
     _LEDGER.clear()
     _AXES.clear()
+
+
+class untracked:
+    """with comm.untracked(): ... -> messages sent inside are left out of the ledger (and
+    of a --trace): the trace's own clock ping-pong and gathering (minipar/trace.py)."""
+
+    def __enter__(self):
+        self.saved = ({k: list(v) for k, v in _LEDGER.items()}, {k: list(v) for k, v in _AXES.items()})
+        self.rec, _trace.RECORDER = _trace.RECORDER, None
+
+    def __exit__(self, *exc):
+        for ledger, saved in zip((_LEDGER, _AXES), self.saved):
+            ledger.clear()
+            ledger.update(saved)
+        _trace.RECORDER = self.rec
 
 
 def _account(name, axis, sent, recvd, seconds):
@@ -209,15 +226,16 @@ class Group:
         axis = "" if self.axis is None else f"axis={self.axis!r}, "
         return f"Group({axis}rank={self.rank}, size={self.size}, world_ranks={self.world_ranks})"
 
-    def begin(self, name, nsteps, describe=None):
+    def begin(self, name, nsteps, describe=None, algorithm=None):
         """Start collective call `name`: a fresh Call, after the debug agreement if enabled.
 
         describe: a string of everything the ranks must agree on (dtype, shape, op, root...).
+        algorithm: its name in a --trace ("ring", "recursive doubling", ...).
         """
         self.calls += 1
         if self.debug and self.size > 1:
             _agree(self, f"{name}({describe or ''})")
-        return Call(self, name, nsteps, self.calls % _TAG_CYCLE)
+        return Call(self, name, nsteps, self.calls % _TAG_CYCLE, algorithm)
 
     def scratch(self, slot, shape, dtype):
         """Buffer `slot` (0 or 1) viewed as an array of `shape` and `dtype`, reused from call to
@@ -281,19 +299,24 @@ class Call:
 
     The posting methods are on every message's critical path, so they are kept lean; what a
     timeout message needs (the step, and the peer and size of each message of the step) is
-    just remembered in `posted`, in the order the requests are posted.
+    just remembered in `posted`, in the order the requests are posted. With --trace (rec is
+    the Recorder) every message is also kept in `log`, and done() hands the call over.
     """
 
     __slots__ = ("g", "name", "axis", "tag", "nsteps", "step", "sent", "recvd", "t0", "comm",
-                 "trace", "posted", "blocking")
+                 "trace", "posted", "blocking", "algorithm", "rec", "log", "asynchronous")
 
-    def __init__(self, g, name, nsteps, tag):
+    def __init__(self, g, name, nsteps, tag, algorithm=None):
         self.g, self.name, self.nsteps, self.tag = g, name, nsteps, tag
         self.axis = g.axis              # the ledger's axis: the group the call was started on
         self.comm, self.trace = g.comm, g.trace
         self.step = self.sent = self.recvd = 0
         self.posted = []
         self.blocking = False           # set by run(): may receive into the group's scratch
+        self.algorithm = algorithm
+        self.rec = _trace.RECORDER      # None unless --trace
+        self.log = []                   # with rec: (step, "send"/"recv", peer, bytes[, first, last])
+        self.asynchronous = False       # set by Handle: runs in the background
         self.t0 = time.perf_counter()
 
     def buffer(self, slot, shape, dtype):
@@ -316,6 +339,8 @@ class Call:
         self.posted.append(("send to", dst, n))
         if self.trace:
             self.print_send(step, dst, n)
+        if self.rec is not None:
+            self.note(step, "send", dst, buf)
         return [self.comm.Isend([buf, BYTE], dst, self.tag)]
 
     def irecv(self, step, buf, src):
@@ -326,6 +351,8 @@ class Call:
             return []
         self.recvd += n
         self.posted.append(("receive from", src, n))
+        if self.rec is not None:
+            self.note(step, "recv", src, buf)
         return [self.comm.Irecv([buf, BYTE], src, self.tag)]
 
     def sendrecv(self, step, sendbuf, dst, recvbuf, src):
@@ -338,9 +365,20 @@ class Call:
             self.recvd += nr
             if self.trace:
                 self.print_send(step, dst, ns)
+            if self.rec is not None:
+                self.note(step, "send", dst, sendbuf)
+                self.note(step, "recv", src, recvbuf)
             return [self.comm.Isend([sendbuf, BYTE], dst, self.tag),
                     self.comm.Irecv([recvbuf, BYTE], src, self.tag)]
         return self.isend(step, sendbuf, dst) + self.irecv(step, recvbuf, src)
+
+    def note(self, step, kind, peer, buf):
+        """--trace: remember the message; with the recorder's peek (minipar.explain), a sent
+        float64 buffer's first and last values too, which name the piece it carries."""
+        entry = (step, kind, peer, buf.nbytes)
+        if self.rec.peek and kind == "send" and buf.dtype == np.float64:
+            entry += (float(buf[0]), float(buf[-1]))
+        self.log.append(entry)
 
     def print_send(self, step, dst, nbytes):
         w = self.g.world_ranks
@@ -384,7 +422,10 @@ class Call:
             f"{self.g.timeout:g}); is that rank in a different call, or dead?")
 
     def done(self):
-        _account(self.name, self.axis, self.sent, self.recvd, time.perf_counter() - self.t0)
+        end = time.perf_counter()
+        _account(self.name, self.axis, self.sent, self.recvd, end - self.t0)
+        if self.rec is not None:
+            self.rec.call(self, end)
 
 
 def run(call, steps):
@@ -415,6 +456,7 @@ class Handle:
     __slots__ = ("_call", "_steps", "_reqs", "_done", "_result", "_last")
 
     def __init__(self, call, steps):
+        call.asynchronous = True
         self._call, self._steps = call, steps
         self._done, self._result = False, None
         self._reqs = []
@@ -467,7 +509,7 @@ def _agree(g, what):
     p, r = g.size, g.rank
     table = np.empty((p, _DESC_BYTES), np.uint8)
     table[r] = mine
-    call = Call(g, "debug_check", p - 1, TAG_DEBUG)
+    call = Call(g, "debug_check", p - 1, TAG_DEBUG, "ring")
     right, left = (r + 1) % p, (r - 1) % p
     for s in range(p - 1):                      # ring all-gather: pass along what came in
         reqs = call.sendrecv(s + 1, table[(r - s) % p], right, table[(r - s - 1) % p], left)
@@ -567,7 +609,7 @@ def encode_header(x):
 
 
 def decode_header(header):
-    token, dims = bytes(header).rstrip(b"\0").decode().split("|")
+    token, dims = bytes(header).rstrip(b"\0").decode().rsplit("|", 1)    # uint8 is "|u1"
     shape = tuple(int(d) for d in dims.split(",")) if dims else ()
     return _token_dtype(token), shape
 
@@ -579,7 +621,7 @@ def send(g, x, dst):
         raise ValueError(f"rank {g.rank} cannot send to itself")
     x = np.asarray(x)
     header, payload = encode_header(x), flat(x)
-    call = Call(g, "send", 2, TAG_P2P)
+    call = Call(g, "send", 2, TAG_P2P, "point-to-point")
     call.wait(call.isend(1, header, dst) + call.isend(2, payload, dst))
     call.done()
 
@@ -590,7 +632,7 @@ def recv(g, src):
     if src == g.rank:
         raise ValueError(f"rank {g.rank} cannot receive from itself")
     _check_not_receiving(g, src)
-    call = Call(g, "recv", 2, TAG_P2P)
+    call = Call(g, "recv", 2, TAG_P2P, "point-to-point")
     header = np.empty(HEADER_BYTES, np.uint8)
     call.wait(call.irecv(1, header, src))
     dtype, shape = decode_header(header)
@@ -655,5 +697,5 @@ def recv_async(g, src):
 
 
 def _p2p_handle(g, name, steps):
-    call = Call(g, name, 2, TAG_P2P)
+    call = Call(g, name, 2, TAG_P2P, "point-to-point")
     return Handle(call, steps(call))

@@ -121,7 +121,7 @@ def start_all_reduce(g, x, op, out=None):
     f = reduce_op(op)
     x = array(x)
     res = result(out, x.shape, x.dtype, "all_reduce")
-    c = g.begin("all_reduce", 2 * (g.size - 1), describe(x, op=op) if g.debug else None)
+    c = g.begin("all_reduce", 2 * (g.size - 1), describe(x, op=op) if g.debug else None, "ring")
     return c, _all_reduce(c, x.ravel(), f, res)
 
 
@@ -137,7 +137,7 @@ def begin_reduce_scatter(g, x, op, out, nsteps):
     x = array(x)
     off = split_offsets(x.size, g.size)
     res = result(out, (off[g.rank + 1] - off[g.rank],), x.dtype, "reduce_scatter")
-    c = g.begin("reduce_scatter", nsteps, describe(x, op=op) if g.debug else None)
+    c = g.begin("reduce_scatter", nsteps, describe(x, op=op) if g.debug else None, "ring")
     return c, f, x.ravel(), res, off
 
 
@@ -160,7 +160,7 @@ def start_all_gather(g, x, sizes, out=None):
     x = array(x)
     off = gather_layout(g, x.size, sizes)
     res = result(out, (off[-1],), x.dtype, "all_gather")
-    c = g.begin("all_gather", g.size - 1, describe_gather(x, sizes) if g.debug else None)
+    c = g.begin("all_gather", g.size - 1, describe_gather(x, sizes) if g.debug else None, "ring")
     return c, _all_gather_into(c, x.ravel(), off, res)
 
 

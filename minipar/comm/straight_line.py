@@ -45,7 +45,8 @@ def all_reduce_into(g, x, op, out):
     f = reduce_op(op)
     res = result(out, x.shape, x.dtype, "all_reduce")
     p, r = g.size, g.rank
-    c = g.begin("all_reduce", all_reduce_steps(p), describe(x, op=op) if g.debug else None)
+    c = g.begin("all_reduce", all_reduce_steps(p), describe(x, op=op) if g.debug else None,
+                "recursive doubling")
     xf = x.ravel()
     flat = res if res.ndim == 1 else res.reshape(-1)
     if p == 1 or xf.size == 0:
@@ -89,7 +90,7 @@ def reduce_scatter_into(g, x, op, out):
     xf = x.ravel()
     off = split_offsets(xf.size, p)
     res = result(out, (off[r + 1] - off[r],), x.dtype, "reduce_scatter")
-    c = g.begin("reduce_scatter", 1, describe(x, op=op) if g.debug else None)
+    c = g.begin("reduce_scatter", 1, describe(x, op=op) if g.debug else None, "direct exchange")
     _reduce_scatter(c, xf, off, res, f, 1)
     c.done()
     return res
@@ -101,7 +102,7 @@ def all_reduce_direct_into(g, x, op, out):
     f = reduce_op(op)
     res = result(out, x.shape, x.dtype, "all_reduce")      # out may be x: piece r is written
     p, r = g.size, g.rank                                   # only after every send completed
-    c = g.begin("all_reduce", 2, describe(x, op=op) if g.debug else None)
+    c = g.begin("all_reduce", 2, describe(x, op=op) if g.debug else None, "direct exchange")
     xf, flat = x.ravel(), res.reshape(-1)
     if p == 1 or xf.size == 0:
         flat[...] = xf
@@ -157,7 +158,7 @@ def all_gather_into(g, x, sizes, out, bruck=False):
     res = result(out, (off[-1],), x.dtype, "all_gather")
     p = g.size
     c = g.begin("all_gather", (p - 1).bit_length() if bruck else 1,
-                describe_gather(x, sizes) if g.debug else None)
+                describe_gather(x, sizes) if g.debug else None, "Bruck" if bruck else "direct exchange")
     if bruck:
         _bruck(c, xf, off, res)
     else:

@@ -106,6 +106,7 @@ def _bcast(c, x, root):
     flat = out.reshape(-1)
     if flat.nbytes > BROADCAST_TREE_MAX_BYTES and p > 2 and flat.size:
         c.nsteps = L + len(_segments(flat.size, flat.itemsize)) + p - 2
+        c.algorithm = "binomial tree, then a pipelined chain"
         yield from _chain_down(c, flat, root, L + 1)
     else:
         c.nsteps = 2 * L
@@ -118,7 +119,7 @@ def broadcast(g, x, root=0):
     root = check_rank(g, root, "root")
     x = array(x) if g.rank == root else None
     c = g.begin("broadcast", 2 * (g.size - 1).bit_length(),
-                describe(None, root=root) if g.debug else None)
+                describe(None, root=root) if g.debug else None, "binomial tree")
     return run(c, _bcast(c, x, root))
 
 
@@ -179,7 +180,8 @@ def reduce(g, x, root=0, op="sum"):
     p = g.size
     chain = x.nbytes > REDUCE_TREE_MAX_BYTES and p > 2
     nsteps = len(_segments(x.size, x.itemsize)) + p - 2 if chain else (p - 1).bit_length()
-    c = g.begin("reduce", nsteps, describe(x, root=root, op=op) if g.debug else None)
+    c = g.begin("reduce", nsteps, describe(x, root=root, op=op) if g.debug else None,
+                "pipelined chain" if chain else "binomial tree")
     return run(c, _reduce(c, x, f, root, chain))
 
 
@@ -238,7 +240,7 @@ def scatter(g, x, root=0):
     root = check_rank(g, root, "root")
     x = array(x) if g.rank == root else None
     c = g.begin("scatter", 2 * (g.size - 1).bit_length(),
-                describe(None, root=root) if g.debug else None)
+                describe(None, root=root) if g.debug else None, "binomial tree")
     return run(c, _scatter(c, x, root))
 
 
@@ -282,5 +284,5 @@ def gather(g, x, root=0, sizes=None):
     c = g.begin("gather", (g.size - 1).bit_length(),
                 describe(None, root=root, dtype=x.dtype,
                          sizes=list(sizes) if sizes is not None else f"equal, n={x.size}")
-                if g.debug else None)
+                if g.debug else None, "binomial tree")
     return run(c, _gather(c, x.ravel(), off, root))

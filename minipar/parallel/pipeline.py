@@ -53,7 +53,7 @@ import time
 
 import numpy as np
 
-from minipar import comm, ops
+from minipar import comm, ops, trace
 from minipar.interfaces import GradSync, Model
 from minipar.parallel.data_parallel import NoSync
 from minipar.model import GPTConfig, param_specs
@@ -146,17 +146,20 @@ class PipelineStage(Model):
         """First stage: x is token ids (b, T); others: the activation (b, T, C) from the
         previous stage. Last stage: the loss (with targets) or logits; others: (b, T, C)."""
         if self.is_first:
-            x = self.inner.embed(x)                                   # (b, T, C)
+            with trace.layer("embed"):                                # --trace: a span each
+                x = self.inner.embed(x)                               # (b, T, C)
         for i in self.layers:
-            x = self.inner.block(i, x)
+            with trace.layer(f"h.{i}"):
+                x = self.inner.block(i, x)
         if not self.is_last:
             return x
-        logits = self.inner.head(x)                                   # (b, T, V) or (b, T, Vp/tp)
-        if targets is None:
-            return logits
-        if self.tp_size > 1:
-            return self.inner.loss(logits, targets, loss_denom)
-        return ops.cross_entropy(logits, targets, loss_denom)
+        with trace.layer("head"):
+            logits = self.inner.head(x)                               # (b, T, V) or (b, T, Vp/tp)
+            if targets is None:
+                return logits
+            if self.tp_size > 1:
+                return self.inner.loss(logits, targets, loss_denom)
+            return ops.cross_entropy(logits, targets, loss_denom)
 
     def evaluate(self, idx, targets) -> float:
         """The mean loss of (idx, targets) through every stage, no graph; the same on every
@@ -175,6 +178,14 @@ class PipelineStage(Model):
 
 
 # --- the executor ---------------------------------------------------------------------------------
+
+def microbatch_span(ins, stage: int):
+    """--trace: a Forward or Backward instruction as a span "forward mb 3" (args kind, mb, stage)."""
+    if trace.RECORDER is None or not isinstance(ins, (Forward, Backward)):
+        return trace.NOTHING
+    kind = "F" if isinstance(ins, Forward) else "B"
+    return trace.span(f"{'forward' if kind == 'F' else 'backward'} mb {ins.mb}", "microbatch",
+                      kind=kind, mb=ins.mb, stage=stage)
 
 class StepObserver:
     """What the executor measures of one training step, kept out of the schedule walk: the
@@ -246,14 +257,19 @@ class PipelineEngine:
         self.inputs, self.outputs = {}, {}  # the leaf input and the output (or loss) of each graph in flight
         self.sends, self.loss_sum = [], 0.0
         watch = StepObserver()
-        for k, ins in enumerate(self.instructions):    # warm-up, steady state, cool-down: schedules.py
-            watch.on_start(ins)
-            out = self.run(k, ins)
-            watch.on_end(ins, out)
-            self.push_sends()
-        self.wait_sends()
-        watch.on_step_end()
-        sync.finish()
+        stage = self.model.stage
+        with trace.span("schedule", "pipeline", schedule=self.schedule, stage=stage):
+            for k, ins in enumerate(self.instructions):    # warm-up, steady state, cool-down: schedules.py
+                watch.on_start(ins)
+                with microbatch_span(ins, stage):
+                    out = self.run(k, ins)
+                watch.on_end(ins, out)
+                self.push_sends()
+            with trace.span("wait for sends", "wait"):
+                self.wait_sends()
+            watch.on_step_end()
+        with trace.span("wait for gradient sync", "wait"):
+            sync.finish()
         self.sync_tied_embedding(sync)
         self.steps.append(watch.stats())
         return self.broadcast_loss()
@@ -314,9 +330,10 @@ class PipelineEngine:
         w = model.params["wte.weight"]
         grad = sync.tied_grad(w)
         other = model.n_stages - 1 if model.is_first else 0
-        h = comm.send_async(model.group, grad, other)
-        theirs = comm.recv(model.group, other)
-        h.wait()
+        with trace.span("tied embedding exchange", "pipeline"):
+            h = comm.send_async(model.group, grad, other)
+            theirs = comm.recv(model.group, other)
+            h.wait()
         grad += theirs                                  # a + b == b + a: both copies equal
 
     def gather_stats(self, step: int = -1):

@@ -40,7 +40,7 @@ import math
 
 import numpy as np
 
-from minipar import comm, ops
+from minipar import comm, ops, trace
 from minipar.interfaces import Model
 from minipar.model import GPTConfig, init_param, param_specs
 from minipar.optim import clip_coef
@@ -433,11 +433,14 @@ class TensorParallelGPT(Model):
         """Without targets the vocab-sharded logits (B, t, Vp/tp); with targets the scalar
         loss (sum of per-position cross-entropies / loss_denom, default B*t), the same
         on every tp rank."""
-        x = self.embed(idx)
+        with trace.layer("embed"):                                      # --trace: a span each
+            x = self.embed(idx)
         for i in range(self.cfg.n_layer):
-            x = self.block(i, x)
-        logits = self.head(x)
-        return logits if targets is None else self.loss(logits, targets, loss_denom)
+            with trace.layer(f"h.{i}"):
+                x = self.block(i, x)
+        with trace.layer("head"):
+            logits = self.head(x)
+            return logits if targets is None else self.loss(logits, targets, loss_denom)
 
     forward = __call__
 
