@@ -46,7 +46,7 @@ def make(dtype, n, *key):
     dt = np.dtype(dtype)
     if dt.kind == "f":
         return (rng.integers(-256, 256, n) / 4).astype(dt)
-    lo, hi = (np.iinfo(dt).min, np.iinfo(dt).max) if dt.itemsize == 4 else (-2**61, 2**61)
+    lo, hi = (np.iinfo(dt).min, np.iinfo(dt).max) if dt.itemsize != 8 else (-2**61, 2**61)
     return rng.integers(lo, hi, n, dtype=dt, endpoint=True)
 
 
@@ -225,11 +225,12 @@ def test_gather(groups, k, dtype, size):
 
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("dtype", DTYPES + [np.uint8], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("k", KS[1:])
 def test_send_recv(groups, k, dtype, size):
     """Each rank sends to the next one round the group; odd ranks receive first (no cycle of
-    blocked large sends). The receiver learns dtype and shape from the message."""
+    blocked large sends). The receiver learns dtype and shape from the message (uint8's
+    dtype token, "|u1", holds the header's separator)."""
     g = group(groups, k)
     if g.size == 1:
         return                      # the remainder group of one: nobody to talk to
