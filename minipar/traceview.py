@@ -7,6 +7,9 @@ minipar.plot and minipar.explain draw from these; the tests check with them.
     spans(t, cat="comm")    the "X" events (and async "b" begins, with "end"/"dur" filled in)
     problems(t)             [] for a valid trace, else one line per problem
     comm_bytes(t)           {pid: {axis: {"calls", "bytes_sent", "bytes_recv"}}} from the events
+    order(t, pid, step)     [("F", 0), ("B", 0), ...]: a rank's micro-batch spans in one step
+    audit(t)                problems(t), and the trainer's promises: a row per rank, comm
+                            events equal to the ledger, forwards and backwards as scheduled
     pipeline_timeline(t)    one step's forwards and backwards per stage, and its bubble
 """
 from __future__ import annotations
@@ -113,6 +116,50 @@ def comm_bytes(trace: dict) -> dict:
         entry["bytes_sent"] += a["bytes_sent"]
         entry["bytes_recv"] += a["bytes_recv"]
     return {pid: dict(axes) for pid, axes in out.items()}
+
+
+def order(trace: dict, pid: int, step: int) -> list[tuple[str, int]]:
+    """[(kind, mb)] of the micro-batch spans of rank `pid` inside training step `step`, in
+    the order they started."""
+    window = [e for e in spans(trace, "step", pid) if e["args"]["step"] == step][0]
+    mbs = [e for e in spans(trace, "microbatch", pid)
+           if window["ts"] <= e["ts"] and e["end"] <= window["end"] + 0.01]
+    return [(e["args"]["kind"], e["args"]["mb"]) for e in sorted(mbs, key=lambda e: e["ts"])]
+
+
+def scheduled(schedule: str | None, stage: int, n_stages: int, n_micro: int) -> list[tuple[str, int]]:
+    """[(kind, mb)] that a stage must run: its schedule's Forward and Backward instructions
+    (parallel/schedules.py), or, without a pipeline, each micro-batch's forward then backward."""
+    from minipar.parallel import schedules         # noqa: PLC0415
+    if n_stages == 1:
+        return [(kind, mb) for mb in range(n_micro) for kind in "FB"]
+    return [("F" if isinstance(i, schedules.Forward) else "B", i.mb)
+            for i in schedules.schedule(schedule, stage, n_stages, n_micro)
+            if isinstance(i, (schedules.Forward, schedules.Backward))]
+
+
+def audit(trace: dict) -> list[str]:
+    """problems(trace), and what minipar.train --trace promises, one line per breach:
+    one process row per rank; each rank's comm events equal, per axis, the calls and bytes its
+    ledger counted while recording (otherData.minipar.ledger_by_axis); in every step, each
+    rank's forwards and backwards in its schedule's order."""
+    out = problems(trace)
+    meta = trace.get("otherData", {}).get("minipar", {})
+    procs = processes(trace)
+    if sorted(procs) != list(range(meta.get("world", 0))):
+        out.append(f"process rows {sorted(procs)} != ranks 0..{meta.get('world', 0) - 1}")
+    got = comm_bytes(trace)
+    for pid, ledger in enumerate(meta.get("ledger_by_axis", [])):
+        if got.get(pid, {}) != ledger:
+            out.append(f"rank {pid}: comm events {got.get(pid, {})} != ledger {ledger}")
+    layout = meta.get("layout", {})
+    for pid, where in sorted(procs.items()):
+        want = scheduled(meta.get("schedule"), where["pp"], layout.get("pp", 1), meta.get("micro_batches", 1))
+        for step in steps(trace):
+            seen = order(trace, pid, step)
+            if seen != want:
+                out.append(f"rank {pid} step {step}: forwards/backwards {seen} != scheduled {want}")
+    return out
 
 
 def steps(trace: dict) -> list[int]:

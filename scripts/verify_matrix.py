@@ -9,15 +9,21 @@ stage the layout allows (0-3 without a pipeline, 0-2 with one), each schedule wh
 and each precision (fp32 runs in float64 and must agree to 1e-10 relative, losses and every
 parameter tensor; fp16/bf16 must agree on the losses to 5e-2, as --verify judges them). The
 model is tiny (2 layers, or 4 with pp = 4; C = 16; 3 steps; gradient clipping on) so that the
-matrix runs in minutes. Prints one row per run and the count of failures; exit 1 if any.
-(tests/test_layouts.py runs a representative 14 of these in `make test`.)
+matrix runs in minutes. Every run also writes a --trace, which must pass
+minipar.traceview.audit (a valid trace; a process row per rank; comm events equal to each
+rank's ledger; forwards and backwards in the schedule's order). Prints one row per run and
+the count of failures; exit 1 if any. (tests/test_layouts.py runs a representative 14 of
+these in `make test`; tests/test_trace.py audits traces on 1, 4 and 8 ranks.)
 """
 import argparse
 import itertools
 import os
 import subprocess
 import sys
+import tempfile
 import time
+
+from minipar import traceview
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
@@ -60,9 +66,11 @@ def main():
     args = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MINIPAR_COMM_TIMEOUT="60")
     failed, total, t0, worst = [], 0, time.time(), {}
+    trace_file = os.path.join(tempfile.mkdtemp(), "trace.json")
     for n, flags in cases(args.ranks, args.precisions):
         total += 1
-        cmd = [MPIRUN, "-n", str(n), sys.executable, "-m", "minipar.train", *TINY, *flags, "--verify"]
+        cmd = [MPIRUN, "-n", str(n), sys.executable, "-m", "minipar.train", *TINY, *flags, "--verify",
+               "--trace", trace_file]
         try:
             p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                                stdin=subprocess.DEVNULL)
@@ -70,10 +78,12 @@ def main():
         except subprocess.TimeoutExpired:
             out, code = "", "timeout"
         verdict = [line for line in out.splitlines() if line.startswith("verify: dp=")]
-        ok = code == 0 and verdict and verdict[0].endswith("-> OK")
+        audit = traceview.audit(traceview.load(trace_file)) if code == 0 else ["no trace"]
+        ok = code == 0 and verdict and verdict[0].endswith("-> OK") and not audit
         figures = relative(verdict[0]) if verdict else {}
         print(f"{'ok    ' if ok else 'FAILED'} -n {n} {' '.join(flags):95s} "
-              + " ".join(f"{k} {v:.1e}" for k, v in figures.items()), flush=True)
+              + " ".join(f"{k} {v:.1e}" for k, v in figures.items())
+              + "".join(f"\n    trace: {line}" for line in audit[:3]), flush=True)
         if not ok:
             failed.append((n, flags, code))
         else:

@@ -42,17 +42,9 @@ def eight_ranks(tmp_path_factory):
     return traceview.load(path)
 
 
-def fb_order(t, pid, step):
-    """[(kind, mb)] of the micro-batch spans of `pid` inside training step `step`, in time order."""
-    window = [e for e in traceview.spans(t, "step", pid) if e["args"]["step"] == step][0]
-    mbs = [e for e in traceview.spans(t, "microbatch", pid)
-           if window["ts"] <= e["ts"] and e["end"] <= window["end"]]
-    return [(e["args"]["kind"], e["args"]["mb"]) for e in sorted(mbs, key=lambda e: e["ts"])]
-
-
 def schedule_order(name, stage, p, m):
-    return [("F" if isinstance(i, schedules.Forward) else "B", i.mb)
-            for i in schedules.schedule(name, stage, p, m)
+    """The test's own reading of the schedule (traceview.scheduled is what audit uses)."""
+    return [(type(i).__name__[0], i.mb) for i in schedules.schedule(name, stage, p, m)
             if isinstance(i, (schedules.Forward, schedules.Backward))]
 
 
@@ -63,6 +55,7 @@ def test_valid_trace_events_that_nest(which, request):
     t = request.getfixturevalue(which)
     json.dumps(t)                                              # plain JSON all the way down
     assert traceview.problems(t) == []
+    assert traceview.audit(t) == []
     assert t["displayTimeUnit"] == "ms"
     threads = {(e["pid"], e["args"]["name"]) for e in t["traceEvents"]
                if e["ph"] == "M" and e["name"] == "thread_name"}
@@ -91,6 +84,36 @@ def test_problems_catches_planted_faults(four_ranks):
     overlap = dict(step, name="planted", ts=step["ts"] + step["dur"] / 2, dur=step["dur"])
     assert any("overlaps" in p for p in planted(lambda ev: ev.append(overlap)))
     assert any("unexpected phase" in p for p in planted(lambda ev: ev.append({"ph": "Z"})))
+
+
+def test_audit_catches_planted_breaches(four_ranks):
+    """A lost comm event, a byte miscounted, two micro-batches swapped, a missing process row:
+    each is one audit line (audit can fail)."""
+    def planted(change):
+        t = copy.deepcopy(four_ranks)
+        change(t["traceEvents"])
+        return traceview.audit(t)
+
+    def first(ev, test):
+        return next(i for i, e in enumerate(ev) if test(e))
+
+    def drop_call(ev):
+        ev.pop(first(ev, lambda e: e["ph"] == "X" and e["cat"] == "comm" and e["pid"] == 2))
+
+    def miscount(ev):
+        ev[first(ev, lambda e: e["ph"] == "X" and e["cat"] == "comm")]["args"]["bytes_sent"] += 1
+
+    def swap(ev):
+        mbs = [e for e in ev if e["ph"] == "X" and e["cat"] == "microbatch" and e["pid"] == 1]
+        mbs[0]["args"], mbs[1]["args"] = mbs[1]["args"], mbs[0]["args"]
+
+    def unname(ev):
+        ev.pop(first(ev, lambda e: e["ph"] == "M" and e["name"] == "process_name" and e["pid"] == 3))
+
+    assert any(line.startswith("rank 2: comm events") for line in planted(drop_call))
+    assert any("comm events" in line for line in planted(miscount))
+    assert any(line.startswith("rank 1 step 0: forwards/backwards") for line in planted(swap))
+    assert any(line.startswith("process rows") for line in planted(unname))
 
 
 def test_process_row_per_rank_named_by_grid_coordinates(eight_ranks):
@@ -136,13 +159,13 @@ def test_forwards_and_backwards_follow_the_schedule(which, schedule, p, m, reque
     procs = traceview.processes(t)
     for step in traceview.steps(t):
         for pid, coords in procs.items():
-            assert fb_order(t, pid, step) == schedule_order(schedule, coords["pp"], p, m), \
+            assert traceview.order(t, pid, step) == schedule_order(schedule, coords["pp"], p, m), \
                 f"rank {pid} step {step}"
 
 
 def test_one_process_spans(one_process):
     t = one_process
-    assert fb_order(t, 0, 0) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    assert traceview.order(t, 0, 0) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
     names = [e["name"] for e in traceview.spans(t, "layer", 0)]
     forward = ["embed forward", "h.0 forward", "h.1 forward", "head forward"]
     backward = ["head backward", "h.1 backward", "h.0 backward", "embed backward"]
