@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shlex
@@ -24,7 +25,7 @@ BIN = os.path.dirname(sys.executable)
 DOCS = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(REPO, "docs"))
                               if f.endswith(".md"))
 PAGES = ["design", "collectives", "data-parallel", "tensor-parallel", "pipeline", "zero", "mixed-precision",
-         "checkpoints", "verify", "planner", "performance", "debugging"]
+         "checkpoints", "verify", "planner", "performance", "debugging", "pictures"]
 
 
 def fenced_commands(text: str) -> list[str]:
@@ -64,7 +65,7 @@ def doc_commands() -> list[tuple[str, str]]:
 
 def runnable(cmd: str) -> tuple[dict, list[str], str]:
     """-> (environment additions, argv with this venv's python and mpirun, what it runs:
-    "train", "plan", "pytest", "script" or "other")."""
+    "train", "plan", "plot", "explain", "pytest", "script" or "other")."""
     words = shlex.split(cmd, comments=True)
     env = {}
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
@@ -76,6 +77,8 @@ def runnable(cmd: str) -> tuple[dict, list[str], str]:
         kind = "train"
     elif "minipar.plan" in words:
         kind = "plan"
+    elif "minipar.plot" in words or "minipar.explain" in words:
+        kind = "plot" if "minipar.plot" in words else "explain"
     elif "pytest" in words:
         kind = "pytest"
     elif any(w.startswith("scripts/") for w in words):
@@ -101,7 +104,17 @@ def test_doc_command_runs(doc, cmd, tmp_path):
         missing = [p for p in paths if not os.path.exists(os.path.join(REPO, p))]
         assert paths and not missing, f"{doc}: `{cmd}` names missing files {missing}"
         return
-    assert kind in ("train", "plan"), f"{doc}: `{cmd}` runs neither minipar.train nor minipar.plan"
+    if kind in ("plot", "explain"):         # their flags parse and make sense (they need a run)
+        module = importlib.import_module(f"minipar.{kind}")
+        flags = argv[argv.index(f"minipar.{kind}") + 1:]
+        try:
+            args = module.build_parser().parse_args(flags)
+            if kind == "explain":
+                module.settle(args)
+        except (SystemExit, Exception) as e:
+            pytest.fail(f"{doc}: `{cmd}`: its flags do not parse: {e!r}")
+        return
+    assert kind in ("train", "plan"), f"{doc}: `{cmd}` runs none of minipar.train, plan, plot, explain"
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", **env}
     if kind == "train":
         argv = argv + ["--dry-run"]
@@ -233,7 +246,6 @@ def cited_names(text: str) -> tuple[list[str], list[str]]:
 def resolves(name: str) -> bool | None:
     """Does module.attribute exist? None when the first part is not one of minipar's modules
     (a variable such as `p.grad`). `model.x` is read as the Model interface's or a layout's."""
-    import importlib                            # noqa: PLC0415
     import minipar                              # noqa: PLC0415, F401
     from minipar.interfaces import Model        # noqa: PLC0415
     from minipar.parallel.tensor_parallel import TensorParallelGPT  # noqa: PLC0415

@@ -49,9 +49,8 @@ def _all_reduce(c, x, op, res):
         return res
     tmp = c.buffer(1, (x.size,), x.dtype)
     mine = x                                    # my partial result so far (x itself: no copy)
-    step = 0
+    step = 1 if extra else 0                    # step 1 is the fix-up, on every rank's count
     if r < extra:                               # fix-up: fold in rank r + q's x
-        step = 1
         yield c.irecv(step, tmp, r + q)
         op(mine, tmp, out=out)
         mine = out

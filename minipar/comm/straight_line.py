@@ -62,9 +62,8 @@ def all_reduce_into(g, x, op, out):
         c.done()
         return res
     tmp = g.scratch(1, (xf.size,), xf.dtype)
-    mine, step = xf, 0
+    mine, step = xf, 1 if extra else 0          # step 1 is the fix-up, on every rank's count
     if r < extra:                               # fix-up: fold in rank r + q's x
-        step = 1
         wait(c.irecv(step, tmp, r + q))
         f(mine, tmp, out=flat)
         mine = flat

@@ -1,0 +1,307 @@
+"""python -m minipar.explain WHAT: run one collective, layer or schedule on P ranks with the
+trace on, and draw what the trace recorded, message by message (explain_draw.py draws).
+
+    WHAT                 runs                                   ranks
+    ring-all-reduce      ring.all_reduce                        --p, default 4
+    reduce-scatter       ring.reduce_scatter                    4
+    all-gather           ring.all_gather                        4
+    recursive-doubling   doubling.all_reduce                    5 (the fix-up of the extra rank)
+    broadcast            tree.broadcast, root 0                 4
+    reduce               tree.reduce, root 0                    4
+    megatron-mlp         f -> c_fc -> gelu -> c_proj -> g, and its backward      tp 2
+    1f1b                 python -m minipar.train --pp P, its measured timeline   4 stages
+
+What runs. The launcher starts `mpirun -n P python -m minipar.explain --worker WHAT` (under
+a timeout, MINIPAR_EXPLAIN_TIMEOUT seconds, 120 by default). Each rank calls the algorithm
+module itself, not the dispatcher of minipar.comm, so the algorithm drawn is the one named
+whatever the size. The trace records with peek=True: each float64 message sent keeps its
+first and last value (trace.py; Call.note in comm/group.py). Rank 0 writes the trace,
+DIR/explain-WHAT-pP.json, which the launcher reads back and draws.
+
+How a trace becomes a drawing (decoding the values on the wire, matching and replaying
+the messages): explain_read.py.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+
+from minipar.explain_read import (COLLECTIVES, ROOT, WHATS, ExplainError, UsageError, collective_picture,
+                                  inputs, mlp_picture, piece_offsets, pipeline_picture)
+
+MAX_P = 16
+MAX_BYTES = 1 << 20
+ENCODING = "x_r[j] = (j+1)*M + 2**r, M = 2**p"
+MLP_SHAPE = (2, 3, 4)           # megatron-mlp: B, T, C (the hidden width is 4C)
+
+
+# --- the workers (under mpirun) -------------------------------------------------------------------
+
+def work(what: str, n: int, path: str):
+    """One rank's part: run WHAT with the trace on, write the trace (rank 0), check the result."""
+    from mpi4py import MPI                                              # noqa: PLC0415
+    from minipar import comm, trace                                     # noqa: PLC0415
+    if what == "megatron-mlp":
+        return work_mlp(comm.Group(MPI.COMM_WORLD, axis="tp"), path)
+    from minipar.comm import doubling, ring, tree                       # noqa: PLC0415
+    world = comm.Group(MPI.COMM_WORLD, axis="world")
+    p, r = world.size, world.rank
+    x = inputs(what, p, n, r)
+    run = {"ring-all-reduce": ring.all_reduce, "reduce-scatter": ring.reduce_scatter,
+           "all-gather": ring.all_gather, "recursive-doubling": doubling.all_reduce,
+           "broadcast": lambda g, v: tree.broadcast(g, v, ROOT),
+           "reduce": lambda g, v: tree.reduce(g, v, ROOT)}[what]
+    trace.start(world, f"rank {r}", peek=True)
+    out = run(world, x)
+    trace.finish(world, path, {"what": what, "n": n, "root": ROOT, "encoding": ENCODING})
+    # the result against NumPy on the gathered inputs (after finish: not in the trace)
+    off = piece_offsets(n, p)
+    sizes = [off[k + 1] - off[k] for k in range(p)] if what == "all-gather" else [n] * p
+    table = comm.all_gather(world, x if x is not None else np.zeros(n), sizes=sizes)
+    want = {"ring-all-reduce": lambda: table.reshape(p, n).sum(0),
+            "recursive-doubling": lambda: table.reshape(p, n).sum(0),
+            "reduce-scatter": lambda: table.reshape(p, n).sum(0)[off[r]:off[r + 1]],
+            "all-gather": lambda: table,
+            "broadcast": lambda: table.reshape(p, n)[ROOT],
+            "reduce": lambda: table.reshape(p, n).sum(0) if r == ROOT else None}[what]()
+    if (want is None) != (out is None) or (want is not None and not np.array_equal(out, want)):
+        bad = "None" if out is None or want is None else \
+            f"element {np.flatnonzero(out != want)[0]}: {out[out != want][0]!r} != {want[out != want][0]!r}"
+        raise ExplainError(f"rank {r}: {what} differs from NumPy on the gathered inputs: {bad}")
+
+
+def work_mlp(group, path: str):
+    """f -> c_fc -> gelu -> c_proj -> g (+ bias) on this rank's shard, one layer span each,
+    then the backward of a scalar loss; checked against the unsharded MLP."""
+    from minipar import ops, trace                                      # noqa: PLC0415
+    from minipar.parallel import tensor_parallel as tp                  # noqa: PLC0415
+    from minipar.tensor import Tensor                                   # noqa: PLC0415
+    p, r = group.size, group.rank
+    B, T, C = MLP_SHAPE
+    rng = np.random.default_rng(0)                                      # the same on every rank
+    x0, w_fc, b_fc = rng.standard_normal((B, T, C)), rng.standard_normal((C, 4 * C)), rng.standard_normal(4 * C)
+    w_proj, b_proj, probe = rng.standard_normal((4 * C, C)), rng.standard_normal(C), rng.standard_normal((B, T, C))
+    cols = slice(r * 4 * C // p, (r + 1) * 4 * C // p)                  # this rank's 4C/tp channels
+
+    def mlp(x, wf, bf, wp, bp, group, shapes):
+        layers = [("f", lambda h: tp.copy_to_tp(h, group) if group else h),   # Megatron's f
+                  ("c_fc", lambda h: ops.linear(h, wf, bf)),                    # (B, T, 4C/tp)
+                  ("gelu", ops.gelu),
+                  ("c_proj", lambda h: ops.linear(h, wp)),                      # (B, T, C), partial sums
+                  ("g", lambda h: tp.reduce_from_tp(h, group) if group else h),  # Megatron's g
+                  ("bias", lambda h: h + bp),                                   # once, after the sum
+                  ("loss", lambda h: ops.sum(ops.mul(h, Tensor(probe)))), ]
+        h = x
+        for name, fn in layers:
+            with trace.layer(name):
+                h = fn(h)
+            shapes[name] = list(h.shape)
+        return h
+
+    params = [Tensor(a.copy(), requires_grad=True) for a in (x0, w_fc[:, cols], b_fc[cols], w_proj[cols, :], b_proj)]
+    shapes = {}
+    trace.start(group, f"rank {r} dp0 tp{r} pp0", peek=True)
+    loss = mlp(*params, group, shapes)
+    loss.backward()
+    trace.finish(group, path, {"what": "megatron-mlp", "B": B, "T": T, "C": C, "shapes": shapes})
+    ref = [Tensor(a.copy(), requires_grad=True) for a in (x0, w_fc, b_fc, w_proj, b_proj)]
+    ref_loss = mlp(*ref, None, {})
+    ref_loss.backward()
+    want = [ref_loss.data, ref[0].grad, ref[1].grad[:, cols], ref[2].grad[cols], ref[3].grad[cols, :], ref[4].grad]
+    have = [loss.data] + [q.grad for q in params]
+    for name, got, w in zip(("loss", "dx", "dw_fc", "db_fc", "dw_proj", "db_proj"), have, want):
+        if not np.allclose(got, w, rtol=1e-12, atol=1e-12):
+            raise ExplainError(f"rank {r}: megatron-mlp {name} differs from the unsharded MLP's by "
+                               f"{np.abs(got - w).max():.3g}")
+
+
+# --- 1F1B: the trainer's own trace ------------------------------------------------------------------
+
+def pipeline_argv(p: int, path: str) -> list[str]:
+    """A short 1F1B run: P stages of one layer of the default width, 2P micro-batches of one
+    sequence, 2 steps. (Narrower layers are faster to run but their forwards and backwards
+    are then too short beside the messages to show the schedule's shape.)"""
+    m = 2 * p
+    return ["--pp", str(p), "--schedule", "1f1b", "--micro-batches", str(m), "--batch-size", str(m),
+            "--n-layer", str(p), "--steps", "2", "--sample", "0", "--trace", path]
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m minipar.explain", allow_abbrev=False,
+                 description="Run a collective, Megatron's MLP or a 1F1B pipeline on P ranks (mpirun) with the "
+                             "trace on, and draw each message it sent: in the terminal, as DIR/explain-WHAT-pP.svg "
+                             "and, with resvg_py, .png.",
+                 epilog=f"WHAT: {', '.join(WHATS)}")
+    ap.add_argument("what", metavar="WHAT", help="what to run and draw (below)")
+    ap.add_argument("--p", type=int, metavar="P",
+                    help="ranks [4; 5 for recursive-doubling, to show its fix-up; 2 for megatron-mlp]")
+    ap.add_argument("--out", default=".", metavar="DIR", help="where the drawings and the trace go [.]")
+    ap.add_argument("--bytes", type=int, metavar="N",
+                    help="the collectives' message size, a multiple of 8 [64*P: 8 float64 per rank]")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--trace-file", help=argparse.SUPPRESS)
+    return ap
+
+
+def settle(args) -> tuple[str, int, int]:
+    """-> (WHAT, P, elements), or UsageError naming the bad value."""
+    what = args.what
+    if what not in WHATS:
+        raise UsageError(f"unknown WHAT {what!r}; choose one of {', '.join(WHATS)}")
+    p = WHATS[what].default_p if args.p is None else args.p
+    if not 2 <= p <= MAX_P:
+        raise UsageError(f"--p {p}: need 2 <= P <= {MAX_P}")
+    hidden = 4 * MLP_SHAPE[2]
+    if what == "megatron-mlp" and hidden % p:
+        raise UsageError(f"--p {p}: megatron-mlp splits the hidden width 4C = {hidden}; P must divide it")
+    if args.bytes is not None and what not in COLLECTIVES:
+        raise UsageError(f"--bytes {args.bytes}: {what} sets its own sizes (--bytes is for {', '.join(COLLECTIVES)})")
+    nbytes = 64 * p if args.bytes is None else args.bytes
+    if nbytes % 8 or not 8 * p <= nbytes <= MAX_BYTES:
+        raise UsageError(f"--bytes {nbytes}: need a multiple of 8 (float64) from 8*P = {8 * p} to {MAX_BYTES}")
+    return what, p, nbytes // 8
+
+
+def launched_rank() -> int:
+    """This process's world rank under mpirun (0 when not under it), from the environment."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def launched_size() -> int:
+    """The world size when this process runs under mpirun (MPICH's or Open MPI's), else 1;
+    read from the environment, so the launcher never starts MPI itself."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+def find_mpirun() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    found = here if os.access(here, os.X_OK) else shutil.which("mpirun")
+    if not found:
+        raise ExplainError(f"no mpirun next to {sys.executable} nor on PATH (pip install mpich, or make install)")
+    return found
+
+
+def mpirun(p: int, argv: list[str]) -> None:
+    """mpirun -n P python -m ARGV, in a session of its own, killed whole after the timeout."""
+    timeout = float(os.environ.get("MINIPAR_EXPLAIN_TIMEOUT", "120"))
+    cmd = [find_mpirun(), "-n", str(p), sys.executable, "-m", *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env.setdefault("MINIPAR_COMM_TIMEOUT", str(max(5, int(timeout / 2))))   # a stuck rank gives up first
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    shown = f"mpirun -n {p} python -m {' '.join(argv[:3])} ..."
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise ExplainError(f"`{shown}` did not finish within {timeout:g} s (MINIPAR_EXPLAIN_TIMEOUT); "
+                           f"killed it and its ranks") from None
+    if proc.returncode:
+        sys.stderr.write(err[-4000:])
+        raise ExplainError(f"`{shown}` exited {proc.returncode} (its stderr is above)")
+
+
+def run(what: str, p: int, n: int, out: str) -> list[str]:
+    """Launch WHAT on P ranks, then draw its trace: print the text, write the files. -> problems."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"explain-{what}-p{p}.json")
+    if what == "1f1b":
+        mpirun(p, ["minipar.train", *pipeline_argv(p, path)])
+    else:
+        size = ["--bytes", str(8 * n)] if what in COLLECTIVES else []
+        mpirun(p, ["minipar.explain", "--worker", what, "--trace-file", path, *size])
+    return draw(path, out)
+
+
+def draw(path: str, out: str) -> list[str]:
+    """Draw the trace at `path`: print it, write DIR/explain-WHAT-pP.svg (and .png). -> problems."""
+    from minipar import explain_draw, traceview                         # noqa: PLC0415
+    trace = traceview.load(path)
+    meta = trace["otherData"]["minipar"]
+    what = meta.get("what", "1f1b")
+    p = meta["world"]
+    if what == "1f1b":
+        pic, problems = pipeline_picture(trace), []
+        text, svg = explain_draw.pipeline_text(pic), explain_draw.pipeline_svg(pic)
+    elif what == "megatron-mlp":
+        pic = mlp_picture(trace)
+        problems, text, svg = pic.problems, explain_draw.mlp_text(pic), explain_draw.mlp_svg(pic)
+    else:
+        pic = collective_picture(trace)
+        problems, text, svg = pic.problems, explain_draw.grid_text(pic), explain_draw.grid_svg(pic)
+    print(text)
+    stem = os.path.join(out, f"explain-{what}-p{p}")
+    with open(stem + ".svg", "w") as f:
+        f.write(svg)
+    png = explain_draw.write_png(svg, stem + ".png")
+    print(f"\ntrace: {path}\nsvg:   {stem}.svg\npng:   {png or '(pip install resvg_py to get one)'}")
+    return problems
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        size = launched_size()
+        if size > 1 and not args.worker and args.p is None:
+            args.p = size
+        what, p, n = settle(args)
+        if args.worker:
+            work(what, n, args.trace_file)
+            return 0
+        if size > 1:                            # already under mpirun: be the worker, rank 0 draws
+            return in_place(what, p, n, size, args.out)
+        problems = run(what, p, n, args.out)
+    except UsageError as e:
+        if launched_rank() == 0:                # under mpirun: said once
+            print(f"minipar.explain: error: {e}", file=sys.stderr)
+        return 2
+    except ExplainError as e:
+        print(f"minipar.explain: error: {e}", file=sys.stderr)
+        return 1
+    for line in problems:
+        print(f"minipar.explain: problem: {line}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def in_place(what: str, p: int, n: int, size: int, out: str) -> int:
+    """Under `mpirun -n P python -m minipar.explain WHAT`: every rank works, rank 0 draws."""
+    if p != size:
+        raise UsageError(f"--p {p}: running under mpirun with {size} ranks")
+    path = os.path.join(out, f"explain-{what}-p{p}.json")
+    if launched_rank() == 0:
+        os.makedirs(out, exist_ok=True)
+    if what == "1f1b":
+        from minipar import train                                       # noqa: PLC0415
+        train.main(pipeline_argv(p, path))
+    else:
+        work(what, n, path)
+    if launched_rank() != 0:
+        return 0
+    problems = draw(path, out)
+    for line in problems:
+        print(f"minipar.explain: problem: {line}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

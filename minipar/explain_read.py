@@ -1,0 +1,393 @@
+"""What the trace of an explained run says (python -m minipar.explain): which piece each
+message carried, read from the values on the wire, and the per-step picture that
+explain_draw.py draws.
+
+What is drawn comes from the data on the wire, never from the algorithm's formula. The
+inputs name their origin: rank r holds x_r[j] = (j+1)*M + 2**r with M = 2**p, so a sum over
+a set S of ranks is |S|*(j+1)*M + sum_{r in S} 2**r, and a value v decodes as
+    contributors mask = v % M,   |S| = popcount(mask),   element j = (v // M) / |S| - 1
+(integers, exact in float64). A message's first and last values give its element range,
+hence its piece (np.array_split's: piece_offsets), and its contributors.
+
+How a receive is read. Each receive is matched with its send: between two ranks messages
+match in the order they were posted (MPI's non-overtaking rule), and both ends must number
+it the same step, or the drawing would split one exchange over two columns (a problem).
+The messages are then replayed step by step on every rank's contributor set per element:
+a message whose set is disjoint from what the receiver holds was added in (+=); one whose
+set contains it replaced it (=); anything else would count a rank twice, a problem. The
+replay also checks that every message carries what its sender held, and that each rank ends
+with the collective's result. Problems are printed and the exit status is 1. The worker
+checks the actual result against NumPy on the gathered inputs besides.
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ROOT = 0                        # broadcast's and reduce's root
+
+
+@dataclass(frozen=True)
+class Spec:
+    title: str                  # what the drawing's title calls it
+    default_p: int
+    algorithm: str = ""         # the trace's name for it (Group.begin's algorithm)
+    phases: dict = field(default_factory=dict)      # a receive's op -> the phase it marks
+
+
+WHATS = {
+    "ring-all-reduce": Spec("ring all-reduce", 4, "ring", {"+=": "reduce-scatter", "=": "all-gather"}),
+    "reduce-scatter": Spec("ring reduce-scatter", 4, "ring", {"+=": "reduce-scatter"}),
+    "all-gather": Spec("ring all-gather", 4, "ring", {"=": "all-gather"}),
+    "recursive-doubling": Spec("recursive-doubling all-reduce", 5, "recursive doubling",
+                               {"+=": "reduce", "=": "copy back"}),
+    "broadcast": Spec(f"binomial-tree broadcast from rank {ROOT}", 4, "binomial tree",
+                      {"hdr": "header", "=": "data"}),
+    "reduce": Spec(f"binomial-tree reduce to rank {ROOT}", 4, "binomial tree", {"+=": "reduce"}),
+    "megatron-mlp": Spec("Megatron MLP", 2),
+    "1f1b": Spec("1F1B pipeline", 4),
+}
+COLLECTIVES = [w for w, s in WHATS.items() if s.algorithm]
+
+
+class ExplainError(Exception):
+    """Something the user should read in one line (exit 1)."""
+
+
+class UsageError(ExplainError):
+    """Bad arguments (exit 2)."""
+
+
+# --- the data on the wire ------------------------------------------------------------------------
+
+def piece_offsets(n: int, p: int) -> tuple:
+    """Where each piece of np.array_split(range(n), p) starts, and n: the pieces the ring
+    cuts (comm.group.split_offsets, which imports MPI; the launcher never starts MPI)."""
+    return tuple(int(k) for k in np.cumsum([0] + [len(a) for a in np.array_split(np.arange(n), p)]))
+
+
+def inputs(what: str, p: int, n: int, r: int):
+    """Rank r's input: x_r[j] = (j+1)*M + 2**r over the elements it starts with (None: none)."""
+    x = (np.arange(n) + 1.0) * 2.0 ** p + 2.0 ** r
+    if what == "all-gather":
+        off = piece_offsets(n, p)
+        return x[off[r]:off[r + 1]].copy()                              # piece r, global numbering
+    if what == "broadcast" and r != ROOT:
+        return None
+    return x
+
+
+def start_state(what: str, p: int, n: int) -> np.ndarray:
+    """(p, n) contributor masks: what each rank holds of each element before the first step."""
+    state, off = np.zeros((p, n), np.int64), piece_offsets(n, p)
+    for r in range(p):
+        if what == "all-gather":
+            state[r, off[r]:off[r + 1]] = 1 << r
+        elif what != "broadcast" or r == ROOT:
+            state[r] = 1 << r
+    return state
+
+
+def end_state(what: str, p: int, n: int) -> np.ndarray:
+    """(p, n) contributor masks the collective must end with; -1 where anything goes."""
+    full, off = (1 << p) - 1, piece_offsets(n, p)
+    want = np.full((p, n), -1, np.int64)
+    for r in range(p):
+        if what in ("ring-all-reduce", "recursive-doubling"):
+            want[r] = full
+        elif what == "reduce-scatter":
+            want[r, off[r]:off[r + 1]] = full
+        elif what == "all-gather":
+            for k in range(p):
+                want[r, off[k]:off[k + 1]] = 1 << k
+        elif what == "broadcast":
+            want[r] = 1 << ROOT
+    if what == "reduce":
+        want[ROOT] = full
+    return want
+
+
+def decode(v: float, p: int, n: int) -> tuple[int, int]:
+    """A value on the wire -> (contributors mask, element j); ValueError if it is no such sum."""
+    M = 1 << p
+    if not float(v).is_integer() or v < M:
+        raise ValueError(f"{v!r} is not (j+1)*M + mask with M = {M}")
+    v = int(v)
+    mask, q = v % M, v // M
+    k = bin(mask).count("1")
+    if k == 0 or q % k:
+        raise ValueError(f"{v} = {q}*M + {mask}: {k} contributor(s) cannot give {q}*M")
+    j = q // k - 1
+    if not 0 <= j < n:
+        raise ValueError(f"{v} decodes to element {j}, outside 0..{n - 1}")
+    return mask, j
+
+
+@dataclass
+class Message:
+    step: int
+    src: int                    # world ranks
+    dst: int
+    nbytes: int
+    lo: int | None = None       # first and last element carried (None: not float64 data)
+    hi: int | None = None
+    mask: int | None = None     # contributors: bit r set when rank r's input is summed in
+    peeked: bool = False        # the trace kept its first and last values (float64 data)
+    op: str = ""                # a receive: "+=" added in, "=" copied, "hdr" no data, "?" unknown
+
+
+@dataclass
+class Picture:
+    what: str
+    p: int
+    n: int
+    steps: list                 # the step numbers, in order
+    cells: dict                 # (rank, step) -> [("send" | "recv", Message)]
+    columns: dict               # step -> its label: the receives' op, and the ranks if not all
+    title: str
+    problems: list
+    off: tuple                  # np.array_split's piece offsets
+
+
+def ranks_text(mask: int) -> str:
+    """{0,1} / {0-3}: the ranks of a mask, runs of three or more as a range."""
+    mask = int(mask)
+    ranks = [r for r in range(mask.bit_length()) if mask >> r & 1]
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts += [f"{ranks[i]}-{ranks[j]}"] if j - i >= 2 else [str(r) for r in ranks[i:j + 1]]
+        i = j + 1
+    return "{" + ",".join(parts) + "}"
+
+
+def piece_of(m: Message, off) -> tuple[int, str]:
+    """(colour index, label): -1 "all" for the whole array, k "p<k>" for piece k, -2 a header
+    (no float64 data), else -3: another element range, or "?" when the data did not decode."""
+    if m.lo is None:
+        return (-3, "?") if m.peeked or m.op == "?" else (-2, "header")
+    if m.lo == 0 and m.hi == off[-1] - 1:
+        return -1, "all"
+    for k in range(len(off) - 1):
+        if (m.lo, m.hi + 1) == (off[k], off[k + 1]):
+            return k, f"p{k}"
+    return -3, f"e{m.lo}-{m.hi}"
+
+
+def collective_picture(trace: dict) -> Picture:
+    """The messages of a --worker trace, decoded, matched and replayed (module docstring)."""
+    from minipar import traceview                                       # noqa: PLC0415
+    meta = trace["otherData"]["minipar"]
+    what, p, n = meta["what"], meta["world"], meta["n"]
+    spec, off, problems = WHATS[what], piece_offsets(n, p), []
+    sends, recvs = [], []
+    for e in traceview.spans(trace, cat="comm"):
+        a, me = e["args"], e["pid"]
+        if a["algorithm"] != spec.algorithm:
+            problems.append(f"rank {me}: {a['op']} ran {a['algorithm']!r}, not {spec.algorithm!r}")
+        for step, kind, peer, nbytes, *values in a["messages"]:
+            if kind == "recv":
+                recvs.append(Message(step, peer, me, nbytes))
+                continue
+            m = Message(step, me, peer, nbytes, peeked=bool(values))
+            if values:
+                try:
+                    (m.mask, m.lo), (last_mask, m.hi) = (decode(v, p, n) for v in values)
+                except ValueError as err:
+                    problems.append(f"step {step}: rank {me} -> {peer}: {err}")
+                    m.lo = m.hi = m.mask = None
+                else:
+                    if last_mask != m.mask or m.hi - m.lo + 1 != nbytes // 8:
+                        problems.append(f"step {step}: rank {me} -> {peer}: {nbytes // 8} elements but its "
+                                        f"ends decode to elements {m.lo}..{m.hi}, contributors "
+                                        f"{ranks_text(m.mask)} and {ranks_text(last_mask)}")
+                        m.lo = m.hi = m.mask = None
+            sends.append(m)
+    # each receive takes the data of its send: messages between two ranks match in the order
+    # they were posted (MPI's non-overtaking rule), and both sides must call it the same step
+    pending = defaultdict(deque)
+    for m in sorted(sends, key=lambda m: m.step):
+        pending[(m.src, m.dst)].append(m)
+    for m in sorted(recvs, key=lambda m: m.step):
+        q = pending[(m.src, m.dst)]
+        if not q:
+            problems.append(f"step {m.step}: rank {m.dst} receives from rank {m.src}, which sent it nothing")
+            m.op = "?"
+            continue
+        sent = q.popleft()
+        if (sent.step, sent.nbytes) != (m.step, m.nbytes):
+            problems.append(f"rank {m.src} sends {sent.nbytes} B to rank {m.dst} at its step {sent.step}; "
+                            f"rank {m.dst} receives {m.nbytes} B at its step {m.step}")
+        m.lo, m.hi, m.mask, m.peeked = sent.lo, sent.hi, sent.mask, sent.peeked
+    problems += [f"step {m.step}: rank {m.src} sends to rank {m.dst}, which never receives it"
+                 for q in pending.values() for m in q]
+    steps = sorted({m.step for m in sends + recvs})
+    replay(what, p, n, steps, sends, recvs, problems)
+    cells = defaultdict(list)
+    for kind, ms in (("send", sends), ("recv", recvs)):
+        for m in ms:
+            cells[(m.src if kind == "send" else m.dst, m.step)].append((kind, m))
+    columns = {}
+    for s in steps:
+        active = {r for r in range(p) if (r, s) in cells}
+        columns[s] = phase(spec, step_op(s, recvs)) + \
+            ("" if len(active) == p else " ranks " + ranks_text(sum(1 << r for r in active)))
+    return Picture(what, p, n, steps, dict(cells), columns, title(spec, p, n, off, steps, sends, recvs),
+                   problems, off)
+
+
+def step_op(s: int, recvs: list) -> str:
+    """What the receives of step s do: "+=", "=", "hdr" (or several, "+=/=")."""
+    return "/".join(sorted({m.op for m in recvs if m.step == s})) or "send"
+
+
+def phase(spec: Spec, op: str) -> str:
+    """"reduce-scatter +=": the phase a step's op marks for this algorithm, and the op."""
+    name = spec.phases.get(op)
+    return op if name is None else name if op == "hdr" else f"{name} {op}"
+
+
+def replay(what, p, n, steps, sends, recvs, problems):
+    """Every rank's contributors per element, step by step: sets each receive's op and
+    appends to `problems` what does not add up (module docstring)."""
+    state = start_state(what, p, n)
+    for s in steps:
+        for m in sends:                         # a step's sends leave before its receives land
+            if m.step == s and m.mask is not None:
+                held = np.unique(state[m.src, m.lo:m.hi + 1])
+                if list(held) != [m.mask]:
+                    problems.append(f"step {s}: rank {m.src} sends elements {m.lo}..{m.hi} with contributors "
+                                    f"{ranks_text(m.mask)} but holds {', '.join(ranks_text(h) for h in held)}")
+        for m in recvs:
+            if m.step != s or m.op == "?":      # "?": no send matched it
+                continue
+            if m.mask is None:                  # a header, or values that did not decode
+                m.op = "?" if m.peeked else "hdr"
+                continue
+            own = state[m.dst, m.lo:m.hi + 1]
+            mine = int(np.bitwise_or.reduce(own))
+            if mine & m.mask == 0:
+                m.op = "+=" if mine else "="
+                own |= m.mask
+            elif mine & m.mask == mine:
+                m.op = "="
+                own[...] = m.mask
+            else:
+                m.op = "?"
+                problems.append(f"step {s}: rank {m.dst} holds {ranks_text(mine)} of elements {m.lo}..{m.hi} "
+                                f"and receives {ranks_text(m.mask)}: ranks {ranks_text(mine & m.mask)} twice")
+    want = end_state(what, p, n)
+    for r in range(p):
+        bad = np.nonzero((want[r] >= 0) & (state[r] != want[r]))[0]
+        if bad.size:
+            j = bad[0]
+            problems.append(f"after the last step rank {r} holds element {j} with contributors "
+                            f"{ranks_text(int(state[r, j]))}, not {ranks_text(int(want[r, j]))} "
+                            f"({bad.size} element(s) wrong)")
+
+
+def title(spec, p, n, off, steps, sends, recvs) -> str:
+    """"ring all-reduce, p=4, 32 float64 = 256 B (8 per piece): 6 steps: 3 reduce-scatter (+=),
+    then 3 all-gather (=)": the phases are runs of steps whose receives do the same."""
+    runs = []
+    for s in steps:
+        op = step_op(s, recvs)
+        if runs and runs[-1][0] == op:
+            runs[-1][1] += 1
+        else:
+            runs.append([op, 1])
+    phases = ", then ".join(f"{k} {spec.phases.get(op, 'step(s)')}" + ("" if op == "hdr" else f" ({op})")
+                            for op, k in runs)
+    sizes = {off[k + 1] - off[k] for k in range(p)}
+    pieces = any(piece_of(m, off)[0] >= 0 for m in sends)
+    per = (f" ({sizes.pop()} per piece)" if len(sizes) == 1 else f" (pieces of {min(sizes)}-{max(sizes)})") \
+        if pieces else ""
+    return f"{spec.title}, p={p}, {n} float64 = {8 * n} B{per}: {len(steps)} steps: {phases}"
+
+
+# --- Megatron's MLP: spans per layer, and where its two all-reduces happen -------------------------
+
+@dataclass
+class MLPPicture:
+    p: int
+    columns: list               # the layer spans in time order: ("c_fc", "forward"), ...
+    cells: dict                 # (rank, column index) -> {"us": duration, "comm": [comm span args]}
+    shapes: dict                # layer -> its forward output's shape on rank 0
+    title: str
+    problems: list
+
+
+def mlp_picture(trace: dict) -> MLPPicture:
+    """Each rank's layer spans, forward then backward, and the all-reduces inside each."""
+    from minipar import traceview                                       # noqa: PLC0415
+    meta = trace["otherData"]["minipar"]
+    p, problems, cells, columns = meta["world"], [], {}, None
+    for r in range(p):
+        layers = sorted(traceview.spans(trace, "layer", r), key=lambda e: e["ts"])
+        mine = [(e["args"]["layer"], e["args"]["pass"]) for e in layers]
+        if columns is None:
+            columns = mine
+        elif mine != columns:
+            problems.append(f"rank {r} ran the layers {mine}, rank 0 {columns}")
+            continue
+        for i, e in enumerate(layers):
+            cells[(r, i)] = {"us": e["dur"], "comm": []}
+        for c in traceview.spans(trace, "comm", r):
+            inside = [i for i, e in enumerate(layers) if e["ts"] - 0.01 <= c["ts"] and c["end"] <= e["end"] + 0.01]
+            if not inside:
+                problems.append(f"rank {r}: a {c['args']['op']} at {c['ts']:.1f} us outside every layer")
+                continue
+            cells[(r, inside[-1])]["comm"].append(c["args"])
+    calls = [(columns[i], a) for (r, i), cell in sorted(cells.items()) if r == 0 for a in cell["comm"]]
+    where = ", ".join(f"{a['op'].replace('_', '-')} of {max(m[3] for m in a['messages'])} B in {name} {pas}"
+                      for (name, pas), a in calls)
+    B, T, C = meta["B"], meta["T"], meta["C"]
+    head = f"{WHATS['megatron-mlp'].title}, tp={p}, B={B} T={T} C={C} float64: {len(calls)} all-reduces: {where}"
+    return MLPPicture(p, columns or [], cells, meta["shapes"], head, problems)
+
+
+
+# --- 1F1B: what the trainer's trace shows --------------------------------------------------
+
+def schedule_phases(instructions: list) -> list[tuple[str, list]]:
+    """A 1F1B stage's instructions as [("warm-up", [...]), ("steady", [...]), ("cool-down", [...])]:
+    each Recv goes with the Forward/Backward after it, each Send with the one before; warm-up
+    ends at the forward paired with the first backward, cool-down starts after the backward
+    paired with the last forward."""
+    from minipar.parallel.schedules import Backward, Forward, SENDS     # noqa: PLC0415
+    ops, waiting = [], []
+    for ins in instructions:
+        if isinstance(ins, (Forward, Backward)):
+            ops.append([ins] if not waiting else waiting + [ins])
+            waiting = []
+        elif isinstance(ins, SENDS):
+            ops[-1].append(ins)
+        else:
+            waiting.append(ins)
+    kinds = ["B" if any(isinstance(i, Backward) for i in op) else "F" for op in ops]
+    first_b = kinds.index("B") if "B" in kinds else len(ops)
+    steady = first_b - 1 if first_b > 0 and kinds[first_b - 1] == "F" else first_b
+    last_f = len(kinds) - 1 - kinds[::-1].index("F") if "F" in kinds else -1
+    cool = last_f + 2 if last_f + 1 < len(kinds) and kinds[last_f + 1] == "B" else last_f + 1
+    cuts = [("warm-up", ops[:steady]), ("steady", ops[steady:cool]), ("cool-down", ops[cool:])]
+    return [(name, [i for op in part for i in op]) for name, part in cuts]
+
+
+def pipeline_picture(trace: dict) -> dict:
+    """traceview.pipeline_timeline of the last step, with the theory and each stage's schedule."""
+    from minipar import traceview                                       # noqa: PLC0415
+    from minipar.parallel import schedules                              # noqa: PLC0415
+    meta = trace["otherData"]["minipar"]
+    tl = traceview.pipeline_timeline(trace)
+    p, m, name = tl["n_stages"], meta["micro_batches"], tl["schedule"] or meta["schedule"]
+    tl["micro_batches"] = m
+    tl["theory"] = schedules.bubble_theory(name, p, m)
+    tl["stages"] = [schedule_phases(schedules.schedule(name, s, p, m)) for s in range(p)]
+    tl["simulated"] = schedules.check(p, m, name).timeline             # F = 1, B = 2 time units
+    tl["title"] = (f"{name} pipeline, p={p} stages, m={m} micro-batches, step {tl['step']} as measured: "
+                   f"bubble {tl['bubble']:.3f} (theory (p-1)/(m+p-1) = {tl['theory']:.3f})")
+    return tl

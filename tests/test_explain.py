@@ -1,0 +1,293 @@
+"""python -m minipar.explain: each drawing is read back from the data that went on the wire.
+
+Every run below is the command a user types (it launches mpirun itself, under a timeout); the
+tests then read its trace with explain_read.collective_picture / mlp_picture / pipeline_picture and
+compare with the algorithms' own formulas (ring.py's docstring, tree.py's tree, Megatron's f
+and g), and check that a planted mistake in a trace is reported.
+"""
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from minipar import explain, explain_read, traceview
+from minipar.parallel import schedules
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+_RUNS = {}
+
+
+def explained(what, p, tmp_path_factory):
+    """Run `python -m minipar.explain WHAT --p P` once per test session -> (process, trace, out dir)."""
+    if (what, p) not in _RUNS:
+        out = str(tmp_path_factory.mktemp(f"explain-{what}-p{p}"))
+        proc = subprocess.run([sys.executable, "-m", "minipar.explain", what, "--p", str(p), "--out", out],
+                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180)
+        path = os.path.join(out, f"explain-{what}-p{p}.json")
+        assert os.path.isfile(path), f"exit {proc.returncode}, no {path}:\n{proc.stdout}\n{proc.stderr}"
+        trace = traceview.load(path)
+        _RUNS[(what, p)] = (proc, trace, out)
+    return _RUNS[(what, p)]
+
+
+def ranks(mask):
+    return {r for r in range(mask.bit_length()) if mask >> r & 1}
+
+
+def messages(pic, rank, step):
+    """{kind: [Message]} of one cell."""
+    out = {"send": [], "recv": []}
+    for kind, m in pic.cells.get((rank, step), []):
+        out[kind].append(m)
+    return out
+
+
+# --- collectives ---------------------------------------------------------------------------------
+
+def test_ring_all_reduce_cells_are_the_rings_piece_schedule(tmp_path_factory):
+    """ring.py: reduce-scatter step s = 0..p-2 sends piece (r-s-1) % p and receives (r-s-2) % p,
+    adding it in; all-gather step s sends (r-s) % p and receives (r-s-1) % p, copying it. A
+    partial sum collects one rank per step: the one that sends it at step s holds ranks r-s..r."""
+    proc, trace, _ = explained("ring-all-reduce", 4, tmp_path_factory)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pic = explain_read.collective_picture(trace)
+    p, full = 4, 0b1111
+    assert pic.problems == [] and pic.steps == list(range(1, 2 * (p - 1) + 1)), pic.problems
+    for r in range(p):
+        for s in range(p - 1):
+            cell = messages(pic, r, s + 1)
+            (send,), (recv,) = cell["send"], cell["recv"]
+            got = (send.dst, explain_read.piece_of(send, pic.off)[1], ranks(send.mask),
+                   recv.src, explain_read.piece_of(recv, pic.off)[1], recv.op, ranks(recv.mask))
+            want = ((r + 1) % p, f"p{(r - s - 1) % p}", {(r - k) % p for k in range(s + 1)},
+                    (r - 1) % p, f"p{(r - s - 2) % p}", "+=", {(r - 1 - k) % p for k in range(s + 1)})
+            assert got == want, f"rank {r} reduce-scatter step {s}: {got} != {want}"
+            assert len(ranks(send.mask)) == s + 1                           # one more rank per step
+            cell = messages(pic, r, p + s)
+            (send,), (recv,) = cell["send"], cell["recv"]
+            got = (explain_read.piece_of(send, pic.off)[1], send.mask,
+                   explain_read.piece_of(recv, pic.off)[1], recv.op, recv.mask)
+            want = (f"p{(r - s) % p}", full, f"p{(r - s - 1) % p}", "=", full)
+            assert got == want, f"rank {r} all-gather step {s}: {got} != {want}"
+    text = proc.stdout
+    assert text.startswith("ring all-reduce, p=4, 32 float64 = 256 B (8 per piece): 6 steps: "
+                           "3 reduce-scatter (+=), then 3 all-gather (=)"), text
+    row = next(line for line in text.splitlines() if line.startswith("rank 0 "))
+    assert row.split()[2:5] == ["->1", "p3", "{0}"], row                 # step 1: own copy of piece r-1
+    assert "<-3 p2 += {3}" in text.splitlines()[text.splitlines().index(row) + 1]
+
+
+def test_recursive_doubling_p5_shows_the_fix_up(tmp_path_factory):
+    """p = 5 is not a power of two: rank 4 (extra) first hands its x to rank 0, which adds it in;
+    ranks 0..3 double; last, rank 0 hands the result back to rank 4. Both ends of every
+    message must call it the same step (a trace whose ranks number steps differently draws
+    an exchange in two columns)."""
+    proc, trace, _ = explained("recursive-doubling", 5, tmp_path_factory)
+    pic = explain_read.collective_picture(trace)
+    first, last = pic.steps[0], pic.steps[-1]
+    mine = [(s, k, m) for s in pic.steps for k, m in pic.cells.get((4, s), [])]
+    assert [(s, k, m.src, m.dst, ranks(m.mask)) for s, k, m in mine] == \
+        [(first, "send", 4, 0, {4}), (last, "recv", 0, 4, {0, 1, 2, 3, 4})], mine
+    assert mine[-1][2].op == "="
+    (got,) = messages(pic, 0, first)["recv"]
+    assert (got.src, got.op, ranks(got.mask)) == (4, "+=", {4})
+    assert pic.problems == [], "\n".join(pic.problems)
+    assert proc.returncode == 0, proc.stderr
+    assert pic.columns[first].endswith("ranks {0,4}") and pic.columns[last].endswith("ranks {0,4}"), pic.columns
+    assert all(pic.columns[s].endswith("ranks {0-3}") for s in pic.steps[1:-1]), pic.columns
+
+
+def test_broadcast_tree_each_rank_receives_once(tmp_path_factory):
+    """Binomial tree from rank 0: every other rank receives the header once and the data once,
+    a copy of rank 0's x; rank 0 receives nothing."""
+    proc, trace, _ = explained("broadcast", 4, tmp_path_factory)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pic = explain_read.collective_picture(trace)
+    assert pic.problems == [], pic.problems
+    for r in range(4):
+        got = [m for s in pic.steps for k, m in pic.cells.get((r, s), []) if k == "recv"]
+        if r == 0:
+            assert got == []
+            continue
+        data = [m for m in got if m.mask is not None]
+        assert len(data) == 1 and len(got) == 2, (r, got)
+        assert (data[0].op, data[0].mask, data[0].lo, data[0].hi) == ("=", 1, 0, pic.n - 1), data
+
+
+@pytest.mark.parametrize("what", ["reduce-scatter", "all-gather", "reduce"])
+def test_other_collectives_replay_to_their_results(what, tmp_path_factory):
+    """No problem in the replay: every message carried what its sender held, and each rank
+    ended with the collective's result (explain_read.end_state); the worker checked NumPy too."""
+    proc, trace, out = explained(what, 4, tmp_path_factory)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pic = explain_read.collective_picture(trace)
+    assert pic.problems == [] and len(pic.steps) == {"reduce": 2}.get(what, 3), (pic.problems, pic.steps)
+    assert os.path.isfile(os.path.join(out, f"explain-{what}-p4.svg"))
+
+
+# --- the planted mistakes --------------------------------------------------------------------------
+
+def _message(trace, rank, step, kind="send"):
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "comm" and e["pid"] == rank:
+            for m in e["args"]["messages"]:
+                if m[0] == step and m[1] == kind:
+                    return e["args"]["messages"], m
+    raise AssertionError(f"no {kind} of rank {rank} at step {step}")
+
+
+def test_a_planted_mistake_is_reported(tmp_path_factory, tmp_path):
+    """Three traces altered after the run: a partial sum that claims rank 2's input (it holds
+    {0,1}), a value that is no sum of inputs, and a message nobody received. Each is named."""
+    _, trace, _ = explained("ring-all-reduce", 4, tmp_path_factory)
+    assert explain_read.collective_picture(trace).problems == []
+    wrong = copy.deepcopy(trace)                        # rank 1, step 2: piece 3 (elements 24..31) of
+    _, m = _message(wrong, 1, 2)                        # x_0 + x_1; now its values say + x_2 too
+    M = 2 ** 4
+    m[4] += 25 * M + 4                                  # x_2[24] = (24+1)*M + 2**2
+    m[5] += 32 * M + 4
+    problems = explain_read.collective_picture(wrong).problems
+    assert any(p.startswith("step 2: rank 1 sends elements 24..31 with contributors {0-2} but holds {0,1}")
+               for p in problems), problems
+    garbled = copy.deepcopy(trace)
+    _, m = _message(garbled, 2, 1)
+    m[4] += 1.0                                         # (j+1)*M + 2**r + 1: rank bits that do not add up
+    assert any(p.startswith("step 1: rank 2 -> 3:") for p in explain_read.collective_picture(garbled).problems)
+    lost = copy.deepcopy(trace)
+    msgs, m = _message(lost, 3, 4, "recv")
+    msgs.remove(m)
+    problems = explain_read.collective_picture(lost).problems     # the later ones pair up one step apart
+    assert problems[0] == "rank 2 sends 64 B to rank 3 at its step 4; rank 3 receives 64 B at its step 5", problems
+    assert "step 6: rank 2 sends to rank 3, which never receives it" in problems, problems
+    path = str(tmp_path / "planted.json")
+    with open(path, "w") as f:
+        json.dump(wrong, f)
+    assert explain.draw(path, str(tmp_path)) != []      # what the command's exit status 1 comes from
+    assert "PROBLEM: step 2: rank 1 sends" in open(tmp_path / "explain-ring-all-reduce-p4.svg").read()
+
+
+def test_pieces_are_the_rings():
+    from minipar.comm.group import split_offsets
+    for n, p in ((32, 4), (10, 3), (5, 5), (17, 16)):
+        assert explain_read.piece_offsets(n, p) == split_offsets(n, p), (n, p)
+
+
+def test_decode_inverts_the_encoding():
+    p, n = 5, 7
+    for mask in (1, 0b10110, 0b11111):
+        for j in range(n):
+            v = sum((j + 1) * 2 ** p + 2 ** r for r in ranks(mask))
+            assert explain_read.decode(float(v), p, n) == (mask, j)
+    for bad in (3.5, 2 * 2.0 ** p + 7, (n + 1) * 2.0 ** p + 1):      # 3 ranks cannot sum to 2*M
+        with pytest.raises(ValueError):
+            explain_read.decode(bad, p, n)
+
+
+# --- Megatron's MLP and 1F1B -------------------------------------------------------------------------
+
+def test_megatron_mlp_all_reduces_once_in_g_forward_and_once_in_f_backward(tmp_path_factory):
+    proc, trace, _ = explained("megatron-mlp", 2, tmp_path_factory)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pic = explain_read.mlp_picture(trace)
+    assert pic.problems == [], pic.problems
+    B, T, C = explain.MLP_SHAPE
+    assert pic.columns[:5] == [("f", "forward"), ("c_fc", "forward"), ("gelu", "forward"), ("c_proj", "forward"),
+                               ("g", "forward")] and pic.columns[-1] == ("f", "backward"), pic.columns
+    assert pic.shapes["c_fc"] == [B, T, 4 * C // 2] and pic.shapes["g"] == [B, T, C]
+    for r in range(2):
+        calls = [(pic.columns[i], a) for (rank, i), cell in pic.cells.items() if rank == r for a in cell["comm"]]
+        assert [c for c, _ in calls] == [("g", "forward"), ("f", "backward")], calls
+        for _, a in calls:
+            assert a["op"] == "all_reduce" and {m[3] for m in a["messages"]} == {B * T * C * 8}, a
+            assert a["bytes_sent"] == B * T * C * 8                 # tp = 2: one exchange of the array
+    assert "2 all-reduces: all-reduce of 192 B in g forward, all-reduce of 192 B in f backward" in proc.stdout
+
+
+def test_1f1b_measured_timeline_theory_and_instructions(tmp_path_factory):
+    proc, trace, out = explained("1f1b", 3, tmp_path_factory)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pic = explain_read.pipeline_picture(trace)
+    p, m = 3, 6
+    assert pic["n_stages"] == p and pic["micro_batches"] == m
+    assert pic["theory"] == schedules.bubble_theory("1f1b", p, m) and 0 < pic["bubble"] < 1
+    assert f"bubble {pic['bubble']:.3f} (theory (p-1)/(m+p-1) = 0.250)" in proc.stdout
+    assert sum(line.startswith("stage ") and "|" in line for line in proc.stdout.splitlines()) == 2 * p
+    for s in range(p):                                  # the phases put back together are the schedule
+        phases = pic["stages"][s]
+        assert [name for name, _ in phases] == ["warm-up", "steady", "cool-down"]
+        assert [i for _, ins in phases for i in ins] == schedules.schedule("1f1b", s, p, m)
+        n_warm = sum(isinstance(i, schedules.Forward) for i in phases[0][1])
+        assert n_warm == p - s - 1, (s, phases[0])
+        mine = [(k, mb) for st, k, mb, _, _ in pic["timeline"] if st == s]
+        assert mine == [(type(i).__name__[0], i.mb) for i in schedules.schedule("1f1b", s, p, m)
+                        if isinstance(i, (schedules.Forward, schedules.Backward))]
+    assert open(os.path.join(out, "explain-1f1b-p3.svg")).read().startswith("<svg")
+
+
+# --- the files ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("what,p", [("ring-all-reduce", 4), ("megatron-mlp", 2), ("1f1b", 3)])
+def test_svg_parses_with_a_row_per_rank_and_the_title(what, p, tmp_path_factory):
+    proc, _, out = explained(what, p, tmp_path_factory)
+    root = ET.parse(os.path.join(out, f"explain-{what}-p{p}.svg")).getroot()
+    texts = ["".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    label = "stage" if what == "1f1b" else "rank"
+    assert sorted(t for t in texts if t.startswith(f"{label} ")) == [f"{label} {r}" for r in range(p)], texts
+    assert texts[0] == proc.stdout.splitlines()[0], (texts[0], proc.stdout.splitlines()[0])
+
+
+@pytest.mark.parametrize("what,p", [("ring-all-reduce", 4), ("megatron-mlp", 2)])
+def test_png_has_the_svgs_size_and_is_not_blank(what, p, tmp_path_factory):
+    pytest.importorskip("resvg_py")
+    Image = pytest.importorskip("PIL.Image")
+    _, _, out = explained(what, p, tmp_path_factory)
+    root = ET.parse(os.path.join(out, f"explain-{what}-p{p}.svg")).getroot()
+    with Image.open(os.path.join(out, f"explain-{what}-p{p}.png")) as im:
+        assert im.size == (round(float(root.get("width"))), round(float(root.get("height"))))
+        colours = im.convert("RGB").getcolors(maxcolors=1 << 16)
+    assert colours is None or len(colours) > 20, colours        # text and coloured bands, not a blank page
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,needle", [(["broadcastt"], "unknown WHAT 'broadcastt'"),
+                                         (["ring-all-reduce", "--p", "1"], "--p 1: need 2 <= P <= 16"),
+                                         (["reduce", "--p", "17"], "--p 17"),
+                                         (["megatron-mlp", "--p", "3"], "--p 3"),
+                                         (["ring-all-reduce", "--bytes", "12"], "--bytes 12")])
+def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
+    assert explain.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("minipar.explain: error: ") and needle in err, err
+
+
+def test_a_launch_that_outlives_its_timeout_is_killed_and_says_so(tmp_path):
+    env = dict(ENV, MINIPAR_EXPLAIN_TIMEOUT="0.2")
+    proc = subprocess.run([sys.executable, "-m", "minipar.explain", "reduce", "--out", str(tmp_path)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "did not finish within 0.2 s" in proc.stderr, proc.stderr
+    time.sleep(0.2)
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(tmp_path).encode() in f.read():
+                    left.append(pid)
+        except OSError:
+            pass
+    assert left == [], f"processes left running: {left}"
+
+
+def test_under_mpirun_the_ranks_are_the_workers(tmp_path):
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    proc = subprocess.run([mpirun, "-n", "2", sys.executable, "-m", "minipar.explain", "all-gather", "--out",
+                           str(tmp_path)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ring all-gather, p=2,") == 1, proc.stdout      # rank 0 draws, once
+    assert os.path.isfile(tmp_path / "explain-all-gather-p2.svg")

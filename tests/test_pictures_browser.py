@@ -1,0 +1,68 @@
+"""The SVGs as a browser sees them: headless Chromium parses each (no XML error page, the
+labels present in its DOM) and renders it to a PNG that is not blank. The pictures are
+docs/img/*.svg (scripts/make_pictures.py made them from real runs) and a pipeline timeline
+drawn now. Chromium is not part of `make install`; without /usr/bin/chromium (or chromium on
+PATH) these tests skip, saying so.
+"""
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from minipar import draw
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMG = os.path.join(REPO, "docs", "img")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# headless, and nothing that reaches for the network (this machine has none to reach)
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed "
+                                "(apt install chromium): the SVGs are not checked in a browser")
+
+
+def chromium(tmp_path, *args):
+    p = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout
+
+
+def ink(path):
+    """(height, width) of a PNG and the fraction of its pixels that are not the background."""
+    image = pytest.importorskip("matplotlib.image").imread(str(path))[..., :3]
+    background = image[0, 0]
+    return image.shape[:2], float(np.mean(np.any(np.abs(image - background) > 0.05, axis=-1)))
+
+
+def svgs():
+    fresh = draw.timeline_svg([(0, "F", 0, 0.0, 1.0), (1, "F", 0, 1.0, 2.0), (1, "B", 0, 2.0, 4.0),
+                               (0, "B", 0, 4.0, 6.0)], 2, "planted title: bubble 0.333")
+    found = sorted(f for f in os.listdir(IMG) if f.endswith(".svg")) if os.path.isdir(IMG) else []
+    return [("timeline_svg", fresh)] + [(f, open(os.path.join(IMG, f)).read()) for f in found]
+
+
+def test_docs_img_has_the_pictures():
+    names = {name for name, _ in svgs()}
+    for want in ("loss.svg", "timeline.svg", "explain-ring-all-reduce-p4.svg", "explain-1f1b-p4.svg"):
+        assert want in names, f"docs/img/{want} is missing: run scripts/make_pictures.py"
+
+
+@pytest.mark.parametrize("name,svg", svgs(), ids=lambda v: v if len(v) < 60 else "")
+def test_chromium_parses_and_renders(name, svg, tmp_path):
+    path = tmp_path / "picture.svg"
+    path.write_text(svg)
+    dom = chromium(tmp_path, "--dump-dom", path.as_uri())
+    assert "<parsererror" not in dom and re.match(r"(<!DOCTYPE[^>]*>\s*)?<svg", dom.lstrip()), \
+        f"{name}: {dom[:500]}"
+    if name == "timeline_svg":
+        assert "planted title: bubble 0.333" in dom and "stage 1" in dom
+    png = tmp_path / "picture.png"
+    chromium(tmp_path, f"--screenshot={png}", "--window-size=800,400", path.as_uri())
+    shape, drawn = ink(png)
+    assert shape == (400, 800)
+    assert drawn > 0.002, f"{name}: the rendering is blank ({drawn:.2%} of the pixels drawn)"
