@@ -118,13 +118,31 @@ def comm_bytes(trace: dict) -> dict:
     return {pid: dict(axes) for pid, axes in out.items()}
 
 
+def orders(trace: dict) -> dict:
+    """{pid: {step: [(kind, mb)]}}: each rank's micro-batch spans inside each training step,
+    in the order they started (one pass over the trace)."""
+    by_pid = defaultdict(lambda: ([], []))
+    for e in spans(trace):
+        if e["cat"] in ("step", "microbatch"):
+            by_pid[e["pid"]][e["cat"] == "microbatch"].append(e)
+    out = {}
+    for pid, (windows, mbs) in by_pid.items():
+        windows.sort(key=lambda e: e["ts"])
+        mbs.sort(key=lambda e: e["ts"])
+        mine = out[pid] = {w["args"]["step"]: [] for w in windows}
+        k = 0
+        for e in mbs:                           # windows and spans both in time order
+            while k < len(windows) and windows[k]["end"] + 0.01 < e["end"]:
+                k += 1
+            if k < len(windows) and windows[k]["ts"] <= e["ts"]:
+                mine[windows[k]["args"]["step"]].append((e["args"]["kind"], e["args"]["mb"]))
+    return out
+
+
 def order(trace: dict, pid: int, step: int) -> list[tuple[str, int]]:
     """[(kind, mb)] of the micro-batch spans of rank `pid` inside training step `step`, in
     the order they started."""
-    window = [e for e in spans(trace, "step", pid) if e["args"]["step"] == step][0]
-    mbs = [e for e in spans(trace, "microbatch", pid)
-           if window["ts"] <= e["ts"] and e["end"] <= window["end"] + 0.01]
-    return [(e["args"]["kind"], e["args"]["mb"]) for e in sorted(mbs, key=lambda e: e["ts"])]
+    return orders(trace).get(pid, {}).get(step, [])
 
 
 def scheduled(schedule: str | None, stage: int, n_stages: int, n_micro: int) -> list[tuple[str, int]]:
@@ -153,10 +171,11 @@ def audit(trace: dict) -> list[str]:
         if got.get(pid, {}) != ledger:
             out.append(f"rank {pid}: comm events {got.get(pid, {})} != ledger {ledger}")
     layout = meta.get("layout", {})
+    seen_all, all_steps = orders(trace), steps(trace)
     for pid, where in sorted(procs.items()):
         want = scheduled(meta.get("schedule"), where["pp"], layout.get("pp", 1), meta.get("micro_batches", 1))
-        for step in steps(trace):
-            seen = order(trace, pid, step)
+        for step in all_steps:
+            seen = seen_all.get(pid, {}).get(step, [])
             if seen != want:
                 out.append(f"rank {pid} step {step}: forwards/backwards {seen} != scheduled {want}")
     return out

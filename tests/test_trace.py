@@ -210,3 +210,13 @@ def test_off_means_nothing_recorded():
     g = comm.Group.__new__(comm.Group)      # Call keeps no recorder when tracing is off
     g.axis, g.comm, g.trace = None, None, False
     assert comm.group.Call(g, "all_reduce", 1, 0).rec is None
+
+
+def test_an_unwritable_trace_path_is_a_config_error(capsys, tmp_path):
+    """Checked on rank 0 before the ranks agree, like --log: exit 2, one line naming it."""
+    from trainer_runs import TINY, assert_main_exits_2
+    missing = str(tmp_path / "no-such-dir" / "t.json")
+    assert_main_exits_2(TINY + ["--trace", missing], ["--trace", missing, "does not exist"], capsys,
+                        "missing directory")
+    assert_main_exits_2(TINY + ["--trace", str(tmp_path)], ["--trace", "is a directory"], capsys,
+                        "a directory")
