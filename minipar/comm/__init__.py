@@ -33,6 +33,9 @@ were measured with scripts/bench_collectives.py --crossover (docs/collectives.md
     broadcast, reduce  binomial tree (tree.py) up to tree.BROADCAST_TREE_MAX_BYTES and
                        tree.REDUCE_TREE_MAX_BYTES, then a pipelined chain (p > 2)
     scatter, gather    binomial tree
+A group whose ranks sit on several hosts, some of them on the same one (Group.nodes), takes
+the hierarchical algorithms (hierarchical.py) for all_reduce, reduce_scatter and all_gather
+above the small-message sizes: inside each host, then across hosts once per piece.
 
 Blocking calls run the same algorithms without the generator machinery (straight_line.py)
 where that is simple: direct exchange (reduce-scatter, all-gather, all-reduce) at any size,
@@ -40,7 +43,7 @@ Bruck, and recursive doubling up to SMALL_MAX_BYTES. Every algorithm is also cal
 own, whatever the size: ring.all_reduce, doubling.all_reduce, direct.all_reduce, ... (the
 tests run each of them).
 """
-from . import direct, doubling, ring, straight_line, tree
+from . import direct, doubling, hierarchical, ring, straight_line, tree
 from .group import (CollectiveMismatch, CommError, CommTimeout, Group, Handle, abort_on_error,
                     abort_world, array, recv, recv_async, reset_traffic, run, send, send_async,
                     traffic, traffic_by_axis, untracked)
@@ -66,8 +69,16 @@ __all__ = [
 ]
 
 
+def spans_hosts(g) -> bool:
+    """Does g have ranks on several hosts, and several ranks on some host?"""
+    return 1 < g.n_nodes < g.size
+
+
 def _large(g):
-    """The bandwidth algorithm for this group: one round of direct exchange, or the ring."""
+    """The bandwidth algorithm for this group: hierarchical across hosts; on one host, one
+    round of direct exchange, or the ring."""
+    if spans_hosts(g):
+        return hierarchical
     return direct if g.size <= direct.DIRECT_MAX_RANKS else ring
 
 
@@ -88,7 +99,7 @@ def all_reduce(g, x, op="sum", *, out=None):
         return straight_line.all_reduce_into(g, x, op, out)
     if algorithm is direct:                     # two rounds: straight-line at any size
         return straight_line.all_reduce_direct_into(g, x, op, out)
-    return run(*algorithm.start_all_reduce(g, x, op, out))
+    return run(*algorithm.start_all_reduce(g, x, op, out))     # ring or hierarchical
 
 
 def all_reduce_async(g, x, op="sum", *, out=None):
@@ -101,6 +112,8 @@ def all_reduce_async(g, x, op="sum", *, out=None):
 
 def reduce_scatter_algorithm(g, x):
     """The module whose algorithm reduce_scatter runs for x on g."""
+    if spans_hosts(g) and x.nbytes <= ALL_REDUCE_DOUBLING_MAX_BYTES:
+        return direct           # small: one round beats the hierarchy's two
     return _large(g)            # direct exchange is one round: no faster small-message path
 
 
@@ -109,7 +122,7 @@ def reduce_scatter(g, x, op="sum", *, out=None):
     x = array(x)
     algorithm = reduce_scatter_algorithm(g, x)
     if algorithm is direct:                     # one round: straight-line at any size
-        return straight_line.reduce_scatter_into(g, x, op, out)
+        return straight_line.reduce_scatter_into(g, x, op, out)     # (else ring or hierarchical)
     return run(*algorithm.start_reduce_scatter(g, x, op, out))
 
 
@@ -126,6 +139,8 @@ def all_gather_algorithm(g, x, sizes):
     """The module whose algorithm all_gather runs for x (and the pieces' sizes) on g."""
     if g.size >= 4 and _gathered_bytes(g, x, sizes) <= ALL_GATHER_BRUCK_MAX_BYTES:
         return doubling
+    if spans_hosts(g) and _gathered_bytes(g, x, sizes) <= ALL_REDUCE_DOUBLING_MAX_BYTES:
+        return direct if g.size <= direct.DIRECT_MAX_RANKS else ring
     return _large(g)
 
 
@@ -137,7 +152,7 @@ def all_gather(g, x, sizes=None, *, out=None):
     """
     x = array(x)
     algorithm = all_gather_algorithm(g, x, sizes)
-    if algorithm is not ring:                   # direct (any size) or Bruck (small): straight-line
+    if algorithm in (direct, doubling):         # direct (any size) or Bruck (small): straight-line
         return straight_line.all_gather_into(g, x, sizes, out, bruck=algorithm is doubling)
     return run(*algorithm.start_all_gather(g, x, sizes, out))
 

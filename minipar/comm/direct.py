@@ -92,7 +92,7 @@ def all_reduce(g, x, op="sum", *, out=None):
 
 
 def start_reduce_scatter(g, x, op, out=None):
-    c, f, flat, res, off = begin_reduce_scatter(g, x, op, out, 1)
+    c, f, flat, res, off = begin_reduce_scatter(g, x, op, out, 1, "direct exchange")
     return c, _reduce_scatter(c, flat, f, res, off)
 
 

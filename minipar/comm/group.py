@@ -37,6 +37,7 @@ ml_dtypes' bfloat16 included; reductions are NumPy ufuncs applied in place.
 """
 import functools
 import os
+import socket
 import sys
 import time
 import traceback
@@ -55,7 +56,8 @@ OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 _TAG_CYCLE = 32000
 TAG_P2P = 32001
 TAG_DEBUG = 32002
-
+TAG_TOPOLOGY = 32003
+HOST_BYTES = 64             # a host name as exchanged when a Group is made
 HEADER_BYTES = 128          # send/recv header: b"<dtype>|<shape>" padded with zeros
 _NAP_AFTER = 0.05           # seconds of waiting before it sleeps between polls
 _NAP = 0.0005
@@ -82,9 +84,9 @@ def _env_flag(name):
 # twice: by top-level operation and by the axis of the group (Group.axis). Every finished
 # call adds its counts to one entry of each, so the two always have the same totals.
 
-_LEDGER = {}        # op -> [calls, bytes_sent, bytes_recv, seconds]: one list update per call
-_AXES = {}          # axis -> [calls, bytes_sent, bytes_recv, seconds]: the same calls, by axis
-_FIELDS = ("calls", "bytes_sent", "bytes_recv", "seconds")
+_LEDGER = {}        # op -> [calls, bytes_sent, bytes_recv, seconds, bytes_sent_inter, bytes_recv_inter]
+_AXES = {}          # axis -> the same fields: the same calls, by axis
+_FIELDS = ("calls", "bytes_sent", "bytes_recv", "seconds", "bytes_sent_inter", "bytes_recv_inter")
 
 
 def traffic():
@@ -119,17 +121,19 @@ class untracked:
         _trace.RECORDER = self.rec
 
 
-def _account(name, axis, sent, recvd, seconds):
+def _account(name, axis, sent, recvd, seconds, sent_inter, recvd_inter):
     """One finished call, added to both ledgers: under its operation and under its axis."""
     for ledger, key in ((_LEDGER, name), (_AXES, axis)):
         e = ledger.get(key)
         if e is None:
-            ledger[key] = [1, sent, recvd, seconds]
+            ledger[key] = [1, sent, recvd, seconds, sent_inter, recvd_inter]
         else:
             e[0] += 1
             e[1] += sent
             e[2] += recvd
             e[3] += seconds
+            e[4] += sent_inter
+            e[5] += recvd_inter
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,10 +191,20 @@ class Group:
     g.axis            the ledger category of its messages (traffic_by_axis): the parallelism
                       axis, "dp", "tp", "pp" (ProcessGrid's groups), "world"...; None: untagged
     g.with_axis(a)    the same group, its messages counted under axis a (see with_axis)
-    debug, trace, timeout default to MINIPAR_DEBUG, MINIPAR_TRACE, MINIPAR_COMM_TIMEOUT.
+    g.nodes           the host of each group rank, numbered 0, 1, ... in order of first
+                      appearance; g.node, g.n_nodes; g.local_ranks (the group ranks on this
+                      rank's host) and g.local_rank (this rank's index among them)
+    debug, trace, timeout default to MINIPAR_DEBUG, MINIPAR_TRACE, MINIPAR_COMM_TIMEOUT;
+    host (the name this rank reports) to MINIPAR_HOST, else socket.gethostname().
+
+    Which ranks share a host is learnt when the group is made: the ranks pass their host
+    names round a ring (p-1 steps of HOST_BYTES; set-up, like the communicator's Dup, so not
+    in the ledger). Every message is then also counted as inter-host or not (the ledger's
+    bytes_sent_inter, bytes_recv_inter), and a group that spans hosts uses the hierarchical
+    algorithms (hierarchical.py) for large messages.
     """
 
-    def __init__(self, comm, *, axis=None, debug=None, trace=None, timeout=None):
+    def __init__(self, comm, *, axis=None, debug=None, trace=None, timeout=None, host=None):
         self.comm = comm.Dup()          # a message space of our own (creating one is allowed)
         self.axis = axis
         self.rank = self.comm.Get_rank()
@@ -210,6 +224,20 @@ class Group:
         self.receiving = set()          # sources with a recv_async in flight (one at a time)
         if MPI.COMM_WORLD.Get_size() > 1:
             abort_on_error()
+        self.host = host or os.environ.get("MINIPAR_HOST") or socket.gethostname()
+        self.remote = (False,) * self.size           # until the hosts are known
+        self.set_nodes(_exchange_hosts(self))
+
+    def set_nodes(self, hosts):
+        """The topology from every group rank's host name (in group order)."""
+        first = {}
+        self.nodes = tuple(first.setdefault(h, len(first)) for h in hosts)
+        self.hosts = tuple(first)                       # the host names, by node number
+        self.n_nodes = len(first)
+        self.node = self.nodes[self.rank]
+        self.local_ranks = tuple(q for q, n in enumerate(self.nodes) if n == self.node)
+        self.local_rank = self.local_ranks.index(self.rank)
+        self.remote = tuple(n != self.node for n in self.nodes)    # is group rank q on another host?
 
     def with_axis(self, axis):
         """This group with its messages counted under `axis` in the ledger: a view (AxisView)
@@ -294,6 +322,21 @@ class AxisView(Group):
         return AxisView(self.group, axis)
 
 
+def _exchange_hosts(g):
+    """Every group rank's host name, in group order: a ring all-gather of HOST_BYTES each on
+    g's communicator, polled like every wait (a Call never done(): not in the ledger)."""
+    p, r = g.size, g.rank
+    table = np.zeros((p, HOST_BYTES), np.uint8)
+    raw = g.host.encode()[:HOST_BYTES]
+    table[r, :len(raw)] = np.frombuffer(raw, np.uint8)
+    if p > 1:
+        call = Call(g, "topology", p - 1, TAG_TOPOLOGY)
+        right, left = (r + 1) % p, (r - 1) % p
+        for s in range(p - 1):
+            call.wait(call.sendrecv(s + 1, table[(r - s) % p], right, table[(r - s - 1) % p], left))
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in table]
+
+
 class Call:
     """One collective call in flight: its tag, step counter, byte counts, and the wait loop.
 
@@ -304,13 +347,15 @@ class Call:
     """
 
     __slots__ = ("g", "name", "axis", "tag", "nsteps", "step", "sent", "recvd", "t0", "comm",
-                 "trace", "posted", "blocking", "algorithm", "rec", "log", "asynchronous")
+                 "trace", "posted", "blocking", "algorithm", "rec", "log", "asynchronous",
+                 "remote", "sent_inter", "recvd_inter")
 
     def __init__(self, g, name, nsteps, tag, algorithm=None):
         self.g, self.name, self.nsteps, self.tag = g, name, nsteps, tag
         self.axis = g.axis              # the ledger's axis: the group the call was started on
         self.comm, self.trace = g.comm, g.trace
-        self.step = self.sent = self.recvd = 0
+        self.step = self.sent = self.recvd = self.sent_inter = self.recvd_inter = 0
+        self.remote = g.remote          # remote[q]: is group rank q on another host?
         self.posted = []
         self.blocking = False           # set by run(): may receive into the group's scratch
         self.algorithm = algorithm
@@ -336,6 +381,8 @@ class Call:
         if not n:
             return []
         self.sent += n
+        if self.remote[dst]:
+            self.sent_inter += n
         self.posted.append(("send to", dst, n))
         if self.trace:
             self.print_send(step, dst, n)
@@ -350,6 +397,8 @@ class Call:
         if not n:
             return []
         self.recvd += n
+        if self.remote[src]:
+            self.recvd_inter += n
         self.posted.append(("receive from", src, n))
         if self.rec is not None:
             self.note(step, "recv", src, buf)
@@ -363,6 +412,11 @@ class Call:
             self.posted = [("send to", dst, ns), ("receive from", src, nr)]
             self.sent += ns
             self.recvd += nr
+            remote = self.remote
+            if remote[dst]:
+                self.sent_inter += ns
+            if remote[src]:
+                self.recvd_inter += nr
             if self.trace:
                 self.print_send(step, dst, ns)
             if self.rec is not None:
@@ -423,7 +477,8 @@ class Call:
 
     def done(self):
         end = time.perf_counter()
-        _account(self.name, self.axis, self.sent, self.recvd, end - self.t0)
+        _account(self.name, self.axis, self.sent, self.recvd, end - self.t0, self.sent_inter,
+                 self.recvd_inter)
         if self.rec is not None:
             self.rec.call(self, end)
 

@@ -130,14 +130,14 @@ def all_reduce(g, x, op="sum", *, out=None):
     return run(*start_all_reduce(g, x, op, out))
 
 
-def begin_reduce_scatter(g, x, op, out, nsteps):
+def begin_reduce_scatter(g, x, op, out, nsteps, algorithm="ring"):
     """What every reduce-scatter starts with: the ufunc, the np.array_split offsets, this
     rank's result piece (out or new) and the Call. -> (c, f, flat x, res, off)"""
     f = reduce_op(op)
     x = array(x)
     off = split_offsets(x.size, g.size)
     res = result(out, (off[g.rank + 1] - off[g.rank],), x.dtype, "reduce_scatter")
-    c = g.begin("reduce_scatter", nsteps, describe(x, op=op) if g.debug else None, "ring")
+    c = g.begin("reduce_scatter", nsteps, describe(x, op=op) if g.debug else None, algorithm)
     return c, f, x.ravel(), res, off
 
 
