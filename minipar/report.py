@@ -60,6 +60,34 @@ def memory_per_rank(world, mem: dict) -> list[dict] | None:
              "formula": dict(zip(_MEMORY_FIELDS, map(int, row[3:])))} for r, row in enumerate(rows)]
 
 
+def hosts_summary(g, rows_log) -> dict:
+    """A job across hosts: where the ranks are, and the bytes per step this rank sent by
+    axis, in all and across hosts (the ledger's bytes_sent_inter)."""
+    axes = sorted({a for r in rows_log for a in r["bytes_by_axis"]})
+    return {"hosts": list(g.world.hosts), "rank_host": [g.world.hosts[n] for n in g.world.nodes],
+            "bytes_per_step": {a: float(np.mean([r["bytes_by_axis"].get(a, 0) for r in rows_log])) for a in axes},
+            "inter_host_bytes_per_step": {a: float(np.mean([r["inter_host_bytes_by_axis"].get(a, 0)
+                                                            for r in rows_log])) for a in axes},
+            "tp_spans_hosts": g.tp_group.n_nodes > 1}
+
+
+def hosts_line(h: dict) -> str:
+    per = ", ".join(f"{a} {human_bytes(h['inter_host_bytes_per_step'][a])} of {human_bytes(n)}"
+                    for a, n in h["bytes_per_step"].items())
+    return f"  across {len(h['hosts'])} hosts: sent per step to other hosts (of all sent), by axis: {per}"
+
+
+def placement_warning(g) -> str | None:
+    """The tp group should sit inside one host: Megatron's all-reduces are on every layer's
+    critical path. A layout that puts it across hosts runs, with this warning."""
+    if g.tp_size == 1 or g.tp_group.n_nodes == 1:
+        return None
+    return (f"  warning: the tp group of rank {g.rank} spans hosts "
+            f"{', '.join(g.tp_group.hosts)}: every layer's all-reduces cross the link (the "
+            f"summary measures it); place tp inside a host (e.g. mpirun -ppn a multiple of --tp "
+            f"{g.tp_size}, docs/cluster.md)")
+
+
 def n_buckets(s) -> int:
     """Bucketed data parallelism's bucket count for this model (data_parallel.bucket_members)."""
     return len(data_parallel.bucket_members([p.data.nbytes for p in s.model.parameters()], s.args.bucket_mb))
@@ -109,6 +137,14 @@ def describe(s) -> list[str]:
         f" in {n_buckets(s)} bucket(s) of <= {a.bucket_mb:g} MiB"
         if a.dp_mode == "bucketed" else ""))
     lines.append(f"  layout: {s.world} process(es), {g.describe()}{mode}")
+    if g.world.n_nodes > 1:
+        w = g.world
+        lines.append(f"  hosts: {w.n_nodes}, " + "; ".join(
+            f"{name}: ranks {', '.join(str(q) for q, n in enumerate(w.nodes) if n == h)}"
+            for h, name in enumerate(w.hosts)))
+        warning = placement_warning(g)
+        if warning:
+            lines.append(warning)
     if g.tp_size > 1:
         lines.append(f"  tensor parallel: each tp rank holds {cfg.n_head // g.tp_size} of "
                      f"{cfg.n_head} heads, 1/{g.tp_size} of every MLP, "
@@ -253,6 +289,9 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
                      f"{exposed * 1e3:.1f} ms/step ({exposed / step_time:.0%} of the step)")
     if digest is not None:
         lines.append(f"  replicas identical across {dp} dp ranks (weights sha256 {digest})")
+    if g.world.n_nodes > 1:
+        summary["hosts"] = hosts_summary(g, rows_log)
+        lines.append(hosts_line(summary["hosts"]))
     if stages is not None:                                # pp rank 0 (world rank 0 among them)
         pl = summary["pipeline"] = pipeline_summary(a, s.pipe, stages, rows_log)
         lines.append(f"  pipeline: {a.schedule}, p={pp}, m={M}: "

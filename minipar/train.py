@@ -149,7 +149,7 @@ def train_step(s: Session, step: int) -> dict:
     scaler = opt.scaler if args.precision != "fp32" else None
     scale = scaler.scale if scaler is not None else 1.0
     t0 = time.perf_counter()
-    sent0 = sent_by_axis()
+    sent0, inter0 = sent_by_axis(), sent_by_axis("bytes_sent_inter")
     lr = lr_at(step, args.lr, args.lr_schedule, args.warmup, args.steps, args.min_lr)
     opt.lr = lr
     sync.zero_grad()
@@ -188,6 +188,7 @@ def train_step(s: Session, step: int) -> dict:
         scaler.update(skipped)                          # a skipped step: nothing in opt has changed
     dt = time.perf_counter() - t0
     step_sent = {axis: n - sent0.get(axis, 0) for axis, n in sent_by_axis().items()}      # by axis
+    step_inter = {axis: n - inter0.get(axis, 0) for axis, n in sent_by_axis("bytes_sent_inter").items()}
     # up to the gradient sync
     sync_sent = {axis: n - sent0.get(axis, 0) for axis, n in synced.items()}
     return {"step": step, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens_per_s": B * T / dt,
@@ -196,6 +197,7 @@ def train_step(s: Session, step: int) -> dict:
             "pp_bytes": sync_sent.get("pp", 0),
             "tp_bytes": step_sent.get("tp", 0), "zero_bytes": step_sent.get("zero", 0),
             "bytes_by_axis": {str(axis): n for axis, n in step_sent.items() if n},
+            "inter_host_bytes_by_axis": {str(axis): n for axis, n in step_inter.items() if n},
             "exposed_comm_s": sync.exposed_seconds, "step_time": dt, "loss_scale": scale,
             "skipped": skipped}
 
@@ -214,12 +216,12 @@ def quiet_overflow(on: bool):
     return np.errstate(over="ignore", invalid="ignore") if on else contextlib.nullcontext()
 
 
-def sent_by_axis() -> dict:
+def sent_by_axis(field: str = "bytes_sent") -> dict:
     """Bytes this rank has sent so far, by the axis of the group they went over (the ledger
     tags them where they are sent, minipar.comm): "dp" (gradient sums, the step's loss and
     clipping's norm over dp), "zero" (ZeRO's reduce-scatters and all-gathers), "tp", "pp",
-    "world" (the fp16 overflow flag)."""
-    return {axis: v["bytes_sent"] for axis, v in comm.traffic_by_axis().items()}
+    "world" (the fp16 overflow flag). field "bytes_sent_inter": those that left the host."""
+    return {axis: v[field] for axis, v in comm.traffic_by_axis().items()}
 
 
 # --- a run ------------------------------------------------------------------------------------
