@@ -36,6 +36,7 @@ were measured with scripts/bench_collectives.py --crossover (docs/collectives.md
 A group whose ranks sit on several hosts, some of them on the same one (Group.nodes), takes
 the hierarchical algorithms (hierarchical.py) for all_reduce, reduce_scatter and all_gather
 above the small-message sizes: inside each host, then across hosts once per piece.
+MINIPAR_HIERARCHICAL=0 turns that off (the flat algorithms everywhere: to compare).
 
 Blocking calls run the same algorithms without the generator machinery (straight_line.py)
 where that is simple: direct exchange (reduce-scatter, all-gather, all-reduce) at any size,
@@ -43,6 +44,8 @@ Bruck, and recursive doubling up to SMALL_MAX_BYTES. Every algorithm is also cal
 own, whatever the size: ring.all_reduce, doubling.all_reduce, direct.all_reduce, ... (the
 tests run each of them).
 """
+import os
+
 from . import direct, doubling, hierarchical, ring, straight_line, tree
 from .group import (CollectiveMismatch, CommError, CommTimeout, Group, Handle, abort_on_error,
                     abort_world, array, recv, recv_async, reset_traffic, run, send, send_async,
@@ -69,9 +72,13 @@ __all__ = [
 ]
 
 
+HIERARCHICAL = os.environ.get("MINIPAR_HIERARCHICAL", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def spans_hosts(g) -> bool:
-    """Does g have ranks on several hosts, and several ranks on some host?"""
-    return 1 < g.n_nodes < g.size
+    """Does g have ranks on several hosts, and several ranks on some host (and the
+    hierarchical algorithms are on)?"""
+    return HIERARCHICAL and 1 < g.n_nodes < g.size
 
 
 def _large(g):
