@@ -1,0 +1,47 @@
+"""The trainer across hosts, emulated by naming each rank's host (tests/tools/fake_hosts.sh sets
+MINIPAR_HOST): ranks 0, 1 on h0 and 2, 3 on h1. The dp group then spans hosts and its large
+all-reduces run hierarchically; the result still equals the single-process twin, and the
+log counts the bytes that left each host. (tests/test_cluster*.py run real network
+namespaces where the machine allows it.)
+"""
+import os
+import subprocess
+import sys
+
+from minipar import traceview
+from trainer_runs import MPIRUN, REPO, read_log
+
+FAKE = os.path.join(REPO, "tests", "tools", "fake_hosts.sh")
+MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8",
+         "--steps", "2", "--sample", "0", "--dtype", "float64"]
+
+
+def run(tmp_path, *flags, per_host=2):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MINIPAR_COMM_TIMEOUT="60",
+               MINIPAR_RANKS_PER_HOST=str(per_host))
+    log, trace = str(tmp_path / "log.jsonl"), str(tmp_path / "trace.json")
+    p = subprocess.run([MPIRUN, "-n", "4", FAKE, sys.executable, "-m", "minipar.train", *MODEL, *flags,
+                        "--log", log, "--trace", trace], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout, read_log(log), traceview.load(trace)
+
+
+def test_dp_across_two_hosts_is_hierarchical_and_exact(tmp_path):
+    out, (rows, summary), t = run(tmp_path, "--dp", "4", "--verify")
+    assert "hosts: 2, h0: ranks 0, 1; h1: ranks 2, 3" in out
+    assert summary["verify"]["ok"] and summary["verify"]["param_rel"] < 1e-12, summary["verify"]
+    assert any(e["args"]["algorithm"] == "hierarchical" and e["args"]["axis"] == "dp"
+               for e in traceview.spans(t, "comm"))
+    assert traceview.audit(t) == []
+    row = rows[-1]
+    assert 0 < row["inter_host_bytes_by_axis"]["dp"] < row["bytes_by_axis"]["dp"]
+    assert summary["hosts"]["rank_host"] == ["h0", "h0", "h1", "h1"]
+    assert not summary["hosts"]["tp_spans_hosts"]
+
+
+def test_tp_across_hosts_warns_and_is_measured(tmp_path):
+    out, (rows, summary), _ = run(tmp_path, "--dp", "2", "--tp", "2", per_host=1)
+    assert "warning: the tp group of rank 0 spans hosts h0, h1" in out
+    assert summary["hosts"]["tp_spans_hosts"]
+    assert rows[-1]["inter_host_bytes_by_axis"]["tp"] == rows[-1]["bytes_by_axis"]["tp"] > 0
