@@ -1,0 +1,161 @@
+"""Communication across hosts, on the emulated cluster (scripts/cluster.py: 2 hosts x 2 ranks,
+a rate-limited link per host), in one run:
+
+    python scripts/bench_cluster.py                 # needs root and ip netns; ~5 minutes
+    python scripts/bench_cluster.py --rate 1gbit --sizes 1 4 16 64 --steps 12
+
+1. all-reduce of 1 to 64 MiB float32: the flat ring, flat direct exchange (what p = 4 runs on
+   one host), the hierarchical all-reduce (minipar/comm/hierarchical.py) and MPI's own
+   Allreduce (allowed here, in a benchmark, as the thing to beat): the slowest rank's time,
+   the bytes that crossed the link (the ledger's bytes_sent_inter, summed over ranks) beside
+   the formula, and the link's floor (those bytes per direction / the rate).
+2. a dp = 4 training step: bucketed (overlapped with backward) and naive (after it), each
+   with and without the hierarchy (MINIPAR_HIERARCHICAL=0): step time and exposed
+   communication (the log's medians, first step left out), bytes across hosts per step.
+3. dp 2 x tp 2 with tp inside a host (-hosts h0:2,h1:2: ranks 0,1 on h0) and across hosts
+   (round robin: ranks 0,2 on h0): the figure behind "keep tensor parallelism inside a node".
+Beside each training row, the planner's prediction (python -m minipar.plan --ranks-per-host
+--inter-node-gbps --intra-node-gbps) of the bytes across hosts and the link time.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+MODEL = ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "64", "--batch-size", "16"]
+MiB = 1 << 20
+
+
+# --- the worker: runs inside the cluster under mpiexec ---------------------------------------------
+
+def worker(sizes, repeats):
+    import numpy as np
+    from mpi4py import MPI
+
+    from minipar import comm
+    from minipar.comm import direct, hierarchical, ring
+    world = MPI.COMM_WORLD
+    g = comm.Group(world, axis="world")
+    algorithms = {"ring (flat)": ring.all_reduce, "direct (flat)": direct.all_reduce,
+                  "hierarchical": hierarchical.all_reduce,
+                  "MPI Allreduce": lambda g_, x: world.Allreduce(MPI.IN_PLACE, x)}
+    for mib in sizes:
+        x = np.ones(mib * MiB // 4, np.float32)
+        for name, f in algorithms.items():
+            f(g, x.copy())                                      # warm-up
+            times = []
+            comm.reset_traffic()
+            for _ in range(repeats):
+                y = x.copy()
+                t0 = time.perf_counter()
+                f(g, y)
+                times.append(time.perf_counter() - t0)
+            led = comm.traffic_by_axis().get("world", {})
+            inter = led.get("bytes_sent_inter", 0) // repeats if name != "MPI Allreduce" else None
+            mine = np.array([statistics.median(times), inter or 0], np.float64)
+            everyone = np.empty((g.size, 2)) if g.rank == 0 else None
+            world.Gather(mine, everyone, root=0)
+            if g.rank == 0:
+                print(json.dumps({"mib": mib, "algorithm": name, "seconds": float(everyone[:, 0].max()),
+                                  "inter_bytes": None if inter is None else float(everyone[:, 1].sum()),
+                                  "hosts": list(g.hosts), "nodes": list(g.nodes)}), flush=True)
+
+
+# --- the parent: builds the cluster, runs, prints ---------------------------------------------------
+
+def theory_inter(algorithm, n, N=2, k=2):
+    """Bytes crossing hosts per all-reduce of n bytes, summed over ranks (hosts hold
+    consecutive ranks): hierarchical 2(N-1)/N n/k per rank; the flat ring 2(p-1)/p n from each
+    of the N boundary ranks; direct exchange (p-1)/p n... from each rank, the share of its
+    peers on other hosts: 2 n (p - k)/p per rank."""
+    p = N * k
+    return {"ring (flat)": N * 2 * (p - 1) / p * n, "direct (flat)": p * 2 * n * (p - k) / p,
+            "hierarchical": p * 2 * (N - 1) / N * n / k}.get(algorithm)
+
+
+def train(c, flags, env=None, hosts=None):
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "log.jsonl")
+        p = c.mpirun(4, ["python", "-m", "minipar.train", *MODEL, *flags, "--sample", "0", "--log", log],
+                     env=env, hosts=hosts, timeout=900)
+        if p.returncode != 0:
+            sys.exit(f"training failed ({flags}):\n{p.stderr[-3000:]}")
+        rows = [json.loads(line) for line in open(log)][:-1][1:]
+    return {"step_s": statistics.median(r["step_time"] for r in rows),
+            "exposed_s": statistics.median(r["exposed_comm_s"] for r in rows),
+            "inter": statistics.median(sum(r["inter_host_bytes_by_axis"].values()) for r in rows),
+            "by_axis": rows[-1]["inter_host_bytes_by_axis"]}
+
+
+def planned(flags, ranks_per_host, gbps):
+    """The planner's across-host bytes and link time per step (None if it cannot say)."""
+    cmd = [sys.executable, "-m", "minipar.plan", *MODEL, *flags, "--ranks-per-host", str(ranks_per_host),
+           "--inter-node-gbps", str(gbps), "--intra-node-gbps", "100", "--json"]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    if p.returncode != 0:
+        return None
+    return json.loads(p.stdout).get("hosts")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64], metavar="MiB")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a.sizes, a.repeats)
+    import cluster
+    why = cluster.unavailable()
+    if why:
+        sys.exit(f"bench_cluster: {why}")
+    gbps = cluster.rate_bytes_per_s(a.rate) * 8 / 1e9
+    with cluster.Cluster(hosts=2, ranks_per_host=2, rate=a.rate) as c:
+        print(f"cluster: 2 hosts x 2 ranks, each host's link {a.rate} ({gbps * 125:.0f} MB/s) each way")
+        p = c.mpirun(4, ["python", os.path.abspath(__file__), "--worker", "--sizes", *map(str, a.sizes),
+                         "--repeats", str(a.repeats)], timeout=1800)
+        if p.returncode != 0:
+            sys.exit(f"worker failed:\n{p.stderr[-3000:]}")
+        rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+        print("\n1. all-reduce of float32, 4 ranks on 2 hosts: the slowest rank's median time; bytes that "
+              "crossed hosts (all ranks) and the formula; link floor = those bytes / 2 directions / rate")
+        print(f"{'MiB':>4} {'algorithm':15} {'time ms':>9} {'across MiB':>11} {'formula':>9} {'floor ms':>9}")
+        for r in rows:
+            n = r["mib"] * MiB
+            t = theory_inter(r["algorithm"], n)
+            floor = (r["inter_bytes"] / 2 / (gbps * 125e6) * 1e3) if r["inter_bytes"] else float("nan")
+            print(f"{r['mib']:>4} {r['algorithm']:15} {r['seconds'] * 1e3:9.1f} "
+                  + (f"{r['inter_bytes'] / MiB:11.2f} {t / MiB:9.2f} {floor:9.1f}" if r["inter_bytes"] is not None
+                     else f"{'-':>11} {'-':>9} {'-':>9}"))
+        print("\n2. a dp=4 training step (default model, float32): median step and exposed "
+              "communication; bytes across hosts per step (rank 0); the planner's")
+        print(f"{'dp mode':10} {'hierarchy':10} {'step ms':>8} {'exposed ms':>11} {'across KiB':>11} "
+              f"{'planned KiB':>12} {'planned link ms':>16}")
+        for mode in ("bucketed", "naive"):
+            for hier in ("on", "off"):
+                flags = ["--dp", "4", "--dp-mode", mode, "--steps", str(a.steps)]
+                m = train(c, flags, env={"MINIPAR_HIERARCHICAL": "1" if hier == "on" else "0"})
+                plan = planned(["--dp", "4", "--dp-mode", mode], 2, gbps) if hier == "on" else None
+                print(f"{mode:10} {hier:10} {m['step_s'] * 1e3:8.1f} {m['exposed_s'] * 1e3:11.1f} "
+                      f"{m['inter'] / 1024:11.1f} "
+                      + (f"{plan['inter_bytes_total'] / 1024:12.1f} {plan['link_seconds'] * 1e3:16.1f}"
+                         if plan else f"{'-':>12} {'-':>16}"))
+        print("\n3. dp 2 x tp 2: tp inside a host, or across hosts")
+        print(f"{'tp':8} {'placement':22} {'step ms':>8} {'across KiB (tp)':>16} {'across KiB (dp)':>16}")
+        for name, hosts in (("inside", [("h0", 2), ("h1", 2)]), ("across", [("h0", 1), ("h1", 1)])):
+            m = train(c, ["--dp", "2", "--tp", "2", "--steps", str(a.steps)], hosts=hosts)
+            where = "h0: 0,1  h1: 2,3" if name == "inside" else "h0: 0,2  h1: 1,3"
+            print(f"{name:8} {where:22} {m['step_s'] * 1e3:8.1f} {m['by_axis'].get('tp', 0) / 1024:16.1f} "
+                  f"{m['by_axis'].get('dp', 0) / 1024:16.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""mpirun -n P python tests/tools/hier_worker.py N: the hierarchical collectives on this job's
+hosts (whatever they are), each checked against NumPy on every rank's input, which each rank
+makes again from its seed (so that nothing but the collectives crosses the link); rank 0 prints one JSON line, a list with each rank's host, the
+group's topology, the bytes it sent to other hosts (the ledger) and "ok" (one line from one
+rank: Hydra may splice lines of different ranks). Used by tests/test_cluster_minipar.py."""
+import json
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from minipar import comm
+from minipar.comm import hierarchical
+from minipar.comm.group import split_offsets
+
+world = MPI.COMM_WORLD
+g = comm.Group(world, axis="world")
+n = int(sys.argv[1])
+xs = [np.random.default_rng(q).integers(-1000, 1000, n).astype(np.float64) for q in range(g.size)]
+x = xs[g.rank]
+total = np.sum(xs, axis=0)
+off = split_offsets(n, g.size)
+comm.reset_traffic()
+assert np.array_equal(hierarchical.all_reduce(g, x), total), "all_reduce"
+assert np.array_equal(hierarchical.reduce_scatter(g, x), total[off[g.rank]:off[g.rank + 1]]), "reduce_scatter"
+assert np.array_equal(hierarchical.all_gather(g, x), np.concatenate(xs)), "all_gather"
+assert comm.all_reduce_algorithm(g, x) is (hierarchical if 1 < g.n_nodes < g.size and x.nbytes > 65536
+                                            else comm.all_reduce_algorithm(g, x))
+led = comm.traffic_by_axis()["world"]
+rows = world.gather({"rank": g.rank, "host": g.host, "nodes": list(g.nodes), "hosts": list(g.hosts),
+                     "sent": led["bytes_sent"], "sent_inter": led["bytes_sent_inter"], "ok": True}, root=0)
+if g.rank == 0:
+    print("RESULT " + json.dumps(rows), flush=True)
