@@ -60,6 +60,12 @@ minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm
            not with --dp-mode naive), the fp16/bf16 overflow flag over the world
 bubble: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/p for the naive schedule
 (schedules.bubble_theory).
+
+Across hosts (--ranks-per-host K: rank r on host r // K): the same calls, walked message by
+message on the device's real groups with the algorithm comm's dispatcher picks there (the
+hierarchical one for large messages on a group with several ranks on some host), split into
+bytes inside the host and across hosts, and timed with --inter-node-gbps, --intra-node-gbps
+and --inter-node-latency-us: minipar/plan_hosts.py.
 """
 from __future__ import annotations
 
@@ -68,7 +74,7 @@ import json
 import math
 import sys
 
-from minipar import comm, config, precision
+from minipar import comm, config, plan_hosts, precision
 from minipar.comm import direct, tree
 from minipar.comm.group import HEADER_BYTES, split_offsets
 from minipar.model import GPTConfig, param_specs
@@ -224,59 +230,92 @@ def broadcast_sent(nbytes: int, p: int, rank: int, root: int) -> int:
     return kids * (HEADER_BYTES + nbytes)
 
 
-def dp_bytes(tensors: list, units: list, lay, itemsize: int) -> int:
-    """Gradient synchronisation over the dp group (data_parallel.py, or ZeRO's units)."""
+class Flat:
+    """A group of p ranks on one host, the device its rank `rank`: what each call sends from
+    the device, by the formulas above. The axis functions below ask their group; on several
+    hosts plan_hosts.Placed answers the same calls, message by message."""
+
+    def __init__(self, p: int, rank: int = 0):
+        self.size, self.rank = p, rank
+
+    def all_reduce(self, n: int, itemsize: int) -> int:
+        return all_reduce_sent(n, itemsize, self.size, self.rank)
+
+    def reduce_scatter(self, n: int, itemsize: int) -> int:
+        return reduce_scatter_sent(n, itemsize, self.size, self.rank)
+
+    def all_gather(self, n_each: int, itemsize: int) -> int:
+        return all_gather_sent(n_each, itemsize, self.size)
+
+    def broadcast(self, n: int, itemsize: int, root: int) -> int:
+        return broadcast_sent(n * itemsize, self.size, self.rank, root)
+
+    def send(self, nbytes: int, peer: int) -> int:       # comm.send / send_async: header, payload
+        return HEADER_BYTES + nbytes
+
+
+def flat_groups(lay, stage: int) -> dict:
+    """The groups of dp rank 0, tp rank 0 of `stage`, all on one host."""
+    return {"dp": Flat(lay.dp), "tp": Flat(lay.tp), "pp": Flat(lay.pp, stage),
+            "world": Flat(lay.dp * lay.tp * lay.pp, stage * lay.dp * lay.tp)}
+
+
+def dp_bytes(tensors: list, units: list, lay, itemsize: int, g=None):
+    """Gradient synchronisation over the dp group g (data_parallel.py, or ZeRO's units)."""
     N, M = lay.dp, lay.micro_batches
     if N == 1:
         return 0
+    g = Flat(N) if g is None else g
     if lay.zero:
-        rs = sum(reduce_scatter_sent(n, itemsize, N) for n in units)
-        ag = sum(all_gather_sent(n // N, itemsize, N) for n in units)
+        rs = sum(g.reduce_scatter(n, itemsize) for n in units)
+        ag = sum(g.all_gather(n // N, itemsize) for n in units)
         rs_calls, ag_calls = zero.collectives_per_step(lay.zero, M)
         return rs_calls * rs + ag_calls * ag
     if lay.dp_mode == "naive":                            # one all-reduce per parameter
-        return sum(all_reduce_sent(n, itemsize, N) for _, n in tensors)
+        return sum(g.all_reduce(n, itemsize) for _, n in tensors)
     members = data_parallel.bucket_members([n * itemsize for _, n in tensors], lay.bucket_mb)
     buckets = [sum(tensors[i][1] for i in m) for m in members]     # elements per bucket
-    return sum(all_reduce_sent(n, itemsize, N) for n in buckets)
+    return sum(g.all_reduce(n, itemsize) for n in buckets)
 
 
-def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: int) -> int:
-    """Megatron's all-reduces of one step on tp rank 0 (tensor_parallel.megatron_calls)."""
+def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: int, g=None):
+    """Megatron's all-reduces of one step on tp rank 0 of the tp group g
+    (tensor_parallel.megatron_calls)."""
     tp, pp, M = lay.tp, lay.pp, lay.micro_batches
     if tp == 1:
         return 0
+    g = Flat(tp) if g is None else g
     rows, T, C = lay.rows, cfg.block_size, cfg.n_embd
     n_layers = len(schedules.partition(cfg.n_layer, pp)[stage])
     act_calls, row_calls = tensor_parallel.megatron_calls(n_layers, stage == 0, stage == pp - 1)
-    per_mb = (act_calls * all_reduce_sent(rows * T * C, itemsize, tp)       # (b, T, C) activations, gradients
-              + row_calls * all_reduce_sent(rows * T, compute_itemsize, tp))  # the cross-entropy's (b*T,)
-    return M * per_mb + all_reduce_sent(1, INT64, tp)     # + the gradient norm
+    per_mb = (act_calls * g.all_reduce(rows * T * C, itemsize)           # (b, T, C) activations, gradients
+              + row_calls * g.all_reduce(rows * T, compute_itemsize))    # the cross-entropy's (b*T,)
+    return M * per_mb + g.all_reduce(1, INT64)            # + the gradient norm
 
 
-def pp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int) -> int:
-    """Point-to-point messages and the loss broadcast of one step (pipeline.py)."""
+def pp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, g=None):
+    """Point-to-point messages and the loss broadcast of one step on the pp group g (pipeline.py)."""
     pp, M = lay.pp, lay.micro_batches
     if pp == 1:
         return 0
-    msg = HEADER_BYTES + lay.rows * cfg.block_size * cfg.n_embd * itemsize
-    sent = M * msg * ((stage < pp - 1) + (stage > 0))     # activations down, gradients up
+    g = Flat(pp, stage) if g is None else g
+    act = lay.rows * cfg.block_size * cfg.n_embd * itemsize                # (b, T, C), + a header
+    sent = (M * g.send(act, stage + 1) if stage < pp - 1 else 0) \
+        + (M * g.send(act, stage - 1) if stage > 0 else 0)                # activations down, gradients up
     if cfg.tie_embeddings and stage in (0, pp - 1):       # wte's gradient to the other end (ZeRO: its shard)
         n = tensor_parallel.local_size("wte.weight", (cfg.vocab_size, cfg.n_embd), lay.tp)
-        sent += HEADER_BYTES + (zero.padded(n, lay.dp) // lay.dp if lay.zero else n) * itemsize
-    return sent + broadcast_sent(INT64, pp, stage, pp - 1)
+        sent += g.send((zero.padded(n, lay.dp) // lay.dp if lay.zero else n) * itemsize, pp - 1 - stage)
+    return sent + g.broadcast(1, INT64, pp - 1)
 
 
-def other_bytes(stage: int, lay) -> int:
-    """The step's 8-byte all-reduces outside the three mechanisms (train.train_step)."""
-    out = all_reduce_sent(1, INT64, lay.dp)               # the loss, summed over dp
+def other_parts(stage: int, lay, groups: dict) -> dict:
+    """The step's 8-byte all-reduces outside the three mechanisms (train.train_step), by the
+    group they run on: {"dp", "pp", "world"}."""
+    dp = groups["dp"].all_reduce(1, INT64)                # the loss, summed over dp
     if lay.zero or lay.dp_mode != "naive":                # the gradient norm over dp: each rank
-        out += all_reduce_sent(1, INT64, lay.dp)          # squares its ZeRO shard / bucket pieces
-    out += all_reduce_sent(1, INT64, lay.pp, stage)       # the gradient norm over the stages
-    if lay.precision != "fp32":                           # the overflow flag, over the world
-        world = lay.dp * lay.tp * lay.pp
-        out += all_reduce_sent(1, INT64, world, stage * lay.dp * lay.tp)
-    return out
+        dp = 2 * dp                                       # squares its ZeRO shard / bucket pieces
+    world = groups["world"].all_reduce(1, INT64) if lay.precision != "fp32" else 0   # the overflow flag
+    return {"dp": dp, "pp": groups["pp"].all_reduce(1, INT64), "world": world}       # pp: the gradient norm
 
 
 # --- the plan ---------------------------------------------------------------------------------
@@ -299,9 +338,13 @@ def itemsizes(lay) -> tuple[int, int, int]:
     return itemsize, itemsize, precision.optimizer_bytes_per_param(False, itemsize)
 
 
-def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: float | None = None) -> dict:
+def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: float | None = None,
+         hosts: plan_hosts.Hosts | None = None) -> dict:
     """The whole estimate as a dict (what --json prints). cfg None: `params` alone, model
-    states only (no shapes: P/(tp*pp) per device, one ZeRO unit)."""
+    states only (no shapes: P/(tp*pp) per device, one ZeRO unit). hosts: where the ranks
+    run and their links (None: every rank on one host)."""
+    hosts = hosts or plan_hosts.Hosts()
+    spread = hosts.n_hosts(lay.dp * lay.tp * lay.pp) > 1
     itemsize, compute_itemsize, K = itemsizes(lay)
     N, pp, M = lay.dp, lay.pp, lay.micro_batches
     bubble = schedules.bubble_theory(lay.schedule, pp, M)
@@ -315,7 +358,8 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
                "activations": None, "total": None, "stage": None, "micro_batches_in_flight": None,
                "params_local": P_local, "params_padded": zero.padded(P_local, N)}
         out.update(memory=mem, memory_per_stage=[mem], flops=None, flops_per_stage=None, comm=None,
-                   comm_per_stage=None, bubble=bubble, step_time_s=None)
+                   comm_per_stage=None, bubble=bubble, step_time_s=None,
+                   hosts=plan_hosts.summary(lay, hosts, None, None))
         out["notes"].append("--params alone: model states only, spread evenly over tp*pp "
                             "(no shapes: FLOPs, activations and communication unavailable)")
         return out
@@ -333,16 +377,21 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
                        "micro_batches_in_flight": held, "params_local": P_local, "params_padded": P_pad})
         stage_flops = flops(flop_components(cfg, lay.tp, stage, pp), lay.batch_size // N)
         flops_st.append({"stage": stage, **stage_flops})
-        axes = {"dp": dp_bytes(tensors, units, lay, itemsize),
-                "tp": tp_bytes(cfg, stage, lay, itemsize, compute_itemsize),
-                "pp": pp_bytes(cfg, stage, lay, itemsize), "other": other_bytes(stage, lay)}
-        comm_st.append({"stage": stage, "bytes_per_step": sum(axes.values()), **axes})
+        groups = plan_hosts.device_groups(lay, hosts, stage) if spread else flat_groups(lay, stage)
+        axes = {"dp": dp_bytes(tensors, units, lay, itemsize, groups["dp"]),
+                "tp": tp_bytes(cfg, stage, lay, itemsize, compute_itemsize, groups["tp"]),
+                "pp": pp_bytes(cfg, stage, lay, itemsize, groups["pp"])}
+        comm_st.append(plan_hosts.comm_row(stage, axes, other_parts(stage, lay, groups), bool(lay.zero), hosts))
     whole = flop_components(cfg)
     out["flops"] = {**flops(whole, lay.batch_size), "six_nd": 6 * out["params"] * lay.batch_size * cfg.block_size,
                     "per_device": max(flops_st, key=lambda r: r["total"])}
     out.update(memory=max(mem_st, key=lambda r: r["total"]), memory_per_stage=mem_st,
                flops_per_stage=flops_st, comm=max(comm_st, key=lambda r: r["bytes_per_step"]),
                comm_per_stage=comm_st, bubble=bubble, step_time_s=None)
+    tp_note = plan_hosts.tp_note(lay, hosts, lambda stage, g: tp_bytes(cfg, stage, lay, itemsize, compute_itemsize, g))
+    out["hosts"] = plan_hosts.summary(lay, hosts, comm_st, tp_note)
+    if tp_note:
+        out["notes"].append(plan_hosts.tp_note_line(tp_note, human_bytes))
     if device_tflops:
         out["layout"]["device_tflops"] = device_tflops
         seconds = out["flops"]["per_device"]["total"] / (device_tflops * 1e12)
@@ -405,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--zero 0: gradient all-reduce per bucket or per parameter [bucketed]")
     layout.add_argument("--bucket-mb", type=float, metavar="X",
                         help="--zero 0, bucketed: bucket size in MiB [1.0]")
+    plan_hosts.add_arguments(parser)
     output = parser.add_argument_group("output")
     output.add_argument("--device-tflops", type=float, metavar="X",
                         help="sustained TFLOP/s of one device: adds a step-time estimate")
@@ -489,6 +539,10 @@ def table(r: dict, name: str | None = None) -> str:
         out.append(f"  batch: {lay['batch_size']} sequences; per dp rank {lay['micro_batches']} micro-batch(es) of "
                    f"{lay['micro_batch_rows']}" + (f"; {lay['schedule']} schedule, bubble {r['bubble']:.3f}"
                                                    if lay["pp"] > 1 else ""))
+    h = r["hosts"]
+    show_hosts = h["ranks_per_host"] is not None or h["inter_node_gbps"] or h["intra_node_gbps"]
+    if show_hosts:
+        out.append(plan_hosts.placement_line(r["hosts"]))
     cols = _columns(lay["pp"]) if r["model"] is not None else [0]
     mem = [r["memory_per_stage"][stage] for stage in cols]
     heads = [f"stage {stage}" for stage in cols] if r["model"] is not None else [""]
@@ -517,6 +571,8 @@ def table(r: dict, name: str | None = None) -> str:
         for key, label in (("dp", "dp (grads; ZeRO's)"), ("tp", "tp (Megatron)"), ("pp", "pp (point-to-point)"),
                            ("other", "other (8-byte scalars)"), ("bytes_per_step", "total")):
             out.append(_row(label, [human_bytes(st[key]) for st in sent]))
+        if show_hosts:
+            out += plan_hosts.table_lines(r, cols, _row, human_bytes)
     if lay["pp"] > 4 and r["model"] is not None:
         out.append(f"  (stages {', '.join(map(str, cols))} of {lay['pp']} shown; --json has every stage)")
     if r.get("step_time_s") is not None:
@@ -531,10 +587,11 @@ def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
         cfg, lay, params = resolve(args)
+        hosts = plan_hosts.Hosts.from_args(args)
     except config.ConfigError as e:
         print(f"minipar.plan: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    r = plan(cfg, lay, params, args.device_tflops)
+    r = plan(cfg, lay, params, args.device_tflops, hosts)
     print(json.dumps(r) if args.json else table(r, args.model))
 
 

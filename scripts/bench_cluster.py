@@ -135,26 +135,41 @@ def main():
             print(f"{r['mib']:>4} {r['algorithm']:15} {r['seconds'] * 1e3:9.1f} "
                   + (f"{r['inter_bytes'] / MiB:11.2f} {t / MiB:9.2f} {floor:9.1f}" if r["inter_bytes"] is not None
                      else f"{'-':>11} {'-':>9} {'-':>9}"))
-        print("\n2. a dp=4 training step (default model, float32): median step and exposed "
-              "communication; bytes across hosts per step (rank 0); the planner's")
+        # the training runs, alternated --repeats times so that the machine's drift hits all alike
+        runs = {}
+        for mode in ("bucketed", "naive"):
+            for hier in ("on", "off"):
+                runs[(mode, hier)] = (["--dp", "4", "--dp-mode", mode, "--steps", str(a.steps)],
+                                      {"MINIPAR_HIERARCHICAL": "1" if hier == "on" else "0"}, None)
+        for name, hosts in (("inside", [("h0", 2), ("h1", 2)]), ("across", [("h0", 1), ("h1", 1)])):
+            runs[("tp", name)] = (["--dp", "2", "--tp", "2", "--steps", str(a.steps)], None, hosts)
+        got = {key: [] for key in runs}
+        for _ in range(a.repeats):
+            for key, (flags, env, hosts) in runs.items():
+                got[key].append(train(c, flags, env=env, hosts=hosts))
+        m = {key: {f: statistics.median(r[f] for r in rs) for f in ("step_s", "exposed_s", "inter")}
+             | {"by_axis": rs[-1]["by_axis"]} for key, rs in got.items()}
+        print(f"\n2. a dp=4 training step (default model, float32): step and exposed communication, "
+              f"the median over {a.repeats} alternated runs of each run's median; bytes across hosts "
+              f"per step (rank 0); the planner's, and its link time for them (one rank's bytes at the "
+              f"link's rate; a host's 2 ranks share the link)")
         print(f"{'dp mode':10} {'hierarchy':10} {'step ms':>8} {'exposed ms':>11} {'across KiB':>11} "
               f"{'planned KiB':>12} {'planned link ms':>16}")
         for mode in ("bucketed", "naive"):
             for hier in ("on", "off"):
-                flags = ["--dp", "4", "--dp-mode", mode, "--steps", str(a.steps)]
-                m = train(c, flags, env={"MINIPAR_HIERARCHICAL": "1" if hier == "on" else "0"})
+                r = m[(mode, hier)]
                 plan = planned(["--dp", "4", "--dp-mode", mode], 2, gbps) if hier == "on" else None
-                print(f"{mode:10} {hier:10} {m['step_s'] * 1e3:8.1f} {m['exposed_s'] * 1e3:11.1f} "
-                      f"{m['inter'] / 1024:11.1f} "
+                print(f"{mode:10} {hier:10} {r['step_s'] * 1e3:8.1f} {r['exposed_s'] * 1e3:11.1f} "
+                      f"{r['inter'] / 1024:11.1f} "
                       + (f"{plan['inter_bytes_total'] / 1024:12.1f} {plan['link_seconds'] * 1e3:16.1f}"
                          if plan else f"{'-':>12} {'-':>16}"))
-        print("\n3. dp 2 x tp 2: tp inside a host, or across hosts")
+        print("\n3. dp 2 x tp 2: tp inside a host, or across hosts (medians as above)")
         print(f"{'tp':8} {'placement':22} {'step ms':>8} {'across KiB (tp)':>16} {'across KiB (dp)':>16}")
-        for name, hosts in (("inside", [("h0", 2), ("h1", 2)]), ("across", [("h0", 1), ("h1", 1)])):
-            m = train(c, ["--dp", "2", "--tp", "2", "--steps", str(a.steps)], hosts=hosts)
+        for name in ("inside", "across"):
+            r = m[("tp", name)]
             where = "h0: 0,1  h1: 2,3" if name == "inside" else "h0: 0,2  h1: 1,3"
-            print(f"{name:8} {where:22} {m['step_s'] * 1e3:8.1f} {m['by_axis'].get('tp', 0) / 1024:16.1f} "
-                  f"{m['by_axis'].get('dp', 0) / 1024:16.1f}")
+            print(f"{name:8} {where:22} {r['step_s'] * 1e3:8.1f} {r['by_axis'].get('tp', 0) / 1024:16.1f} "
+                  f"{r['by_axis'].get('dp', 0) / 1024:16.1f}")
 
 
 if __name__ == "__main__":
