@@ -142,6 +142,12 @@ def describe(s) -> list[str]:
         lines.append(f"  hosts: {w.n_nodes}, " + "; ".join(
             f"{name}: ranks {', '.join(str(q) for q, n in enumerate(w.nodes) if n == h)}"
             for h, name in enumerate(w.hosts)))
+        for axis, group in (("dp", g.dp_group), ("tp", g.tp_group), ("pp", g.pp_group)):
+            if comm.spans_hosts(group):
+                lines.append(f"  {axis} group of rank 0: {group.size} ranks on {group.n_nodes} hosts: "
+                             f"its all-reduces, reduce-scatters and all-gathers above "
+                             f"{comm.ALL_REDUCE_DOUBLING_MAX_BYTES // 1024} KiB run "
+                             f"hierarchically (inside each host, then across)")
         warning = placement_warning(g)
         if warning:
             lines.append(warning)

@@ -30,6 +30,7 @@ def run(tmp_path, *flags, per_host=2):
 def test_dp_across_two_hosts_is_hierarchical_and_exact(tmp_path):
     out, (rows, summary), t = run(tmp_path, "--dp", "4", "--verify")
     assert "hosts: 2, h0: ranks 0, 1; h1: ranks 2, 3" in out
+    assert "dp group of rank 0: 4 ranks on 2 hosts: its all-reduces" in out
     assert summary["verify"]["ok"] and summary["verify"]["param_rel"] < 1e-12, summary["verify"]
     assert any(e["args"]["algorithm"] == "hierarchical" and e["args"]["axis"] == "dp"
                for e in traceview.spans(t, "comm"))
