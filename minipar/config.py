@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one JSON object per step, then a summary object")
     io.add_argument("--timeline", metavar="FILE.svg",
                     help="with --pp: draw the last step's pipeline timeline")
+    t.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                    help="activation recomputation: selective keeps all but the attention "
+                         "softmax, full only each block's input (docs/recompute.md) [%(default)s]")
     io.add_argument("--trace", metavar="FILE.json",
                     help="every rank's spans and messages, for Perfetto or chrome://tracing "
                          "(docs/pictures.md)")

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
+from minipar import recompute, trace
 from minipar.optim import sum_of_squares
 
 
@@ -44,6 +45,14 @@ class Model:
     full_shapes: dict
     tp_size: int = 1          # tensor-parallel ranks the model is split over
     tp_rank: int = 0          # and this rank's place among them
+    recompute: str = "none"   # --recompute: none, selective or full (recompute.py)
+
+    # --- forward -----------------------------------------------------------------------------
+    def run_block(self, i: int, x):
+        """Block i on x, as the forward of every layout runs it: a trace span of its own
+        (trace.layer) and, with recompute "full", recomputed in backward."""
+        with trace.layer(f"h.{i}"):
+            return recompute.block(lambda t: self.block(i, t), x, self.recompute)
 
     # --- parameters -------------------------------------------------------------------------
     def named_parameters(self) -> list:

@@ -115,7 +115,7 @@ class GPT(Model):
         P, h = self.params, f"h.{i}."
         a = ops.layer_norm(x, P[h + "ln_1.weight"], P[h + "ln_1.bias"])
         qkv = ops.linear(a, P[h + "attn.c_attn.weight"], P[h + "attn.c_attn.bias"])   # (B, t, 3C)
-        y = ops.causal_self_attention(qkv, self.cfg.n_head)                          # (B, t, C)
+        y = ops.causal_self_attention(qkv, self.cfg.n_head, self.recompute == "selective")  # (B, t, C)
         x = x + ops.linear(y, P[h + "attn.c_proj.weight"], P[h + "attn.c_proj.bias"])
         m = ops.layer_norm(x, P[h + "ln_2.weight"], P[h + "ln_2.bias"])
         m = ops.gelu(ops.linear(m, P[h + "mlp.c_fc.weight"], P[h + "mlp.c_fc.bias"]))  # (B, t, 4C)
@@ -133,8 +133,7 @@ class GPT(Model):
         with trace.layer("embed"):                                      # --trace: a span each
             x = self.embed(idx)
         for i in range(self.cfg.n_layer):
-            with trace.layer(f"h.{i}"):
-                x = self.block(i, x)
+            x = self.run_block(i, x)
         with trace.layer("head"):
             logits = self.head(x)
             return logits if targets is None else ops.cross_entropy(logits, targets, loss_denom)

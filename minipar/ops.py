@@ -435,6 +435,16 @@ class CausalSelfAttentionReference:
         return np.concatenate([merge(dq), merge(dk), merge(dv)], axis=-1)   # (B, T, 3C)
 
 
+def _probs_t(q, k, T):
+    """The causal softmax, transposed: P^T (B, nh, Tk, Tq) from the scaled q and k."""
+    pt = k @ np.swapaxes(q, -1, -2)                        # (B, nh, Tk, Tq): S^T
+    pt += _causal_mask_t(T, pt.dtype)
+    pt -= pt.max(-2, keepdims=True)                        # per query: over the keys
+    np.exp(pt, out=pt)
+    pt /= pt.sum(-2, keepdims=True)                        # P^T
+    return pt
+
+
 class CausalSelfAttention(Function):
     """Fused causal attention on the packed projection qkv (B, T, 3C') = [q | k | v],
     with nh heads of hs = C'/nh. Returns y (B, T, C'). C' = C, or C/tp on a
@@ -446,7 +456,7 @@ class CausalSelfAttention(Function):
     softmax(q k^T / sqrt(hs)) @ v, exactly as written in docs/design.md §1, and untransposed
     in CausalSelfAttentionReference above."""
 
-    def forward(self, qkv, n_head):
+    def forward(self, qkv, n_head, recompute=False):
         self.dtype, qkv = qkv.dtype, compute(qkv)          # fp16/bf16: attend in fp32
         B, T, C3 = qkv.shape
         C = C3 // 3
@@ -456,19 +466,20 @@ class CausalSelfAttention(Function):
         q = q * (1.0 / math.sqrt(hs))                      # scale the smaller operand
         k = np.ascontiguousarray(k)
         v = np.ascontiguousarray(v)
-        pt = k @ np.swapaxes(q, -1, -2)                    # (B, nh, Tk, Tq): S^T
-        pt += _causal_mask_t(T, pt.dtype)
-        pt -= pt.max(-2, keepdims=True)                    # per query: over the keys
-        np.exp(pt, out=pt)
-        pt /= pt.sum(-2, keepdims=True)                    # P^T
+        pt = _probs_t(q, k, T)                             # P^T (B, nh, Tk, Tq)
         y = np.swapaxes(pt, -1, -2) @ v                    # P @ v: (B, nh, Tq, hs)
-        self.save(q, k, v, pt)
+        # --recompute selective: P is made again in backward, from q and k (recompute.py)
+        if recompute:
+            self.save(q, k, v)
+        else:
+            self.save(q, k, v, pt)
         self.dims = (B, T, C, n_head, hs)
         return store(y.transpose(0, 2, 1, 3).reshape(B, T, C), self.dtype)
 
     def backward(self, g):
-        q, k, v, pt = self.saved
+        q, k, v, *kept = self.saved
         B, T, C, nh, hs = self.dims
+        pt = kept[0] if kept else _probs_t(q, k, T)        # the same operations as forward
         g = compute(g)
         gy = np.ascontiguousarray(g.reshape(B, T, nh, hs).transpose(0, 2, 1, 3))  # (B, nh, T, hs)
         dqkv = np.empty((B, T, 3, nh, hs), dtype=g.dtype)
@@ -484,7 +495,7 @@ class CausalSelfAttention(Function):
         dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
         dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
         dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
-        return store(dqkv.reshape(B, T, 3 * C), self.dtype), None
+        return store(dqkv.reshape(B, T, 3 * C), self.dtype), None, None
 
 
 # --- loss -----------------------------------------------------------------------------------
@@ -617,8 +628,9 @@ def softmax(x: Tensor, axis: int = -1) -> Tensor:
     return Softmax.apply(x, axis)
 
 
-def causal_self_attention(qkv: Tensor, n_head: int) -> Tensor:
-    return CausalSelfAttention.apply(qkv, n_head)
+def causal_self_attention(qkv: Tensor, n_head: int, recompute: bool = False) -> Tensor:
+    """recompute: keep q, k, v only and compute the softmax again in backward (selective)."""
+    return CausalSelfAttention.apply(qkv, n_head, recompute)
 
 
 def cross_entropy(logits: Tensor, targets, denom=None) -> Tensor:

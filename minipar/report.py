@@ -111,6 +111,8 @@ def mechanisms(s) -> str:
         out.append(f"gradient accumulation over {a.micro_batches} micro-batches")
     if a.precision != "fp32":
         out.append(f"mixed precision ({a.precision})")
+    if a.recompute != "none":
+        out.append(f"{a.recompute} activation recomputation")
     return "  mechanisms: " + ("; ".join(out) if out else
                                "none (one process, the single-process baseline)")
 

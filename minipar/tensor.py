@@ -48,6 +48,17 @@ def no_grad():
         _grad_enabled = prev
 
 
+@contextlib.contextmanager
+def enable_grad():
+    """Record a graph even inside no_grad() (recompute.Recompute rebuilds a block in backward)."""
+    global _grad_enabled
+    prev, _grad_enabled = _grad_enabled, True
+    try:
+        yield
+    finally:
+        _grad_enabled = prev
+
+
 def is_grad_enabled() -> bool:
     return _grad_enabled
 

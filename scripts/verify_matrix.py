@@ -6,7 +6,8 @@ precision matrix through the CLI, each run with --verify.
 
 For 4 ranks every factorisation dp*tp*pp = 4, for 8 ranks dp2 x tp2 x pp2; with each ZeRO
 stage the layout allows (0-3 without a pipeline, 0-2 with one), each schedule when pp > 1,
-and each precision (fp32 runs in float64 and must agree to 1e-10 relative, losses and every
+each precision, and --recompute full or selective beside each float64 1F1B (or pipeline-free)
+layout (fp32 runs in float64 and must agree to 1e-10 relative, losses and every
 parameter tensor; fp16/bf16 must agree on the losses to 5e-2, as --verify judges them). The
 model is tiny (2 layers, or 4 with pp = 4; C = 16; 3 steps; gradient clipping on) so that the
 matrix runs in minutes. Every run also writes a --trace, which must pass
@@ -49,6 +50,8 @@ def cases(ranks, precisions):
                     flags += ["--schedule", schedule, "--micro-batches", "2"]
                 flags += ["--dtype", "float64"] if precision == "fp32" else ["--precision", precision]
                 yield n, flags
+                if precision == "fp32" and schedule in ("1f1b", "-"):    # and with recomputation
+                    yield n, flags + ["--recompute", "full" if zero % 2 == 0 else "selective"]
 
 
 def relative(line: str) -> dict:

@@ -367,7 +367,7 @@ def test_train_flops_per_token_counts_the_matmuls_that_run(monkeypatch):
 
     wrap(ops.Linear, lambda out, x, w, *r: 2 * out.size * w.shape[0])
     wrap(ops.MatMul, lambda out, a, b: 2 * out.size * a.shape[-1])
-    wrap(ops.CausalSelfAttention, lambda out, qkv, nh: 2 * 2 * out.shape[0] * out.shape[1] ** 2 * out.shape[2])
+    wrap(ops.CausalSelfAttention, lambda out, qkv, nh, *r: 2 * 2 * out.shape[0] * out.shape[1] ** 2 * out.shape[2])
     for tied, t in ((True, 5), (False, 3)):
         cfg = GPTConfig(vocab_size=13, block_size=6, n_layer=3, n_head=2, n_embd=12, tie_embeddings=tied)
         m = GPT(cfg, seed=0)

@@ -149,8 +149,7 @@ class PipelineStage(Model):
             with trace.layer("embed"):                                # --trace: a span each
                 x = self.inner.embed(x)                               # (b, T, C)
         for i in self.layers:
-            with trace.layer(f"h.{i}"):
-                x = self.inner.block(i, x)
+            x = self.inner.run_block(i, x)
         if not self.is_last:
             return x
         with trace.layer("head"):

@@ -163,9 +163,9 @@ class ParallelAttention:
     def __init__(self, c_attn: ColumnParallelLinear, c_proj: RowParallelLinear, local_heads: int):
         self.c_attn, self.c_proj, self.local_heads = c_attn, c_proj, local_heads
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, recompute: bool = False) -> Tensor:
         qkv = self.c_attn(x)                                          # (B, t, 3C/tp)
-        y = ops.causal_self_attention(qkv, self.local_heads)          # (B, t, C/tp)
+        y = ops.causal_self_attention(qkv, self.local_heads, recompute)   # (B, t, C/tp)
         return self.c_proj(y)                                         # (B, t, C)
 
 
@@ -412,7 +412,8 @@ class TensorParallelGPT(Model):
 
     def block(self, i: int, x: Tensor) -> Tensor:
         P, h = self.params, f"h.{i}."
-        x = x + self.attn[i](ops.layer_norm(x, P[h + "ln_1.weight"], P[h + "ln_1.bias"]))
+        x = x + self.attn[i](ops.layer_norm(x, P[h + "ln_1.weight"], P[h + "ln_1.bias"]),
+                             self.recompute == "selective")
         return x + self.mlp[i](ops.layer_norm(x, P[h + "ln_2.weight"], P[h + "ln_2.bias"]))
 
     def head(self, x: Tensor) -> Tensor:
@@ -436,8 +437,7 @@ class TensorParallelGPT(Model):
         with trace.layer("embed"):                                      # --trace: a span each
             x = self.embed(idx)
         for i in range(self.cfg.n_layer):
-            with trace.layer(f"h.{i}"):
-                x = self.block(i, x)
+            x = self.run_block(i, x)
         with trace.layer("head"):
             logits = self.head(x)
             return logits if targets is None else self.loss(logits, targets, loss_denom)
