@@ -23,6 +23,7 @@ import pytest
 from minipar import plan, plan_hosts, traceview
 from minipar.comm import hierarchical
 
+from test_plan import cli
 from test_plan_trainer import planner_flags
 from trainer_runs import MPIRUN, REPO, TINY_MPI, read_log
 
@@ -47,16 +48,6 @@ def run_plan(*flags):
     args = plan.build_parser().parse_args(list(flags))
     cfg, lay, params = plan.resolve(args)
     return plan.plan(cfg, lay, params, args.device_tflops, plan_hosts.Hosts.from_args(args))
-
-
-def cli(capsys, *flags):
-    code = 0
-    try:
-        plan.main(list(flags))
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # ---------------------------------------------------------------- message by message
