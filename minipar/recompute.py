@@ -31,6 +31,16 @@ from minipar.tensor import Function, Tensor, enable_grad, is_grad_enabled, no_gr
 MODES = ("none", "selective", "full")
 
 
+def added_flops(L: int, B: int, T: int, C: int, mode: str) -> int:
+    """Matmul FLOPs that one forward + backward of B sequences of T tokens adds, over L blocks
+    of width C (the count of model.train_flops_per_token: 2*M*N*K per product):
+    selective  the Q K^T of every layer again, 2 B T^2 C each;
+    full       every block's forward again: its linears, 2 B T (3C^2 + C^2 + 8C^2) = 24 B T C^2,
+               and attention's Q K^T and P V, 4 B T^2 C."""
+    per_layer = {"none": 0, "selective": 2 * B * T * T * C, "full": 24 * B * T * C * C + 4 * B * T * T * C}
+    return L * per_layer[mode]
+
+
 class Recompute(Function):
     """y = run(x) with nothing saved but x; backward runs `run` again (see the module)."""
 

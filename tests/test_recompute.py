@@ -80,3 +80,39 @@ def test_across_ranks_the_weights_are_the_same_bits(layout):
         assert p.returncode == 0, p.stderr[-2000:]
         digests.append(p.stdout.split("weights sha256 ")[1].split(")")[0])
     assert len(set(digests)) == 1, digests
+
+
+def test_added_flops_are_counted_exactly(monkeypatch):
+    """Every matrix product that runs, counted as 2*M*N*K by wrapping the ops (as
+    test_model counts train_flops_per_token), in one forward + backward: what each mode adds
+    over none equals recompute.added_flops."""
+    from minipar import ops, recompute
+    count = [0]
+
+    def wrap(owner, name, flops):
+        orig = getattr(owner, name)
+
+        def counted(*args, **kw):
+            out = orig(*args, **kw)
+            count[0] += flops(out, *args)
+            return out
+        monkeypatch.setattr(owner, name, counted)
+
+    wrap(ops.Linear, "forward", lambda out, self, x, w, *r: 2 * out.size * w.shape[0])
+    wrap(ops.MatMul, "forward", lambda out, self, a, b: 2 * out.size * a.shape[-1])
+    # the attention core: P = softmax(Q K^T) in _probs_t (forward, and selective's backward),
+    # P V in the forward
+    wrap(ops, "_probs_t", lambda out, q, k, T: 2 * out.size * q.shape[-1])
+    wrap(ops.CausalSelfAttention, "forward", lambda out, self, qkv, nh, *r: 2 * out.size * out.shape[1])
+    cfg = GPTConfig(vocab_size=256, block_size=8, n_layer=3, n_head=2, n_embd=16)
+    B, T, C, L = 2, 8, 16, 3
+    counted = {}
+    for mode in ("none", "selective", "full"):
+        model = GPT(cfg, seed=0, dtype=np.float64)
+        model.recompute = mode
+        idx = np.random.default_rng(0).integers(0, 256, (B, T))
+        count[0] = 0
+        model(idx, idx).backward()
+        counted[mode] = count[0]
+    for mode in ("selective", "full"):
+        assert counted[mode] - counted["none"] == recompute.added_flops(L, B, T, C, mode), mode
