@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel replicas [world / (tp*pp)]")
     g.add_argument("--tp", type=int, default=1, metavar="T",
                    help="tensor-parallel ranks [%(default)s]")
+    g.add_argument("--sp", action="store_true",
+                   help="sequence parallelism inside the tp group: LayerNorms, residual stream and "
+                        "embeddings split along the sequence, which --tp must divide "
+                        "(docs/sequence-parallel.md)")
     g.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline stages [%(default)s]")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, metavar="{0,1,2,3}",
                    help="ZeRO stage over the dp group: shard the optimizer state (1), and the "
@@ -225,6 +229,13 @@ def check_split(cfg: GPTConfig | None, dp: int, tp: int, pp: int, batch_size: in
                           f"{dp}*{micro_batches} = {dp * micro_batches}")
 
 
+def check_sequence_split(cfg: GPTConfig | None, tp: int, sp: bool):
+    """--sp splits every sequence into tp pieces: the sequence length must divide (no padding)."""
+    if sp and cfg is not None and cfg.block_size % tp:
+        raise ConfigError(f"--sp splits each sequence over --tp {tp}: --block-size "
+                          f"{cfg.block_size} is not divisible by {tp}")
+
+
 def resolve_dp_flags(args):
     """--dp-mode and --bucket-mb belong to plain data parallelism: refused with --zero, else
     set to their defaults (bucketed, 1 MiB) when not given."""
@@ -280,6 +291,7 @@ def prepare(args, world: int) -> RunSpec:
     if args.timeline and pp == 1:
         raise ConfigError(f"--timeline {args.timeline} draws a pipeline: it needs --pp > 1")
     check_split(cfg, dp, tp, pp, args.batch_size, args.micro_batches)
+    check_sequence_split(cfg, tp, args.sp)
     resolve_dp_flags(args)
     if args.zero == 3 and pp > 1:
         raise ConfigError(f"--zero 3 does not combine with --pp {pp}: it would all-gather and "

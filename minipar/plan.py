@@ -74,11 +74,11 @@ import json
 import math
 import sys
 
-from minipar import comm, config, plan_hosts, precision
+from minipar import activations, comm, config, plan_hosts, precision, recompute
 from minipar.comm import direct, tree
 from minipar.comm.group import HEADER_BYTES, split_offsets
 from minipar.model import GPTConfig, param_specs
-from minipar.parallel import data_parallel, pipeline, schedules, tensor_parallel, zero
+from minipar.parallel import data_parallel, pipeline, schedules, sequence_parallel, tensor_parallel, zero
 from minipar.perf import human_bytes
 
 PRESETS = {   # name: (n_layer, n_head, n_embd, vocab_size, block_size)
@@ -114,33 +114,10 @@ def model_states(P_local: int, P_pad: int, itemsize: int, K: int, zero_stage: in
 
 
 def activation_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsize: int,
-                     compute_itemsize: int) -> int:
+                     compute_itemsize: int, sp: bool = False, recompute: str = "none") -> int:
     """Bytes one micro-batch of `rows` sequences leaves saved for backward on a device of
-    `stage`: what each op of ops.py / tensor_parallel.py keeps (Function.save), counted as
-    Tensor.saved_bytes counts it (parameters excluded, views once). itemsize: the storage
-    bytes per element, compute_itemsize the compute's (4 for fp16/bf16, else itemsize).
-    N = rows*T, C/tp and H/tp per device. Exact for tp = 1; with tp > 1 the masked
-    embedding and cross-entropy keep the ids of the tokens this rank's vocabulary slice
-    owns, which depends on the data: N/tp assumed."""
-    T, C, V = cfg.block_size, cfg.n_embd, cfg.vocab_size
-    N, Ct, Ht = rows * T, cfg.n_embd // tp, cfg.n_head // tp
-    store, comp = itemsize, compute_itemsize                      # bytes per element kept, computed
-    low = 4 * C if comp != store else 0                           # fp16/bf16: LayerNorm keeps w in fp32
-    ln = N * C * comp + N * comp + low                            # xhat (N, C), rstd (N, 1)
-    layer = (2 * ln                                               # ln_1, ln_2
-             + N * C * store + N * Ct * store                     # c_attn's input (N, C), c_proj's (N, C/tp)
-             + 3 * N * Ct * comp + rows * Ht * T * T * comp       # q, k, v (b, H/tp, T, hs); P (b, H/tp, T, T)
-             + N * C * store                                      # c_fc's input (N, C)
-             + 2 * N * 4 * Ct * comp                              # GELU: x and sigmoid (N, 4C/tp)
-             + N * 4 * Ct * store)                                # mlp c_proj's input (N, 4C/tp)
-    total = len(schedules.partition(cfg.n_layer, pp)[stage]) * layer
-    owned = -(-N // tp)                                   # ids this tp rank's vocab slice holds
-    if stage == 0:                                        # token ids (N,), positions (T,)
-        total += (N * INT64 if tp == 1 else owned * INT64 + N) + T * INT64
-    if stage == pp - 1:                                   # ln_f, the head's input, the loss
-        Vl = V if tp == 1 else -(-V // tp)
-        total += ln + N * C * store + N * Vl * comp + (N * INT64 if tp == 1 else 2 * owned * INT64)
-    return total
+    `stage`: activations.stage_bytes (the formula, term by term, and Korthikanti's Table 2)."""
+    return activations.stage_bytes(cfg, stage, pp, tp, rows, itemsize, compute_itemsize, sp, recompute)
 
 
 def in_flight(schedule: str, stage: int, pp: int, M: int) -> int:
@@ -287,7 +264,18 @@ def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: i
     g = Flat(tp) if g is None else g
     rows, T, C = lay.rows, cfg.block_size, cfg.n_embd
     n_layers = len(schedules.partition(cfg.n_layer, pp)[stage])
-    act_calls, row_calls = tensor_parallel.megatron_calls(n_layers, stage == 0, stage == pp - 1)
+    first, last = stage == 0, stage == pp - 1
+    if lay.sp:                                            # sequence_parallel.sp_count, by kind
+        count = sequence_parallel.sp_count(cfg, rows, T, tp, n_layers, first, last, lay.recompute)
+        n = rows * T * C
+        gathers = sum(count[k][0] for k in ("f_gather", "g_gather", "regather"))
+        scatters = count["f_scatter"][0] + count["g_scatter"][0]
+        per_mb = (gathers * g.all_gather(n // tp, itemsize) + scatters * g.reduce_scatter(n, itemsize)
+                  + 6 * n_layers * g.all_reduce(C, itemsize)                 # replicated parameters' sums
+                  + (2 * g.all_reduce(C, itemsize) + 3 * g.all_reduce(rows * T, compute_itemsize) if last else 0)
+                  + (g.all_gather(T // tp * C, itemsize) if first else 0))   # wpe's rows
+        return M * per_mb + g.all_reduce(1, INT64)
+    act_calls, row_calls = tensor_parallel.megatron_calls(n_layers, first, last, lay.recompute)
     per_mb = (act_calls * g.all_reduce(rows * T * C, itemsize)           # (b, T, C) activations, gradients
               + row_calls * g.all_reduce(rows * T, compute_itemsize))    # the cross-entropy's (b*T,)
     return M * per_mb + g.all_reduce(1, INT64)            # + the gradient norm
@@ -300,6 +288,7 @@ def pp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, g=None):
         return 0
     g = Flat(pp, stage) if g is None else g
     act = lay.rows * cfg.block_size * cfg.n_embd * itemsize                # (b, T, C), + a header
+    act //= lay.tp if lay.sp else 1                                        # --sp: (b, T/tp, C)
     sent = (M * g.send(act, stage + 1) if stage < pp - 1 else 0) \
         + (M * g.send(act, stage - 1) if stage > 0 else 0)                # activations down, gradients up
     if cfg.tie_embeddings and stage in (0, pp - 1):       # wte's gradient to the other end (ZeRO: its shard)
@@ -371,7 +360,8 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
         units = zero_units(tensors, N)
         P_local, P_pad = sum(n for _, n in tensors), sum(units)
         held = in_flight(lay.schedule, stage, pp, M)
-        act = held * activation_bytes(cfg, stage, pp, lay.tp, lay.rows, itemsize, compute_itemsize)
+        act = held * activation_bytes(cfg, stage, pp, lay.tp, lay.rows, itemsize, compute_itemsize,
+                                      lay.sp, lay.recompute)
         states = model_states(P_local, P_pad, itemsize, K, lay.zero, N)
         mem_st.append({**states, "activations": act, "total": states["model_states"] + act, "stage": stage,
                        "micro_batches_in_flight": held, "params_local": P_local, "params_padded": P_pad})
@@ -384,7 +374,15 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
         comm_st.append(plan_hosts.comm_row(stage, axes, other_parts(stage, lay, groups), bool(lay.zero), hosts))
     whole = flop_components(cfg)
     out["flops"] = {**flops(whole, lay.batch_size), "six_nd": 6 * out["params"] * lay.batch_size * cfg.block_size,
-                    "per_device": max(flops_st, key=lambda r: r["total"])}
+                    "per_device": max(flops_st, key=lambda r: r["total"]),
+                    "recompute_added": recompute.added_flops(cfg.n_layer, lay.batch_size, cfg.block_size,
+                                                             cfg.n_embd, lay.recompute)}
+    out["activations_per_layer"] = {
+        "this_run": activations.layer_bytes(lay.rows, cfg.block_size, cfg.n_embd, cfg.n_head, lay.tp, itemsize,
+                                            compute_itemsize, lay.sp and lay.tp > 1, lay.recompute),
+        "setting": activations.setting_of(lay.tp, lay.sp, lay.recompute),
+        "table": activations.table(cfg.block_size, lay.rows, cfg.n_embd, cfg.n_head, lay.tp, itemsize,
+                                   compute_itemsize)}
     out.update(memory=max(mem_st, key=lambda r: r["total"]), memory_per_stage=mem_st,
                flops_per_stage=flops_st, comm=max(comm_st, key=lambda r: r["bytes_per_step"]),
                comm_per_stage=comm_st, bubble=bubble, step_time_s=None)
@@ -450,6 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="parameter dtype with --precision fp32 (8 bytes for float64) [%(default)s]")
     layout.add_argument("--schedule", choices=tuple(schedules.SCHEDULES), default=default["schedule"],
                         help="pipeline schedule [%(default)s]")
+    layout.add_argument("--sp", action="store_true",
+                        help="sequence parallelism inside the tp group (activations, tp bytes)")
+    layout.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                        help="activation recomputation (activations, tp bytes, added FLOPs) [%(default)s]")
     layout.add_argument("--dp-mode", choices=("bucketed", "naive"),
                         help="--zero 0: gradient all-reduce per bucket or per parameter [bucketed]")
     layout.add_argument("--bucket-mb", type=float, metavar="X",
@@ -467,7 +469,8 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     with the trainer's messages (config.validate, config.prepare) where they exist."""
     given = [k for k in SHAPE_FLAGS if getattr(args, k) is not None]
     lay = Layout(**{k: getattr(args, k) for k in ("dp", "tp", "pp", "zero", "micro_batches", "batch_size",
-                                                  "precision", "dtype", "schedule", "dp_mode", "bucket_mb")})
+                                                  "precision", "dtype", "schedule", "dp_mode", "bucket_mb",
+                                                  "sp", "recompute")})
     for flag in ("dp", "tp", "pp"):
         if getattr(lay, flag) < 1:
             raise PlanError(f"--{flag} must be >= 1, got {getattr(lay, flag)}")
@@ -501,6 +504,7 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     if cfg.n_embd % cfg.n_head:
         raise PlanError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     config.check_split(cfg, lay.dp, lay.tp, lay.pp, lay.batch_size, lay.micro_batches)
+    config.check_sequence_split(cfg, lay.tp, lay.sp)
     return cfg, lay, None
 
 
@@ -565,6 +569,9 @@ def table(r: dict, name: str | None = None) -> str:
             out.append(_row(key + (" (2x fwd)" if key == "backward" else ""),
                             [_sci(fl[key])] + [_sci(st[key]) for st in per]))
         out.append(_row("6ND", [_sci(fl["six_nd"])]))
+        if fl["recompute_added"]:
+            out.append(_row(f"+ {lay['recompute']} recompute", [_sci(fl["recompute_added"])]))
+        out += activation_lines(r)
         out.append("")
         out.append(_row("comm sent per step", heads))
         sent = [r["comm_per_stage"][stage] for stage in cols]
@@ -581,6 +588,21 @@ def table(r: dict, name: str | None = None) -> str:
                    + (f", {r['step_time_with_bubble_s']:.3g} s with the bubble" if lay["pp"] > 1 else ""))
     out += [f"  note: {n}" for n in r["notes"]]
     return "\n".join(out)
+
+
+def activation_lines(r: dict) -> list[str]:
+    """Saved activations per layer, one micro-batch: minipar's formula in the six settings of
+    Korthikanti et al. 2022 (Table 2) beside the paper's, this run's setting marked."""
+    lay, a, shape = r["layout"], r["activations_per_layer"], r["model"]
+    out = ["", f"  activations per layer, one micro-batch (s={shape['block_size']} b={lay['micro_batch_rows']} "
+               f"h={shape['n_embd']} a={shape['n_head']} t={lay['tp']}, d={lay['bytes_per_param']}): "
+               f"this run {human_bytes(a['this_run'])}",
+           f"    {'setting':<17}{'minipar':>12}  {'formula':<32}{'Korthikanti':>12}  Table 2 (2-byte values)"]
+    for row in a["table"]:
+        mark = " <" if row["setting"] == a["setting"] else ""
+        out.append(f"    {row['setting']:<17}{human_bytes(row['minipar']):>12}  {row['minipar_formula']:<32}"
+                   f"{human_bytes(row['korthikanti']):>12}  {row['korthikanti_formula']}{mark}")
+    return out
 
 
 def main(argv=None):

@@ -35,7 +35,7 @@ from minipar.config import ConfigError, RunSpec, agree_on_errors, build_parser, 
 from minipar.interfaces import GradSync, Model
 from minipar.model import GPT, train_flops_per_token
 from minipar.optim import AdamW, clip_coef, lr_at
-from minipar.parallel import data_parallel, pipeline, tensor_parallel, zero
+from minipar.parallel import data_parallel, pipeline, sequence_parallel, tensor_parallel, zero
 from minipar.parallel.grid import ProcessGrid
 from minipar.perf import keep_freed_memory, matmul_peak_flops
 from minipar.tensor import no_grad
@@ -110,8 +110,8 @@ def init_model(spec: RunSpec, args, grid: ProcessGrid | None = None):
     group has > 1 rank; with pp > 1, only this rank's pipeline stage of it. With --resume,
     loaded from the checkpoint."""
     if grid is not None and grid.tp_size > 1:
-        model = tensor_parallel.TensorParallelGPT(spec.cfg, grid.tp_group, seed=args.seed,
-                                                  dtype=spec.dtype)
+        layers = sequence_parallel.SequenceParallelGPT if args.sp else tensor_parallel.TensorParallelGPT
+        model = layers(spec.cfg, grid.tp_group, seed=args.seed, dtype=spec.dtype)
     else:
         model = GPT(spec.cfg, seed=args.seed, dtype=spec.dtype)
     model.recompute = args.recompute                 # before a pipeline stage wraps it

@@ -383,9 +383,10 @@ def local_param_count(cfg: GPTConfig, stage: int, n_stages: int, tp: int = 1) ->
     return sum(n for _, n in local_tensors(cfg, stage, n_stages, tp))
 
 
-def megatron_count_stage(cfg: GPTConfig, stage: int, n_stages: int, rows: int, t: int) -> tuple[int, int]:
+def megatron_count_stage(cfg: GPTConfig, stage: int, n_stages: int, rows: int, t: int,
+                         recompute: str = "none") -> tuple[int, int]:
     """tensor_parallel.megatron_count for one pipeline stage: 4 all-reduces per block of
     rows*t*C elements, the embedding's g on the first stage, the head's f and the
     cross-entropy's three of rows*t on the last."""
     n_layers = len(schedules.partition(cfg.n_layer, n_stages)[stage])
-    return megatron_count(cfg, rows, t, n_layers, stage == 0, stage == n_stages - 1)
+    return megatron_count(cfg, rows, t, n_layers, stage == 0, stage == n_stages - 1, recompute)

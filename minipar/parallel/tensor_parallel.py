@@ -64,21 +64,27 @@ def reset_traffic():
 
 
 def _sent() -> int:
-    return comm.traffic().get("all_reduce", {}).get("bytes_sent", 0)
+    return sum(op.get("bytes_sent", 0) for op in comm.traffic().values())
+
+
+def tp_collective(kind: str, elements: int, run):
+    """run() (one collective over the tp group), entered in this module's ledger under
+    `kind` with `elements` and the bytes it sent: every message tensor parallelism (and
+    sequence parallelism, sequence_parallel.py) sends goes through here."""
+    before = _sent()
+    y = run()
+    e = _LEDGER.setdefault(kind, {"calls": 0, "elements": 0, "bytes_sent": 0})
+    e["calls"] += 1
+    e["elements"] += elements
+    e["bytes_sent"] += _sent() - before
+    return y
 
 
 def tp_all_reduce(group: comm.Group, x: np.ndarray, op: str, kind: str) -> np.ndarray:
-    """comm.all_reduce over the tp group, entered in this module's ledger under `kind`
-    (traffic()): every all-reduce tensor parallelism makes goes through here."""
+    """comm.all_reduce over the tp group, in this module's ledger under `kind` (traffic())."""
     if group.size == 1:                                   # no partner: nothing to send
         return x
-    before = _sent()
-    y = comm.all_reduce(group, x, op=op)
-    e = _LEDGER.setdefault(kind, {"calls": 0, "elements": 0, "bytes_sent": 0})
-    e["calls"] += 1
-    e["elements"] += x.size
-    e["bytes_sent"] += _sent() - before
-    return y
+    return tp_collective(kind, x.size, lambda: comm.all_reduce(group, x, op=op))
 
 
 # --- Megatron's f and g ---------------------------------------------------------------------
@@ -398,14 +404,18 @@ class TensorParallelGPT(Model):
         return float(tp_all_reduce(self.group, np.array([local]), "sum", "grad_norm")[0])
 
     # --- forward, in pieces a pipeline stage can run ----------------------------------------
-    def embed(self, idx) -> Tensor:
+    def check_ids(self, idx) -> np.ndarray:
         idx = np.asarray(idx)
-        t = idx.shape[-1]
-        if t > self.cfg.block_size:
-            raise ValueError(f"sequence length {t} > block_size {self.cfg.block_size}")
+        if idx.shape[-1] > self.cfg.block_size:
+            raise ValueError(f"sequence length {idx.shape[-1]} > block_size {self.cfg.block_size}")
         if idx.size and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
                              f"[{idx.min()}, {idx.max()}]")
+        return idx
+
+    def embed(self, idx) -> Tensor:
+        idx = self.check_ids(idx)
+        t = idx.shape[-1]
         tok = self.wte(idx)                                                       # (B, t, C)
         pos = ops.embedding(np.arange(t)[None, :], self.params["wpe.weight"])     # (1, t, C)
         return tok + pos
@@ -478,19 +488,22 @@ def local_param_count(cfg: GPTConfig, tp: int) -> int:
     return sum(local_size(name, shape, tp) for name, shape, _ in param_specs(cfg))
 
 
-def megatron_calls(n_layers: int, first: bool = True, last: bool = True) -> tuple[int, int]:
+def megatron_calls(n_layers: int, first: bool = True, last: bool = True,
+                   recompute: str = "none") -> tuple[int, int]:
     """Megatron's all-reduces of one micro-batch, forward and backward, on a tp rank holding
     `n_layers` blocks, the embedding if `first` and the head if `last` (a pipeline stage;
     the whole model by default), as (calls on a (rows, t, C) activation or its gradient,
     calls on rows*t numbers): 4 per block (attention's and the MLP's f and g), the
-    embedding's g, the head's f; the vocabulary-parallel cross-entropy's 3."""
-    return 4 * n_layers + (1 if first else 0) + (1 if last else 0), 3 if last else 0
+    embedding's g, the head's f; the vocabulary-parallel cross-entropy's 3. With full
+    recomputation each block's forward, and so its two g's, runs again in backward."""
+    again = 2 * n_layers if recompute == "full" else 0
+    return 4 * n_layers + again + (1 if first else 0) + (1 if last else 0), 3 if last else 0
 
 
 def megatron_count(cfg: GPTConfig, rows: int, t: int, n_layers: int | None = None,
-                   first: bool = True, last: bool = True) -> tuple[int, int]:
+                   first: bool = True, last: bool = True, recompute: str = "none") -> tuple[int, int]:
     """(all-reduces, elements) of one micro-batch of `rows` sequences of t tokens: for the
     whole model 4L + 5 calls and (4L + 2) * rows * t * C + 3 * rows * t elements (module
     docstring); for a pipeline stage, its n_layers blocks and ends (megatron_calls)."""
-    act, per_row = megatron_calls(cfg.n_layer if n_layers is None else n_layers, first, last)
+    act, per_row = megatron_calls(cfg.n_layer if n_layers is None else n_layers, first, last, recompute)
     return act + per_row, act * rows * t * cfg.n_embd + per_row * rows * t

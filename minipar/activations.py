@@ -1,0 +1,149 @@
+"""Activation memory: the bytes minipar's ops save for backward, by formula, beside
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+arXiv:2205.05198, Table 2). The planner prints both; tests hold the formula to
+Tensor.saved_bytes and the trainer's measured peak (docs/sequence-parallel.md).
+
+Letters as in the paper: s sequence length (minipar's T), b micro-batch rows, h hidden size
+(C), a heads (H), t tensor-parallel ranks, d bytes per element. What one transformer layer
+of minipar keeps (ops.py, tensor_parallel.py, sequence_parallel.py; no dropout):
+
+    kept by                       elements                 split by t under
+    ln_1, ln_2  xhat, 1/std       2 (sbh + sb)             sp
+    c_attn, c_fc  their input     2 sbh                    sp (the shard; gathered again in backward)
+    attention   q, k, v           3 sbh                    tp
+                softmax P         a s^2 b                  tp            (selective: not kept)
+    c_proj      its input         sbh                      tp
+    GELU        x, sigmoid        8 sbh                    tp
+    mlp c_proj  its input         4 sbh                    tp
+    sum                           sbh (20 + 2/h + as/h)
+
+so, per layer (d = 4 in float32; the paper has 2-byte values and 1-byte dropout masks):
+
+    setting            minipar                          Korthikanti Table 2
+    none               d sbh (20 + 2/h + as/h)          sbh (34 + 5as/h)
+    tp                 d sbh (4 + 2/h + 16/t + as/ht)   sbh (10 + 24/t + 5as/ht)
+    tp + sp            d sbh/t (20 + 2/h + as/h)        sbh/t (34 + 5as/h)
+    tp + selective     d sbh (4 + 2/h + 16/t)           sbh (10 + 24/t)
+    tp + sp + selective  d sbh/t (20 + 2/h)             34 sbh/t
+    full               d sbh (block input; /t with sp)  2 sbh
+
+The paper's "10" (LayerNorm inputs, the two linear inputs, two dropout masks) is minipar's
+"4 + 2/h" (no masks; LayerNorm keeps its normalised input and 1/std instead of its input),
+its "24/t" minipar's "16/t" (no attention dropout: its mask and output), its 5as/h
+minipar's as/h (the softmax alone: no mask, no dropped copy). Sequence parallelism divides
+the first by t, selective recomputation removes the last, full keeps the block's input.
+With fp16/bf16 (storage 2 bytes, compute 4) the ops keep some arrays in each width:
+layer_bytes says which.
+"""
+from __future__ import annotations
+
+from minipar.model import GPTConfig
+from minipar.parallel import schedules
+
+INT64 = 8
+SETTINGS = ("none", "tp", "tp+sp", "tp+selective", "tp+sp+selective", "full")
+
+
+def layer_bytes(rows: int, T: int, C: int, H: int, tp: int = 1, store: int = 4, comp: int | None = None,
+                sp: bool = False, recompute: str = "none") -> int:
+    """Bytes one transformer layer keeps for backward, one micro-batch of `rows` sequences
+    of T tokens, exactly as Tensor.saved_bytes counts them. store: bytes per stored element
+    (activations between ops), comp: of the computed ones the ops keep (4 for fp16/bf16,
+    else store)."""
+    comp = store if comp is None else comp
+    N = rows * T
+    Ns = N // tp if sp else N                                 # tokens in the LayerNorm regions
+    Ct, Ht = C // tp, H // tp
+    if recompute == "full":
+        return Ns * C * store                                 # the block's input alone
+    low = 4 * C if comp != store else 0                       # fp16/bf16: LayerNorm keeps w in fp32
+    ln = Ns * C * comp + Ns * comp + low                      # xhat (Ns, C), 1/std (Ns, 1)
+    attention = 3 * N * Ct * comp + (0 if recompute == "selective" else rows * Ht * T * T * comp)
+    return (2 * ln
+            + 2 * Ns * C * store                              # c_attn's and c_fc's input (or shard)
+            + attention                                       # q, k, v; the softmax P (b, H/t, T, T)
+            + N * Ct * store                                  # attention c_proj's input (N, C/t)
+            + 2 * N * 4 * Ct * comp                           # GELU: x and sigmoid (N, 4C/t)
+            + N * 4 * Ct * store)                             # mlp c_proj's input (N, 4C/t)
+
+
+def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsize: int,
+                compute_itemsize: int, sp: bool = False, recompute: str = "none", owned=None) -> int:
+    """Bytes one micro-batch of `rows` sequences leaves saved for backward on a device of
+    `stage` (Tensor.saved_bytes: parameters and the stage's received input excluded, views
+    once): its layers (layer_bytes) and its ends. itemsize: storage bytes per element,
+    compute_itemsize the compute's (4 for fp16/bf16, else itemsize).
+
+    Exact for tp = 1. With tp > 1 the vocabulary-parallel embedding and cross-entropy keep
+    the ids of the tokens (and targets) this rank's vocabulary slice owns, which depends on
+    the data: owned = (ids, targets) this rank owns, default ceil(N/tp) each; the formula
+    is off by 8 bytes per id from that assumption.
+    With full recomputation a stage after the first keeps no copy of its first block's
+    input: it is the activation the pipeline received, held whether or not anything is
+    saved (a leaf of the graph, like a parameter)."""
+    T, C, V = cfg.block_size, cfg.n_embd, cfg.vocab_size
+    sp = sp and tp > 1
+    N = rows * T
+    Ns = N // tp if sp else N
+    store, comp = itemsize, compute_itemsize
+    layers = len(schedules.partition(cfg.n_layer, pp)[stage])
+    if recompute == "full" and stage > 0:
+        layers -= 1
+    total = layers * layer_bytes(rows, T, C, cfg.n_head, tp, store, comp, sp, recompute)
+    ids, targets = (-(-N // tp),) * 2 if owned is None else owned
+    if stage == 0:                                            # token ids (N,), positions (T,)
+        total += N * INT64 if tp == 1 else ids * INT64 + N    # the masked lookup: owned ids, the mask
+        total += 0 if sp else T * INT64                       # sp: each rank slices wpe, keeps nothing
+    if stage == pp - 1:                                       # ln_f, the head's input, the loss
+        low = 4 * C if comp != store else 0
+        Vl = V if tp == 1 else -(-V // tp)
+        total += (Ns * C * comp + Ns * comp + low) + Ns * C * store + N * Vl * comp
+        total += N * INT64 if tp == 1 else 2 * targets * INT64
+    return total
+
+
+def setting_args(setting: str, tp: int) -> dict:
+    """One of SETTINGS as layer_bytes' (tp, sp, recompute); "none" and "full" at tp = 1."""
+    return {"none": dict(tp=1), "tp": dict(tp=tp), "tp+sp": dict(tp=tp, sp=True),
+            "tp+selective": dict(tp=tp, recompute="selective"),
+            "tp+sp+selective": dict(tp=tp, sp=True, recompute="selective"),
+            "full": dict(tp=1, recompute="full")}[setting]
+
+
+def korthikanti(setting: str, s: int, b: int, h: int, a: int, t: int) -> float:
+    """Korthikanti et al. 2022, Table 2: activation bytes per layer (2-byte values, 1-byte
+    dropout masks)."""
+    sbh = s * b * h
+    return {"none": sbh * (34 + 5 * a * s / h),
+            "tp": sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+            "tp+sp": sbh / t * (34 + 5 * a * s / h),
+            "tp+selective": sbh * (10 + 24 / t),
+            "tp+sp+selective": 34 * sbh / t,
+            "full": 2 * sbh}[setting]
+
+
+FORMULAS = {   # setting: (minipar's, the paper's), as the docstring writes them
+    "none": ("d sbh (20 + 2/h + as/h)", "sbh (34 + 5as/h)"),
+    "tp": ("d sbh (4 + 2/h + 16/t + as/ht)", "sbh (10 + 24/t + 5as/ht)"),
+    "tp+sp": ("d sbh/t (20 + 2/h + as/h)", "sbh/t (34 + 5as/h)"),
+    "tp+selective": ("d sbh (4 + 2/h + 16/t)", "sbh (10 + 24/t)"),
+    "tp+sp+selective": ("d sbh/t (20 + 2/h)", "34 sbh/t"),
+    "full": ("d sbh", "2 sbh"),
+}
+
+
+def setting_of(tp: int, sp: bool, recompute: str) -> str | None:
+    """Which of SETTINGS a run's flags are (None: one the paper's table has no row for)."""
+    if recompute == "full":
+        return "full" if tp == 1 or not sp else None
+    key = "none" if tp == 1 and recompute == "none" else "tp" + ("+sp" if sp else "") \
+        + ("+selective" if recompute == "selective" else "")
+    return key if key in SETTINGS else None
+
+
+def table(s: int, b: int, h: int, a: int, t: int, d: int, comp: int | None = None) -> list[dict]:
+    """The six settings for one layer: minipar's bytes (layer_bytes with d-byte stored
+    values, comp-byte computed ones) and Korthikanti's, with their formulas."""
+    return [{"setting": k, "minipar": layer_bytes(b, s, h, a, store=d, comp=comp, **setting_args(k, t)),
+             "korthikanti": korthikanti(k, s, b, h, a, t),
+             "minipar_formula": FORMULAS[k][0], "korthikanti_formula": FORMULAS[k][1]} for k in SETTINGS]
