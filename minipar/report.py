@@ -15,7 +15,7 @@ import numpy as np
 
 from minipar import comm, data, draw, plan, precision
 from minipar.optim import AdamW
-from minipar.parallel import data_parallel, pipeline, schedules, tensor_parallel, zero
+from minipar.parallel import data_parallel, pipeline, schedules, sequence_parallel, tensor_parallel, zero
 from minipar.perf import human_bytes
 
 
@@ -103,7 +103,10 @@ def mechanisms(s) -> str:
     elif a.zero:
         out.append(f"ZeRO stage {a.zero} (over a single dp rank: nothing to shard)")
     if g.tp_size > 1:
-        out.append(f"tensor parallelism over {g.tp_size} ranks")
+        out.append(f"tensor parallelism over {g.tp_size} ranks"
+                   + (" with sequence parallelism" if a.sp else ""))
+    elif a.sp:
+        out.append("sequence parallelism over tp 1 (nothing to split)")
     if g.pp_size > 1:
         out.append(f"pipeline parallelism over {g.pp_size} stages "
                    f"({a.schedule}, {a.micro_batches} micro-batches)")
@@ -160,6 +163,11 @@ def describe(s) -> list[str]:
                      f"(V={cfg.vocab_size}"
                      f"{' padded' if model.vocab_padded != cfg.vocab_size else ''}); "
                      f"{model.num_local_params():,} of {model.num_params():,} parameters")
+        if a.sp:
+            lines.append(f"  sequence parallel: between the tensor-parallel layers each tp rank holds "
+                         f"{T // g.tp_size} of the {T} positions of every sequence (LayerNorms, "
+                         f"residual stream, embeddings); f and g all-gather and reduce-scatter "
+                         f"along the sequence")
     if s.pipe is not None:
         pp = g.pp_size
         parts = schedules.partition(cfg.n_layer, pp)
@@ -318,24 +326,8 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
                      f"B backward, digits the micro-batch, '.' idle):")
         lines += ["    " + line for line in draw.ascii_gantt(timeline, pp, width=100).splitlines()]
     if g.tp_size > 1:
-        rows = B // dp // M
-        calls, elems = tensor_parallel.megatron_count(cfg, rows, T)
-        if pp > 1:                                       # stage 0's layers (rank 0 prints)
-            calls, elems = pipeline.megatron_count_stage(cfg, g.pp_rank, pp, rows, T)
-        tp_calls = sum(v["calls"] for k, v in tp_ledger.items() if k != "grad_norm")
-        tp_elems = sum(v["elements"] for k, v in tp_ledger.items() if k != "grad_norm")
-        tp_bytes = float(np.mean([r["tp_bytes"] for r in rows_log]))
-        summary["tensor_parallel"] = {"tp": g.tp_size, "all_reduces_per_step": tp_calls / steps_run,
-                                      "elements_per_step": tp_elems / steps_run,
-                                      "bytes_per_step": tp_bytes,
-                                      "megatron_all_reduces_per_step": calls * M,
-                                      "megatron_elements_per_step": elems * M}
-        lines.append(f"  tensor parallel: {tp_calls / steps_run:.0f} all-reduces/step of "
-                     f"{tp_elems / steps_run:,.0f} elements (Megatron: "
-                     f"{'(4L+5)' if pp == 1 else 'stage 0, 4 x its layers + 1'} x {M} "
-                     f"micro-batch(es) = {calls * M}, {elems * M:,} elements), "
-                     f"{human_bytes(tp_bytes)}/step sent "
-                     f"per rank, + 1 for the global grad norm")
+        summary["tensor_parallel"], line = tensor_parallel_summary(s, rows_log, tp_ledger)
+        lines.append(line)
     if a.save:
         writers = s.world if a.zero else s.world // dp                # see checkpoint.save_run
         who = ("one process" if s.world == 1 else "every rank" if writers == s.world
@@ -344,6 +336,43 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
                      f"{writers} optimizer shard(s) in "
                      f"{a.save}/optim, written by {who}")
     return summary, lines
+
+
+def tensor_parallel_summary(s, rows_log: list, tp_ledger: dict) -> tuple[dict, str]:
+    """What tensor (and sequence) parallelism sent on this rank, per step, beside the
+    formula: Megatron's 4L + 5 all-reduces (tensor_parallel.megatron_count), or with --sp
+    sequence_parallel.sp_count's gathers, scatters and sums; of this rank's pipeline stage."""
+    a, cfg, g = s.args, s.cfg, s.grid
+    M, pp, T = a.micro_batches, g.pp_size, cfg.block_size
+    rows = a.batch_size // g.dp_size // M
+    layers = len(schedules.partition(cfg.n_layer, pp)[g.pp_rank])
+    first, last = g.pp_rank == 0, g.pp_rank == pp - 1
+    steps_run = len(rows_log)
+    tp_bytes = float(np.mean([r["tp_bytes"] for r in rows_log]))
+    kinds = {k: v for k, v in tp_ledger.items() if k != "grad_norm"}
+    calls = sum(v["calls"] for v in kinds.values()) / steps_run
+    elements = sum(v["elements"] for v in kinds.values()) / steps_run
+    out = {"tp": g.tp_size, "sequence_parallel": a.sp,
+           ("collectives_per_step" if a.sp else "all_reduces_per_step"): calls,
+           "elements_per_step": elements, "bytes_per_step": tp_bytes}
+    if a.sp:
+        want = sequence_parallel.sp_count(cfg, rows, T, g.tp_size, layers, first, last, a.recompute)
+        out["by_kind"] = {k: {"calls": v["calls"] / steps_run, "elements": v["elements"] / steps_run,
+                              "formula_calls": M * want[k][0], "formula_elements": M * want[k][1]}
+                          for k, v in kinds.items()}
+        exact = all(v["calls"] == v["formula_calls"] and v["elements"] == v["formula_elements"]
+                    for v in out["by_kind"].values()) and set(kinds) == set(want)
+        return out, (f"  sequence parallel: {calls:.0f} collectives/step of {elements:,.0f} elements "
+                     f"({', '.join(f'{k} {v[0] * M}' for k, v in want.items())}: "
+                     f"{'= sp_count' if exact else 'NOT sp_count'} x {M} micro-batch(es)), "
+                     f"{human_bytes(tp_bytes)}/step sent per rank, + 1 for the global grad norm")
+    want_calls, want_elems = tensor_parallel.megatron_count(cfg, rows, T, layers, first, last, a.recompute)
+    out.update(megatron_all_reduces_per_step=want_calls * M, megatron_elements_per_step=want_elems * M)
+    return out, (f"  tensor parallel: {calls:.0f} all-reduces/step of {elements:,.0f} elements (Megatron: "
+                 f"{'(4L+5)' if pp == 1 else 'stage ' + str(g.pp_rank) + ', 4 x its layers + ends'}"
+                 f"{' + 2L again (full recompute)' if a.recompute == 'full' else ''} x {M} "
+                 f"micro-batch(es) = {want_calls * M}, {want_elems * M:,} elements), "
+                 f"{human_bytes(tp_bytes)}/step sent per rank, + 1 for the global grad norm")
 
 
 def pipeline_summary(args, pipe, stages, rows_log) -> dict:
