@@ -29,8 +29,10 @@ so, per layer (d = 4 in float32; the paper has 2-byte values and 1-byte dropout 
 
 The paper's "10" (LayerNorm inputs, the two linear inputs, two dropout masks) is minipar's
 "4 + 2/h" (no masks; LayerNorm keeps its normalised input and 1/std instead of its input),
-its "24/t" minipar's "16/t" (no attention dropout: its mask and output), its 5as/h
-minipar's as/h (the softmax alone: no mask, no dropped copy). Sequence parallelism divides
+its "24/t" (12 two-byte values: q, k, v, c_proj's input, GELU's input and output) minipar's
+"16/t" (16 values: the same, but GELU keeps its input and its sigmoid, and mlp c_proj its
+input, 4 + 4 + 4), its 5as/h minipar's as/h (the softmax alone: no dropout mask, no
+dropped copy). Sequence parallelism divides
 the first by t, selective recomputation removes the last, full keeps the block's input.
 With fp16/bf16 (storage 2 bytes, compute 4) the ops keep some arrays in each width:
 layer_bytes says which.
@@ -133,7 +135,9 @@ FORMULAS = {   # setting: (minipar's, the paper's), as the docstring writes them
 
 
 def setting_of(tp: int, sp: bool, recompute: str) -> str | None:
-    """Which of SETTINGS a run's flags are (None: one the paper's table has no row for)."""
+    """Which of SETTINGS a run's flags are (None: one the paper's table has no row for).
+    At tp = 1 --sp splits nothing, and selective is the tp+selective row with t = 1."""
+    sp = sp and tp > 1
     if recompute == "full":
         return "full" if tp == 1 or not sp else None
     key = "none" if tp == 1 and recompute == "none" else "tp" + ("+sp" if sp else "") \

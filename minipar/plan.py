@@ -311,7 +311,10 @@ def other_parts(stage: int, lay, groups: dict) -> dict:
 
 class Layout(argparse.Namespace):
     """The layout flags (dp, tp, pp, zero, micro_batches, batch_size, precision, dtype,
-    schedule, dp_mode, bucket_mb); rows = B/(dp*M), the micro-batch of one device."""
+    schedule, dp_mode, bucket_mb, sp, recompute); rows = B/(dp*M), the micro-batch of one device."""
+
+    sp = False                # the defaults of the two flags that only shape activations and tp bytes
+    recompute = "none"
 
     @property
     def rows(self) -> int:
@@ -337,7 +340,8 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
     itemsize, compute_itemsize, K = itemsizes(lay)
     N, pp, M = lay.dp, lay.pp, lay.micro_batches
     bubble = schedules.bubble_theory(lay.schedule, pp, M)
-    out = {"model": None, "layout": {**vars(lay), "world": lay.dp * lay.tp * lay.pp,
+    out = {"model": None, "layout": {**vars(lay), "sp": lay.sp, "recompute": lay.recompute,
+                                     "world": lay.dp * lay.tp * lay.pp,
                                      "micro_batch_rows": lay.rows if cfg else None, "bytes_per_param": itemsize,
                                      "optimizer_bytes_per_param": K},
            "params": params, "notes": []}

@@ -200,7 +200,7 @@ def plan_lines(s) -> list[str]:
     a, g = s.args, s.grid
     lay = plan.Layout(dp=g.dp_size, tp=g.tp_size, pp=g.pp_size, zero=a.zero, micro_batches=a.micro_batches,
                       batch_size=a.batch_size, precision=a.precision, dtype=a.dtype, schedule=a.schedule,
-                      dp_mode=a.dp_mode, bucket_mb=a.bucket_mb)
+                      dp_mode=a.dp_mode, bucket_mb=a.bucket_mb, sp=a.sp, recompute=a.recompute)
     r = plan.plan(s.cfg, lay)
     lines = []
     for mem, sent in zip(r["memory_per_stage"], r["comm_per_stage"]):

@@ -1,20 +1,25 @@
 """Every layout against the single-process run: the whole dp x tp x pp x ZeRO x schedule x
 precision matrix through the CLI, each run with --verify.
 
-    python scripts/verify_matrix.py                  # 4 ranks, then 8 (dp2 x tp2 x pp2): 144 runs, ~3 min here
+    python scripts/verify_matrix.py                  # 4 ranks, then 8 (dp2 x tp2 x pp2): 196 runs,
+                                                     # 11 min on 2 cores shared with other jobs
     python scripts/verify_matrix.py --ranks 4 --precisions fp32
 
 For 4 ranks every factorisation dp*tp*pp = 4, for 8 ranks dp2 x tp2 x pp2; with each ZeRO
 stage the layout allows (0-3 without a pipeline, 0-2 with one), each schedule when pp > 1,
 each precision, and --recompute full or selective beside each float64 1F1B (or pipeline-free)
-layout (fp32 runs in float64 and must agree to 1e-10 relative, losses and every
-parameter tensor; fp16/bf16 must agree on the losses to 5e-2, as --verify judges them). The
-model is tiny (2 layers, or 4 with pp = 4; C = 16; 3 steps; gradient clipping on) so that the
-matrix runs in minutes. Every run also writes a --trace, which must pass
-minipar.traceview.audit (a valid trace; a process row per rank; comm events equal to each
-rank's ledger; forwards and backwards in the schedule's order). Prints one row per run and
-the count of failures; exit 1 if any. (tests/test_layouts.py runs a representative 14 of
-these in `make test`; tests/test_trace.py audits traces on 1, 4 and 8 ranks.)
+layout. Sequence parallelism: beside each float64 layout with tp > 1, the same with --sp
+(block size 16 divides over tp 2 and 4), with --recompute by ZeRO stage (SP_RECOMPUTE: none,
+selective, full, selective) so that TP+SP and TP+SP+recompute are both covered; and one fp16
+and one bf16 --sp run with pp > 1. fp32 runs in float64 and must agree to 1e-10 relative,
+losses and every parameter tensor; fp16/bf16 must agree on the losses to 5e-2, as --verify
+judges them. The model is tiny (2 layers, or 4 with pp = 4; C = 16; 3 steps; gradient
+clipping on) so that the matrix runs in minutes. Every run also writes a --trace, which must
+pass minipar.traceview.audit (a valid trace; a process row per rank; comm events equal to
+each rank's ledger; forwards and backwards in the schedule's order). Prints one row per run
+and the count of failures, and the largest relative differences with and without --sp;
+exit 1 if any fails. (tests/test_layouts.py runs a representative 14 of these in
+`make test`; tests/test_trace.py audits traces on 1, 4 and 8 ranks.)
 """
 import argparse
 import itertools
@@ -30,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
 TINY = ["--n-head", "4", "--n-embd", "16", "--block-size", "16", "--batch-size", "8", "--steps", "3",
         "--grad-clip", "1", "--sample", "0"]
+SP_RECOMPUTE = ("none", "selective", "full", "selective")    # --sp runs' --recompute, by ZeRO stage
 
 
 def layouts(n):
@@ -39,6 +45,7 @@ def layouts(n):
 
 
 def cases(ranks, precisions):
+    mixed_sp = set()                                         # precisions that had their fp16/bf16 --sp run
     for n in ranks:
         for dp, tp, pp in layouts(n):
             for zero, schedule, precision in itertools.product(
@@ -52,6 +59,12 @@ def cases(ranks, precisions):
                 yield n, flags
                 if precision == "fp32" and schedule in ("1f1b", "-"):    # and with recomputation
                     yield n, flags + ["--recompute", "full" if zero % 2 == 0 else "selective"]
+                if tp > 1 and precision == "fp32":                        # and with sequence parallelism
+                    recompute = SP_RECOMPUTE[zero]
+                    yield n, flags + ["--sp"] + (["--recompute", recompute] if recompute != "none" else [])
+                if tp > 1 and pp > 1 and precision != "fp32" and precision not in mixed_sp:
+                    mixed_sp.add(precision)
+                    yield n, flags + ["--sp"]
 
 
 def relative(line: str) -> dict:
@@ -84,13 +97,13 @@ def main():
         audit = traceview.audit(traceview.load(trace_file)) if code == 0 else ["no trace"]
         ok = code == 0 and verdict and verdict[0].endswith("-> OK") and not audit
         figures = relative(verdict[0]) if verdict else {}
-        print(f"{'ok    ' if ok else 'FAILED'} -n {n} {' '.join(flags):95s} "
+        print(f"{'ok    ' if ok else 'FAILED'} -n {n} {' '.join(flags):112s} "
               + " ".join(f"{k} {v:.1e}" for k, v in figures.items())
               + "".join(f"\n    trace: {line}" for line in audit[:3]), flush=True)
         if not ok:
             failed.append((n, flags, code))
         else:
-            key = "fp32" if "float64" in flags else "fp16/bf16"
+            key = ("fp32" if "float64" in flags else "fp16/bf16") + (" --sp" if "--sp" in flags else "")
             for k, v in figures.items():
                 worst.setdefault(key, {})[k] = max(v, worst.get(key, {}).get(k, 0.0))
     print(f"{total - len(failed)} of {total} layouts pass --verify ({time.time() - t0:.0f} s); largest relative "

@@ -25,7 +25,8 @@ BIN = os.path.dirname(sys.executable)
 DOCS = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(REPO, "docs"))
                               if f.endswith(".md"))
 PAGES = ["design", "collectives", "data-parallel", "tensor-parallel", "pipeline", "zero", "mixed-precision",
-         "checkpoints", "verify", "planner", "performance", "debugging", "pictures", "cluster", "recompute"]
+         "checkpoints", "verify", "planner", "performance", "debugging", "pictures", "cluster", "recompute",
+         "sequence-parallel"]
 
 
 def fenced_commands(text: str) -> list[str]:

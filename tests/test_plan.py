@@ -4,11 +4,14 @@
   (pipeline.local_tensors) equals pipeline.local_param_count and, with one stage,
   tensor_parallel.local_param_count;
 - memory: ZeRO's formulas (2P + 2P + KP, each ZeRO stage's division by N) and a
-  vocabulary-parallel embedding example; activations equal Tensor.saved_bytes of real forward passes;
+  vocabulary-parallel embedding example; activations equal Tensor.saved_bytes of real forward passes
+  with each --recompute mode; activations.layer_bytes against Korthikanti et al. 2022's Table 2
+  (arXiv:2205.05198): the paper's formulas worked by hand, and minipar's with their structure;
 - FLOPs: Chinchilla's per-component count (arXiv:2203.15556, appendix F), 6ND, and the matmul part equal to a count taken
   by instrumenting minipar's ops (Linear, MatMul, attention) on the whole model and on one
   device of tp and pp layouts;
-- the command line: JSON keys, --params mode, one-line errors with exit code 2.
+- the command line: JSON keys, --params mode, the activations-per-layer table, one-line errors
+  with exit code 2.
 The cross-checks against trainer runs (bytes held, ledger bytes) are in test_plan_trainer.py.
 """
 import json
@@ -18,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from minipar import ops, plan
+from minipar import activations, ops, plan
 from minipar.model import GPT, GPTConfig, param_specs, train_flops_per_token
 from minipar.parallel import pipeline, tensor_parallel, zero
 from minipar.parallel.pipeline import PipelineStage
@@ -158,8 +161,9 @@ def no_tp_comm(monkeypatch):
     monkeypatch.setattr(tensor_parallel, "tp_all_reduce", lambda group, x, op, kind: x)
 
 
-def stage_model(cfg, tp, pp, stage, dtype):
+def stage_model(cfg, tp, pp, stage, dtype, recompute="none"):
     inner = TensorParallelGPT(cfg, FakeGroup(tp), dtype=dtype) if tp > 1 else GPT(cfg, dtype=dtype)
+    inner.recompute = recompute                       # as train.py sets it, before the stage wraps it
     return PipelineStage(inner, stage, pp, FakeGroup(pp, stage))
 
 
@@ -172,16 +176,20 @@ def stage_input(cfg, stage, rows, dtype, rng):
 @pytest.mark.parametrize("dtype,s,c", [(np.float64, 8, 8), (np.float32, 4, 4), (np.float16, 2, 4),
                                        (ml_dtypes.bfloat16, 2, 4)])
 @pytest.mark.parametrize("pp", [1, 3])
-def test_activation_bytes_equal_saved_bytes(dtype, s, c, pp):
-    """One micro-batch through each stage (with its loss on the last): the planner's bytes
-    equal Tensor.saved_bytes exactly (tp = 1)."""
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_activation_bytes_equal_saved_bytes(dtype, s, c, pp, mode):
+    """One micro-batch through each stage (with its loss on the last), with each --recompute
+    mode: the planner's bytes equal Tensor.saved_bytes exactly (tp = 1). With full, a stage
+    after the first keeps nothing of its first block's input: it is the received activation,
+    a leaf of the graph (activations.stage_bytes)."""
     cfg = GPTConfig(vocab_size=97, block_size=12, n_layer=3, n_head=3, n_embd=24)
     rng = np.random.default_rng(0)
     for st in range(pp):
-        m = stage_model(cfg, 1, pp, st, dtype)
+        m = stage_model(cfg, 1, pp, st, dtype, mode)
         y = rng.integers(0, cfg.vocab_size, (2, cfg.block_size))
         out = m.forward(stage_input(cfg, st, 2, dtype, rng), y if st == pp - 1 else None, 24)
-        assert out.saved_bytes() == plan.activation_bytes(cfg, st, pp, 1, 2, s, c), (st, np.dtype(dtype).name)
+        assert out.saved_bytes() == plan.activation_bytes(cfg, st, pp, 1, 2, s, c, sp=False, recompute=mode), \
+            (st, np.dtype(dtype).name, mode)
 
 
 def test_activation_bytes_with_tp_within_5_percent(no_tp_comm):
@@ -199,6 +207,45 @@ def test_activation_bytes_with_tp_within_5_percent(no_tp_comm):
             out = m.forward(x, y if st == pp - 1 else None, 48)
             got, est = out.saved_bytes(), plan.activation_bytes(cfg, st, pp, 2, 4, 8, 8)
             assert abs(est / got - 1) < 0.05, (pp, st, got, est)
+
+
+def test_korthikanti_table_2_for_gpt3_175b():
+    """Table 2 of Korthikanti et al. 2022 (arXiv:2205.05198) for GPT-3 175B, s = 2048,
+    h = 12288, a = 96, b = 1, t = 8, worked by hand: 5as/h = 5*96*2048/12288 = 80, so per layer
+    none sbh (34 + 80), tp sbh (10 + 24/8 + 80/8), tp+sp sbh (34 + 80)/8, tp+selective
+    sbh (10 + 24/8), tp+sp+selective 34 sbh/8, full 2 sbh."""
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    sbh = s * b * h
+    want = {"none": 114 * sbh, "tp": 23 * sbh, "tp+sp": 14.25 * sbh, "tp+selective": 13 * sbh,
+            "tp+sp+selective": 4.25 * sbh, "full": 2 * sbh}
+    assert {k: activations.korthikanti(k, s, b, h, a, t) for k in activations.SETTINGS} == want
+
+
+@pytest.mark.parametrize("s,b,h,a,t,d", [(12, 2, 24, 6, 2, 8), (16, 3, 32, 4, 4, 4), (48, 1, 48, 6, 3, 2)])
+def test_layer_bytes_follow_the_papers_structure(s, b, h, a, t, d):
+    """minipar's layer (d bytes per value, computed ones too) in the six settings:
+    sequence parallelism divides the whole layer by t (t divides s); selective removes the
+    softmax P, b a/t s^2 d bytes; full keeps the block's input, s b h d (/t with sp); each
+    setting equals its formula in activations.FORMULAS, written out here in integers."""
+    def layer(tp=1, sp=False, recompute="none"):
+        return activations.layer_bytes(b, s, h, a, tp, d, d, sp, recompute)
+    none, tp, tp_sp = layer(), layer(t), layer(t, True)
+    softmax = b * a * s * s * d                                    # P (b, a, s, s)
+    assert tp_sp * t == none
+    assert tp - layer(t, recompute="selective") == b * (a // t) * s * s * d
+    assert layer(recompute="full") == layer(t, recompute="full") == s * b * h * d
+    assert layer(t, True, "full") * t == s * b * h * d
+    assert layer(t, True, "selective") * t == none - softmax
+    sb, sbh = s * b, s * b * h
+    formulas = {"none": d * (20 * sbh + 2 * sb + a * s * sb),                      # d sbh (20 + 2/h + as/h)
+                "tp": d * (4 * sbh + 2 * sb + 16 * sbh // t + a * s * sb // t),    # d sbh (4 + 2/h + 16/t + as/ht)
+                "tp+sp": d * (20 * sbh + 2 * sb + a * s * sb) // t,               # d sbh/t (20 + 2/h + as/h)
+                "tp+selective": d * (4 * sbh + 2 * sb + 16 * sbh // t),           # d sbh (4 + 2/h + 16/t)
+                "tp+sp+selective": d * (20 * sbh + 2 * sb) // t,                  # d sbh/t (20 + 2/h)
+                "full": d * sbh}                                                   # d sbh
+    got = {row["setting"]: row["minipar"] for row in activations.table(s, b, h, a, t, d)}
+    assert got == formulas
+    assert (got["none"], got["tp"], got["tp+sp"]) == (none, tp, tp_sp)
 
 
 def test_micro_batches_in_flight_follow_the_schedule():
@@ -344,6 +391,27 @@ def test_table_shows_every_section(capsys):
         assert text in out, text
 
 
+@pytest.mark.parametrize("flags,setting", [([], "none"), (["--tp", "2"], "tp"), (["--tp", "2", "--sp"], "tp+sp"),
+                                           (["--tp", "2", "--recompute", "selective"], "tp+selective"),
+                                           (["--tp", "2", "--sp", "--recompute", "selective"], "tp+sp+selective"),
+                                           (["--recompute", "full"], "full")])
+def test_activations_per_layer_mark_the_runs_setting(capsys, flags, setting):
+    """The table lists the six settings, minipar's beside Korthikanti's, and marks this run's
+    with " <"; --json has the same under activations_per_layer, this run's bytes being its row's."""
+    code, out, _ = cli(capsys, "--n-layer", "2", *flags)
+    assert code == 0
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "activations per layer" in line)
+    rows = {line.split()[0]: line for line in lines[start + 2:start + 2 + len(activations.SETTINGS)]}
+    assert list(rows) == list(activations.SETTINGS), lines[start:start + 8]
+    assert [k for k, line in rows.items() if line.endswith(" <")] == [setting], rows
+    code, out, _ = cli(capsys, "--n-layer", "2", *flags, "--json")
+    a = json.loads(out)["activations_per_layer"]
+    assert code == 0 and a["setting"] == setting
+    assert [row["setting"] for row in a["table"]] == list(activations.SETTINGS)
+    assert a["this_run"] == next(row["minipar"] for row in a["table"] if row["setting"] == setting)
+
+
 def test_defaults_are_the_trainers():
     from minipar import config
     t, p = config.build_parser(), plan.build_parser()
@@ -367,6 +435,8 @@ def test_defaults_are_the_trainers():
     (["--params", "1e9", "--n-layer", "2"], "--params gives the size alone; drop --n-layer"),
     (["--params", "0"], "--params must be a count >= 1"),
     (["--tp", "0"], "--tp must be >= 1, got 0"),
+    (["--tp", "2", "--sp", "--block-size", "15"],
+     "--sp splits each sequence over --tp 2: --block-size 15 is not divisible by 2"),
     (["--zero", "4"], "argument --zero: invalid choice"),
     (["--model", "gpt5"], "argument --model: invalid choice"),
 ])
