@@ -10,8 +10,8 @@ For every lab folder:
     and `raise NotImplementedError(...)` (compared on the syntax tree);
   - every minipar name a hint mentions exists.
 Prints one line per lab and a total; exit 1 on any finding. `python -m labs.check_all 02 07`
-checks only those labs; --quick grades one mutant per lab (the first by name) instead of all:
-what `make labs-check` runs inside `make test`. `make labs-check-full` runs every mutant.
+checks only those labs; --quick grades one mutant per lab (the first by name) instead of all,
+and reference.py without the trainer criteria: what `make labs-check` runs inside `make test`. `make labs-check-full` runs every mutant.
 """
 from __future__ import annotations
 
@@ -103,7 +103,9 @@ def check_lab(lab_dir: str, say, quick: bool = False) -> tuple[list[str], int, f
     findings = stub_findings(lab_dir) + hint_findings(lab)
     for who in ("reference.py", "solution.py"):
         start = time.monotonic()
-        for r in grade(lab_dir, os.path.join(lab_dir, who), say=quiet):
+        # --quick: minipar's own code skips the trainer criteria (the trainer running minipar's
+        # code is what tests/ checks); the solution, the stub and the mutant run them all
+        for r in grade(lab_dir, os.path.join(lab_dir, who), say=quiet, trainer=not (quick and who == "reference.py")):
             if not r["ok"]:
                 findings.append(f"{who} fails {r['name']!r}: {r['message']}")
         solution_seconds = time.monotonic() - start                  # the last: solution.py
