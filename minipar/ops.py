@@ -281,10 +281,13 @@ class LayerNorm(Function):
         xhat, w, rstd = self.saved
         C = xhat.shape[1]
         g2 = compute(g).reshape(-1, C)                     # (N, C)
+        need_x, need_w, need_b = self.needs_input_grad[:3]  # backward_split asks for some only
+        dw = store(np.einsum("ni,ni->i", xhat, g2), self.dtype) if need_w else None
+        db = store(g2.sum(0), self.dtype) if need_b else None
+        if not need_x:
+            return None, dw, db, None
         inv_c = np.full(C, 1.0 / C, dtype=g2.dtype)
         dx = np.empty_like(g2)
-        dw = np.einsum("ni,ni->i", xhat, g2)
-        db = g2.sum(0)
         for r in _row_blocks(*g2.shape):
             # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = g * w
             d = np.multiply(g2[r], w, out=dx[r])
@@ -293,7 +296,7 @@ class LayerNorm(Function):
             d -= c1
             d -= xhat[r] * c2
             d *= rstd[r]
-        return store(dx.reshape(g.shape), self.dtype), store(dw, self.dtype), store(db, self.dtype), None
+        return store(dx.reshape(g.shape), self.dtype), dw, db, None
 
 
 _GELU_K = math.sqrt(2.0 / math.pi)

@@ -26,6 +26,7 @@ block's backward would have without recomputation.
 """
 from __future__ import annotations
 
+from minipar import backward_split
 from minipar.tensor import Function, Tensor, enable_grad, is_grad_enabled, no_grad
 
 MODES = ("none", "selective", "full")
@@ -56,7 +57,10 @@ class Recompute(Function):
         leaf = Tensor(x, requires_grad=True)
         with enable_grad():
             y = self.run(leaf)
-        y.backward(g)
+        if backward_split.running():            # B of a zero-bubble schedule: W comes later
+            backward_split.defer(self.seq, backward_split.backward_b(y, g, inputs=[leaf]))
+        else:
+            y.backward(g)
         return leaf.grad, None
 
 

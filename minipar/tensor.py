@@ -295,6 +295,9 @@ class Function:
             out.requires_grad = True
             out._ctx = ctx
             ctx.parents = tuple(a if isinstance(a, Tensor) else None for a in args)
+            # the micro-batch's own data came in beside the tensors (token ids, targets):
+            # backward_split.py counts this node's output as varying with the micro-batch
+            ctx.takes_data = any(isinstance(a, np.ndarray) for a in args)
         else:
             ctx.saved = ()
         return out

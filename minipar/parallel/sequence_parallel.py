@@ -113,7 +113,9 @@ class GatherSequenceLinear(Function):
 
     def backward(self, g):
         x, w = self.saved
-        full = gather_seq(self.group, x, "regather")                  # again, for dw
+        needs = self.needs_input_grad            # backward_split may ask for dx or dw alone
+        self.linear.needs_input_grad = needs[:3 if self.has_bias else 2]
+        full = gather_seq(self.group, x, "regather") if needs[1] else x     # again, for dw
         self.linear.saved = (full.reshape(-1, full.shape[-1]), w)
         dx, *dparams = self.linear.backward(g)
         self.linear.saved = ()
