@@ -72,8 +72,7 @@ canonical parameter names (docs/design.md §2) a stage owns.
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from numbers import Integral
 
 from minipar.model import GPTConfig, param_specs
@@ -89,10 +88,11 @@ class ScheduleError(ValueError):
 @dataclass(frozen=True)
 class Instruction:
     mb: int                     # micro-batch index, 0 .. m-1
+    chunk: int = 0              # which of the rank's model chunks (interleaved.py); 0 otherwise
     short = "?"
 
     def __str__(self):
-        return f"{self.short}({self.mb})"
+        return f"{self.short}({self.mb}{f', chunk {self.chunk}' if self.chunk else ''})"
 
 
 @dataclass(frozen=True)
@@ -100,20 +100,30 @@ class Forward(Instruction):
     short = "F"
 
     def __str__(self):
-        return f"F{self.mb}"
+        return f"F{self.mb}" + (f"@{self.chunk}" if self.chunk else "")
 
 
 @dataclass(frozen=True)
 class Backward(Instruction):
+    """The whole backward, or with a WeightGrad later only its B part (backward_split.py)."""
     short = "B"
 
     def __str__(self):
-        return f"B{self.mb}"
+        return f"B{self.mb}" + (f"@{self.chunk}" if self.chunk else "")
+
+
+@dataclass(frozen=True)
+class WeightGrad(Instruction):
+    """W: the parameters' gradients of a micro-batch whose Backward ran B only (zero_bubble.py)."""
+    short = "W"
+
+    def __str__(self):
+        return f"W{self.mb}" + (f"@{self.chunk}" if self.chunk else "")
 
 
 @dataclass(frozen=True)
 class SendActivation(Instruction):
-    short, kind, peer = "SendAct", "act", +1      # to the next stage
+    short, kind, peer = "SendAct", "act", +1      # to the next (virtual) stage
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,17 @@ class RecvGrad(Instruction):
 
 
 SENDS, RECVS = (SendActivation, SendGrad), (RecvActivation, RecvGrad)
+COMPUTE = (Forward, Backward, WeightGrad)
+
+
+def neighbour(stage: int, chunk: int, peer: int, n_stages: int, n_chunks: int = 1):
+    """(rank, chunk) of the virtual stage `peer` (+1 next, -1 previous) away from chunk `chunk`
+    of rank `stage`, or None past either end. Virtual stage v = chunk * p + stage: rank r holds
+    chunks r, r + p, r + 2p, ... (interleaved.py); with one chunk, the next rank."""
+    v = chunk * n_stages + stage + peer
+    if not 0 <= v < n_stages * n_chunks:
+        return None
+    return v % n_stages, v // n_stages
 
 
 def _check_numbers(n_stages, n_micro, stage=None):
@@ -142,16 +163,21 @@ def _check_numbers(n_stages, n_micro, stage=None):
         raise ValueError(f"stage must be in 0..{n_stages - 1} for {n_stages} stages, got {stage!r}")
 
 
-def _forward(stage, n_stages, mb):
-    """Receive the input (unless first stage), forward, send the output (unless last)."""
-    return ([RecvActivation(mb)] if stage > 0 else []) + [Forward(mb)] + \
-           ([SendActivation(mb)] if stage < n_stages - 1 else [])
+def _forward(stage, n_stages, mb, chunk=0, n_chunks=1):
+    """Receive the input (unless the first virtual stage), forward, send the output (unless last)."""
+    first = neighbour(stage, chunk, -1, n_stages, n_chunks) is None
+    last = neighbour(stage, chunk, +1, n_stages, n_chunks) is None
+    return ([] if first else [RecvActivation(mb, chunk)]) + [Forward(mb, chunk)] + \
+           ([] if last else [SendActivation(mb, chunk)])
 
 
-def _backward(stage, n_stages, mb):
-    """Receive the output's gradient (unless last stage), backward, send the input's (unless first)."""
-    return ([RecvGrad(mb)] if stage < n_stages - 1 else []) + [Backward(mb)] + \
-           ([SendGrad(mb)] if stage > 0 else [])
+def _backward(stage, n_stages, mb, chunk=0, n_chunks=1):
+    """Receive the output's gradient (unless the last virtual stage), backward, send the
+    input's (unless the first)."""
+    first = neighbour(stage, chunk, -1, n_stages, n_chunks) is None
+    last = neighbour(stage, chunk, +1, n_stages, n_chunks) is None
+    return ([] if last else [RecvGrad(mb, chunk)]) + [Backward(mb, chunk)] + \
+           ([] if first else [SendGrad(mb, chunk)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,186 +221,37 @@ def one_f_one_b(stage: int, n_stages: int, n_micro: int) -> list:
     return out
 
 
-SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b}
-
-
-def schedule(name: str, stage: int, n_stages: int, n_micro: int) -> list:
-    """The instructions of `stage` under the schedule called `name` (a key of SCHEDULES)."""
+def schedule(name: str, stage: int, n_stages: int, n_micro: int, virtual: int = 1) -> list:
+    """The instructions of `stage` under the schedule called `name` (a key of SCHEDULES);
+    virtual: model chunks per rank, for the interleaved schedule only."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name == "interleaved":
+        return SCHEDULES[name](stage, n_stages, n_micro, virtual)
+    if virtual != 1:
+        raise ValueError(f"virtual stages ({virtual}) are for the interleaved schedule, not {name}")
     return SCHEDULES[name](stage, n_stages, n_micro)
 
 
-def bubble_theory(name: str, n_stages: int, n_micro: int) -> float:
-    """The idle fraction of a step under schedule `name` in theory, F and B each of one
-    length on every stage (the module docstring): (p-1)/(m+p-1) for GPipe and 1F1B,
-    which fill and drain the pipe once; (p-1)/p for naive, one stage working at a time."""
-    p, m = n_stages, n_micro
-    return (p - 1) / p if name == "naive" else (p - 1) / (m + p - 1)
-
-
-# --------------------------------------------------------------------------------------------
-# The checker: run every stage's list together, without MPI.
-
-@dataclass
-class Report:
-    name: str                   # schedule name (or the function's)
-    n_stages: int
-    n_micro: int
-    ok: bool                    # True: check() raises ScheduleError otherwise
-    makespan: float             # end of the last op
-    busy: list                  # per stage: time spent in Forward/Backward
-    bubble: float               # idle fraction: 1 - sum(busy) / (n_stages * makespan)
-    bubble_theory: float        # (p-1)/(m+p-1), GPipe's and 1F1B's with F = B
-    peak_in_flight: list        # per stage: most micro-batches forwarded, not yet backwarded
-    timeline: list = field(repr=False)   # (stage, "F"/"B", mb, start, end), by stage then start
-
-    def summary(self) -> str:
-        return (f"{self.name} p={self.n_stages} m={self.n_micro}: makespan {self.makespan:g}, "
-                f"bubble {self.bubble:.3f} (theory {self.bubble_theory:.3f}), "
-                f"peak in flight {self.peak_in_flight}")
-
-
-def check(n_stages: int, n_micro: int, schedule_fn_or_name, *, rendezvous: bool = False,
-          forward_time: float = 1.0, backward_time: float = 2.0) -> Report:
-    """Simulate all stages of a schedule and prove it sound, or raise ScheduleError.
-
-    Messages are FIFO queues per (src, dst, kind). Eager mode (default): a send never
-    blocks, a receive waits until its message is there. rendezvous=True: a send also waits
-    until the receiver has posted the matching receive. Checked: no deadlock (every stage
-    finishes); on every stage each micro-batch is forwarded once and backwarded once, after
-    its forward and after its inputs arrived; every Recv gets the Send of its micro-batch.
-    The timeline gives every op its earliest start (F and B take forward_time and
-    backward_time, messages 0); with rendezvous=True a send waits for its receiver.
-    """
-    _check_numbers(n_stages, n_micro)
-    if not (forward_time >= 0 and backward_time >= 0):
-        raise ValueError(f"op times must be >= 0, got forward {forward_time}, backward {backward_time}")
-    p, m = n_stages, n_micro
-    if isinstance(schedule_fn_or_name, str):
-        schedule(schedule_fn_or_name, 0, p, m)                 # a clear error for a bad name
-        name, fn = schedule_fn_or_name, SCHEDULES[schedule_fn_or_name]
-    else:
-        fn = schedule_fn_or_name
-        name = getattr(fn, "__name__", "schedule")
-    progs = [list(fn(s, p, m)) for s in range(p)]
-
-    pc, clock = [0] * p, [0.0] * p
-    queues = defaultdict(deque)                # (src, dst, kind) -> deque of (mb, time sent)
-    done = [{"F": set(), "B": set(), "act": set(), "grad": set(), "sent": set()} for _ in range(p)]
-    in_flight, peak, timeline = [0] * p, [0] * p, []
-
-    def where(s):
-        return f"stage {s}, instruction {pc[s]} ({progs[s][pc[s]]})"
-
-    def run_op(s, ins):                        # Forward / Backward: check, then time it
-        d, mb = done[s], ins.mb
-        kind = "F" if isinstance(ins, Forward) else "B"
-        if mb in d[kind]:
-            did = "forwarded" if kind == "F" else "backwarded"
-            raise ScheduleError(f"{where(s)}: micro-batch {mb} already {did}")
-        if kind == "F" and s > 0 and mb not in d["act"]:
-            raise ScheduleError(f"{where(s)}: forward before RecvAct({mb}) brought its input")
-        if kind == "B" and mb not in d["F"]:
-            raise ScheduleError(f"{where(s)}: backward of micro-batch {mb} before its forward")
-        if kind == "B" and s < p - 1 and mb not in d["grad"]:
-            raise ScheduleError(f"{where(s)}: backward before RecvGrad({mb}) brought its gradient")
-        d[kind].add(mb)
-        in_flight[s] += 1 if kind == "F" else -1
-        peak[s] = max(peak[s], in_flight[s])
-        start = clock[s]
-        clock[s] += forward_time if kind == "F" else backward_time
-        timeline.append((s, kind, mb, start, clock[s]))
-
-    def check_message(s, ins):                 # a Send or Recv that is legal on this stage
-        dst = s + ins.peer
-        if not 0 <= dst < p:
-            end, other = ("first", "previous") if dst < 0 else ("last", "next")
-            raise ScheduleError(f"{where(s)}: the {end} stage has no {other} stage")
-        if isinstance(ins, SENDS):
-            produced_by = "F" if isinstance(ins, SendActivation) else "B"
-            if ins.mb not in done[s][produced_by]:
-                raise ScheduleError(f"{where(s)}: sends micro-batch {ins.mb} before its "
-                                    f"{'Forward' if produced_by == 'F' else 'Backward'}")
-            if (ins.kind, ins.mb) in done[s]["sent"]:
-                raise ScheduleError(f"{where(s)}: micro-batch {ins.mb} already sent")
-        return dst
-
-    def receive(s, ins, mb_got, t_sent):       # a Recv completes: match and record it
-        src = s + ins.peer
-        if mb_got != ins.mb:
-            raise ScheduleError(f"{where(s)}: expected {ins.kind} of micro-batch {ins.mb} from "
-                                f"stage {src}, but the next message is micro-batch {mb_got}")
-        done[s][ins.kind].add(ins.mb)
-        clock[s] = max(clock[s], t_sent)
-
-    def step(s) -> bool:                       # advance stage s by one instruction if it can
-        ins = progs[s][pc[s]]
-        if not isinstance(ins, Instruction) or type(ins) is Instruction:
-            raise ScheduleError(f"{where(s)}: not an instruction")
-        if not (isinstance(ins.mb, Integral) and 0 <= ins.mb < m):
-            raise ScheduleError(f"{where(s)}: micro-batch {ins.mb!r} is not in 0..{m - 1}")
-        if isinstance(ins, (Forward, Backward)):
-            run_op(s, ins)
-        elif isinstance(ins, SENDS):
-            dst = check_message(s, ins)
-            if rendezvous:                     # wait until dst stands at the matching Recv
-                other = progs[dst][pc[dst]] if pc[dst] < len(progs[dst]) else None
-                if not (isinstance(other, RECVS) and other.kind == ins.kind and dst + other.peer == s):
-                    return False
-                t = max(clock[s], clock[dst])
-                receive(dst, other, ins.mb, t)
-                clock[s] = t
-                pc[dst] += 1
-            else:
-                queues[(s, dst, ins.kind)].append((ins.mb, clock[s]))
-            done[s]["sent"].add((ins.kind, ins.mb))
-        else:                                  # a Recv
-            src = check_message(s, ins)
-            q = queues[(src, s, ins.kind)]
-            if not q:
-                return False                   # the sender is not there yet
-            receive(s, ins, *q.popleft())
-        pc[s] += 1
-        return True
-
-    while any(pc[s] < len(progs[s]) for s in range(p)):
-        moved = False
-        for s in range(p):
-            while pc[s] < len(progs[s]) and step(s):
-                moved = True
-        if not moved:
-            raise ScheduleError(f"{name} p={p} m={m} deadlocks ({'rendezvous' if rendezvous else 'eager'} "
-                                f"sends): " + "; ".join(_blocked(progs, pc, s)
-                                                        for s in range(p) if pc[s] < len(progs[s])))
-
-    for s in range(p):
-        for kind, what in (("F", "Forward"), ("B", "Backward")):
-            missing = sorted(set(range(m)) - done[s][kind])
-            if missing:
-                raise ScheduleError(f"stage {s} never runs {what} of micro-batch(es) {missing}")
-    # No message is left over: stage s+1 received all m activations (each Forward needs
-    # one) and stage s sent at most m (one per Forward); the same for gradients.
-
-    makespan = max(clock)
-    busy = [sum(e - b for st, _, _, b, e in timeline if st == s) for s in range(p)]
-    return Report(name=name, n_stages=p, n_micro=m, ok=True, makespan=makespan, busy=busy,
-                  bubble=1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0,
-                  bubble_theory=bubble_theory("gpipe", p, m), peak_in_flight=peak,
-                  timeline=sorted(timeline, key=lambda r: (r[0], r[3])))
-
-
-def _blocked(progs, pc, s) -> str:
-    """What stage s, stuck at its current instruction, waits for."""
-    ins, peer = progs[s][pc[s]], s + progs[s][pc[s]].peer
-    here = f"stage {s} at instruction {pc[s]} ({ins})"
-    there = "finished" if pc[peer] >= len(progs[peer]) else \
-        f"at instruction {pc[peer]} ({progs[peer][pc[peer]]})"
-    if isinstance(ins, SENDS):
-        recv = "RecvAct" if ins.kind == "act" else "RecvGrad"
-        return f"{here} waits for stage {peer} ({there}) to post {recv}({ins.mb})"
-    send = "SendAct" if ins.kind == "act" else "SendGrad"
-    return f"{here} waits for {send}({ins.mb}) from stage {peer} ({there})"
+def bubble_theory(name: str, n_stages: int, n_micro: int, virtual: int = 1) -> float:
+    """The idle fraction of a step (idle time / (p * makespan), the one definition minipar
+    uses throughout) under schedule `name` in theory, every op of one length: F = B = W
+    (a whole backward B + W = 2 F). Each stage idles (p-1) x (what the fill and drain cost):
+        naive        one stage works at a time                        (p-1)/p
+        gpipe, 1f1b  (p-1)(F + B + W) of m(F + B + W) + that          (p-1)/(m+p-1)
+        interleaved  (p-1)(F + B + W)/V (Narayanan et al. 2021, §2.2)  (p-1)/(Vm+p-1)
+        zb-h1        (p-1)(F + B - W) (Qi et al. 2024, Table 2)        (p-1)/(3m+p-1)
+        zb-h2        (p-1) F: the fill at the start of a synchronous step (zero_bubble.py)
+                                                                       (p-1)/(3m+p-1)
+    zero_bubble.idle_theory gives each with unequal, measured op times."""
+    p, m, V = n_stages, n_micro, virtual
+    if name == "naive":
+        return (p - 1) / p
+    if name == "interleaved":
+        return (p - 1) / (V * m + p - 1)
+    if name in ("zb-h1", "zb-h2"):
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (m + p - 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,3 +300,14 @@ def stage_param_names(cfg: GPTConfig, stage: int, n_stages: int) -> list:
         if keep:
             names.append(name)
     return names
+
+
+# --------------------------------------------------------------------------------------------
+# The registry: the three above and the schedules built on them in their own files (which
+# import this module's instructions, hence here at the end), and the checker.
+
+from minipar.parallel import interleaved as _interleaved, zero_bubble as _zero_bubble  # noqa: E402
+from minipar.parallel.schedule_check import Report, check, programs  # noqa: E402,F401
+
+SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": _interleaved.interleaved,
+             "zb-h1": _zero_bubble.zb_h1, "zb-h2": _zero_bubble.zb_h2}
