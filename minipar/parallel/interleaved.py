@@ -25,7 +25,7 @@ The number of micro-batches must be a multiple of p.
 """
 from __future__ import annotations
 
-from minipar.parallel.schedules import _backward, _check_numbers, _forward
+from minipar.parallel.instructions import _backward, _check_numbers, _forward
 
 
 def check_micro_batches(n_stages: int, n_micro: int, n_chunks: int):

@@ -25,9 +25,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from numbers import Integral
 
-from minipar.parallel import schedules
-from minipar.parallel.schedules import (COMPUTE, RECVS, SENDS, Forward, Instruction, ScheduleError,
-                                        SendActivation, WeightGrad, neighbour)
+from minipar.parallel.instructions import (COMPUTE, RECVS, SENDS, Forward, Instruction, ScheduleError,
+                                           SendActivation, WeightGrad, _check_numbers, neighbour)
 
 
 @dataclass
@@ -55,6 +54,7 @@ class Report:
 def programs(n_stages: int, n_micro: int, schedule_fn_or_name, virtual: int = 1):
     """(name, every stage's instruction list) of a schedule given by name or as a function
     (stage, n_stages, n_micro[, n_chunks])."""
+    from minipar.parallel import schedules          # (it imports this module)
     p, m = n_stages, n_micro
     if isinstance(schedule_fn_or_name, str):
         name = schedule_fn_or_name
@@ -68,7 +68,8 @@ def check(n_stages: int, n_micro: int, schedule_fn_or_name, *, virtual: int = 1,
           forward_time: float = 1.0, backward_time: float = 2.0, weight_time: float | None = None) -> Report:
     """Simulate all stages of a schedule (virtual: model chunks per rank) and prove it sound,
     or raise ScheduleError (the module docstring)."""
-    schedules._check_numbers(n_stages, n_micro)
+    from minipar.parallel import schedules          # (it imports this module)
+    _check_numbers(n_stages, n_micro)
     if not (forward_time >= 0 and backward_time >= 0 and (weight_time is None or 0 <= weight_time <= backward_time)):
         raise ValueError(f"op times must be >= 0 (and W's at most the backward's), got forward "
                          f"{forward_time}, backward {backward_time}, weight {weight_time}")

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from minipar.parallel.schedules import WeightGrad, _backward, _check_numbers, _forward
+from minipar.parallel.instructions import WeightGrad, _backward, _check_numbers, _forward
 
 
 def _instructions(stage: int, n_stages: int, order) -> list:
