@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bucket-mb", type=float, metavar="X",
                    help="--zero 0, bucketed: bucket size in MiB [1.0]")
     g.add_argument("--schedule", choices=tuple(schedules.SCHEDULES), default="1f1b",
-                   help="pipeline schedule with --pp > 1 [%(default)s]")
+                   help="pipeline schedule with --pp > 1: interleaved needs --virtual-stages, "
+                        "zb-h1/zb-h2 split each backward into B and W (docs/pipeline.md) [%(default)s]")
+    g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="--schedule interleaved: model chunks per pipeline rank [%(default)s]")
     g.add_argument("--verify", action="store_true",
                    help="re-run the same steps on one process and compare "
                         "(exit 1 beyond tolerance)")
@@ -229,6 +232,22 @@ def check_split(cfg: GPTConfig | None, dp: int, tp: int, pp: int, batch_size: in
                           f"{dp}*{micro_batches} = {dp * micro_batches}")
 
 
+def check_schedule(cfg: GPTConfig | None, pp: int, schedule: str, virtual: int, micro_batches: int):
+    """--schedule and --virtual-stages: can this pipeline run them? (the trainer and the planner)"""
+    if virtual < 1:
+        raise ConfigError(f"--virtual-stages must be >= 1, got {virtual}")
+    if virtual > 1 and schedule != "interleaved":
+        raise ConfigError(f"--virtual-stages {virtual} is for --schedule interleaved, not {schedule}")
+    if schedule != "interleaved" or pp == 1:
+        return
+    if micro_batches % pp:
+        raise ConfigError(f"--schedule interleaved takes micro-batches in groups of --pp {pp}: "
+                          f"--micro-batches {micro_batches} is not a multiple of {pp}")
+    if cfg is not None and cfg.n_layer < pp * virtual:
+        raise ConfigError(f"--schedule interleaved cuts the layers into --pp x --virtual-stages = "
+                          f"{pp} x {virtual} = {pp * virtual} chunks: --n-layer {cfg.n_layer} is too few")
+
+
 def check_sequence_split(cfg: GPTConfig | None, tp: int, sp: bool):
     """--sp splits every sequence into tp pieces: the sequence length must divide (no padding)."""
     if sp and cfg is not None and cfg.block_size % tp:
@@ -292,6 +311,7 @@ def prepare(args, world: int) -> RunSpec:
         raise ConfigError(f"--timeline {args.timeline} draws a pipeline: it needs --pp > 1")
     check_split(cfg, dp, tp, pp, args.batch_size, args.micro_batches)
     check_sequence_split(cfg, tp, args.sp)
+    check_schedule(cfg, pp, args.schedule, args.virtual_stages, args.micro_batches)
     resolve_dp_flags(args)
     if args.zero == 3 and pp > 1:
         raise ConfigError(f"--zero 3 does not combine with --pp {pp}: it would all-gather and "

@@ -30,7 +30,7 @@ def memory_report(model, opt: AdamW) -> dict:
         return opt.memory_report()
     tp = model.tp_size
     if isinstance(model, pipeline.PipelineStage):
-        P = pipeline.local_param_count(model.cfg, model.stage, model.n_stages, tp)
+        P = pipeline.local_param_count(model.cfg, model.stage, model.n_stages, tp, model.n_chunks)
     else:
         P = model.num_params() if tp == 1 else tensor_parallel.local_param_count(model.cfg, tp)
     itemsize = model.dtype.itemsize

@@ -116,7 +116,7 @@ def init_model(spec: RunSpec, args, grid: ProcessGrid | None = None):
         model = GPT(spec.cfg, seed=args.seed, dtype=spec.dtype)
     model.recompute = args.recompute                 # before a pipeline stage wraps it
     if grid is not None and grid.pp_size > 1:
-        model = pipeline.PipelineStage(model, grid.pp_rank, grid.pp_size, grid.pp_group)
+        model = pipeline.PipelineStage(model, grid.pp_rank, grid.pp_size, grid.pp_group, args.virtual_stages)
     opt = build_optimizer(model, args)
     if spec.meta is not None:
         try:

@@ -57,6 +57,7 @@ _TAG_CYCLE = 32000
 TAG_P2P = 32001
 TAG_DEBUG = 32002
 TAG_TOPOLOGY = 32003
+TAG_P2P_GRAD = 32004        # a second point-to-point stream: the pipeline's gradients (tag=)
 HOST_BYTES = 64             # a host name as exchanged when a Group is made
 HEADER_BYTES = 128          # send/recv header: b"<dtype>|<shape>" padded with zeros
 _NAP_AFTER = 0.05           # seconds of waiting before it sleeps between polls
@@ -669,25 +670,26 @@ def decode_header(header):
     return _token_dtype(token), shape
 
 
-def send(g, x, dst):
-    """Send array x (any dtype and shape) to group rank dst; returns when x may be reused."""
+def send(g, x, dst, tag=TAG_P2P):
+    """Send array x (any dtype and shape) to group rank dst; returns when x may be reused.
+    tag: messages between two ranks arrive in order per tag (TAG_P2P, TAG_P2P_GRAD)."""
     dst = check_rank(g, dst, "dst")
     if dst == g.rank:
         raise ValueError(f"rank {g.rank} cannot send to itself")
     x = np.asarray(x)
     header, payload = encode_header(x), flat(x)
-    call = Call(g, "send", 2, TAG_P2P, "point-to-point")
+    call = Call(g, "send", 2, tag, "point-to-point")
     call.wait(call.isend(1, header, dst) + call.isend(2, payload, dst))
     call.done()
 
 
-def recv(g, src):
-    """Receive the next array group rank src sent with send(); returns a new array."""
+def recv(g, src, tag=TAG_P2P):
+    """Receive the next array group rank src sent with send() (with the same tag)."""
     src = check_rank(g, src, "src")
     if src == g.rank:
         raise ValueError(f"rank {g.rank} cannot receive from itself")
     _check_not_receiving(g, src)
-    call = Call(g, "recv", 2, TAG_P2P, "point-to-point")
+    call = Call(g, "recv", 2, tag, "point-to-point")
     header = np.empty(HEADER_BYTES, np.uint8)
     call.wait(call.irecv(1, header, src))
     dtype, shape = decode_header(header)
@@ -707,7 +709,7 @@ def _send_steps(call, header, payload, dst):
     yield call.isend(1, header, dst) + call.isend(2, payload, dst)
 
 
-def send_async(g, x, dst):
+def send_async(g, x, dst, tag=TAG_P2P):
     """Start sending array x to group rank dst; returns a Handle (wait() returns None).
     Counted and traced as "send". Leave x alone until the handle is done: its memory is
     on the wire until then."""
@@ -717,7 +719,7 @@ def send_async(g, x, dst):
     x = np.asarray(x)
     header = encode_header(x)
     payload = flat(x)
-    return _p2p_handle(g, "send", lambda call: _send_steps(call, header, payload, dst))
+    return _p2p_handle(g, "send", lambda call: _send_steps(call, header, payload, dst), tag)
 
 
 def _recv_steps(call, src):
@@ -751,6 +753,6 @@ def recv_async(g, src):
     return _p2p_handle(g, "recv", lambda call: _recv_steps(call, src))
 
 
-def _p2p_handle(g, name, steps):
-    call = Call(g, name, 2, TAG_P2P, "point-to-point")
+def _p2p_handle(g, name, steps, tag=TAG_P2P):
+    call = Call(g, name, 2, tag, "point-to-point")
     return Handle(call, steps(call))

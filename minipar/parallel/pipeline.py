@@ -53,13 +53,14 @@ import time
 
 import numpy as np
 
-from minipar import comm, ops, trace
+from minipar import backward_split, comm, ops, trace
+from minipar.comm.group import TAG_P2P_GRAD
 from minipar.interfaces import GradSync, Model
 from minipar.parallel.data_parallel import NoSync
 from minipar.model import GPTConfig, param_specs
 from minipar.parallel import schedules
-from minipar.parallel.schedules import (Backward, Forward, RecvActivation, RecvGrad, SendActivation,
-                                        SendGrad)
+from minipar.parallel.schedules import (COMPUTE, Backward, Forward, RecvActivation, RecvGrad,
+                                        SendActivation, SendGrad, WeightGrad, neighbour)
 from minipar.parallel.tensor_parallel import layout_of, local_size, megatron_count, tp_all_reduce
 from minipar.precision import backward_seed
 from minipar.tensor import Tensor, no_grad
@@ -72,12 +73,14 @@ class PipelineStage(Model):
     last. Collective methods (state_dict, consolidate, grad_norm_sq, evaluate) run on every
     rank of the pp group (and the tp group)."""
 
-    def __init__(self, inner, stage: int, n_stages: int, pp_group: comm.Group):
+    def __init__(self, inner, stage: int, n_stages: int, pp_group: comm.Group, n_chunks: int = 1):
         self.inner, self.cfg, self.dtype = inner, inner.cfg, inner.dtype
         self.stage, self.n_stages, self.group = stage, n_stages, pp_group
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
-        self.layers = schedules.partition(self.cfg.n_layer, n_stages)[stage]
-        self.names = schedules.stage_param_names(self.cfg, stage, n_stages)
+        self.n_chunks = n_chunks                  # > 1: interleaved, chunks stage, stage + p, ...
+        self.chunks = schedules.rank_layers(self.cfg.n_layer, stage, n_stages, n_chunks)
+        self.layers = [i for chunk in self.chunks for i in chunk]
+        self.names = schedules.stage_param_names(self.cfg, stage, n_stages, n_chunks)
         self.tp_size, self.tp_rank = inner.tp_size, inner.tp_rank
         self.tp_group = inner.group if self.tp_size > 1 else None
         inner.params = {n: inner.params[n] for n in self.names}      # drop the other stages'
@@ -122,7 +125,7 @@ class PipelineStage(Model):
                     comm.send(self.group, full[n], 0)
             return full
         for s in range(1, self.n_stages):
-            for n in schedules.stage_param_names(self.cfg, s, self.n_stages):
+            for n in schedules.stage_param_names(self.cfg, s, self.n_stages, self.n_chunks):
                 if not (n == "wte.weight" and s == self.n_stages - 1):
                     full[n] = comm.recv(self.group, s)
         return {n: full[n] for n, _, _ in param_specs(self.cfg)}     # canonical order
@@ -142,15 +145,22 @@ class PipelineStage(Model):
         return float(comm.all_reduce(self.group, total)[0]) if self.n_stages > 1 else float(total[0])
 
     # --- forward, this stage's piece ----------------------------------------------------------
-    def forward(self, x, targets=None, loss_denom=None):
-        """First stage: x is token ids (b, T); others: the activation (b, T, C) from the
-        previous stage. Last stage: the loss (with targets) or logits; others: (b, T, C)."""
-        if self.is_first:
+    def ends(self, chunk: int = 0) -> tuple[bool, bool]:
+        """(is chunk `chunk` the first virtual stage, the last?): the embedding is on rank 0's
+        chunk 0, the head on rank p-1's last chunk."""
+        return self.is_first and chunk == 0, self.is_last and chunk == self.n_chunks - 1
+
+    def forward(self, x, targets=None, loss_denom=None, chunk: int = 0):
+        """Chunk `chunk` of this stage (the whole stage without interleaving). The first
+        virtual stage takes token ids (b, T), the others the activation (b, T, C) from the
+        previous one. The last: the loss (with targets) or logits; the others: (b, T, C)."""
+        first, last = self.ends(chunk)
+        if first:
             with trace.layer("embed"):                                # --trace: a span each
                 x = self.inner.embed(x)                               # (b, T, C)
-        for i in self.layers:
+        for i in self.chunks[chunk]:
             x = self.inner.run_block(i, x)
-        if not self.is_last:
+        if not last:
             return x
         with trace.layer("head"):
             logits = self.inner.head(x)                               # (b, T, V) or (b, T, Vp/tp)
@@ -161,17 +171,18 @@ class PipelineStage(Model):
             return ops.cross_entropy(logits, targets, loss_denom)
 
     def evaluate(self, idx, targets) -> float:
-        """The mean loss of (idx, targets) through every stage, no graph; the same on every
-        pp rank. Blocking sends are fine here: every message goes one way."""
-        prev, nxt = self.stage - 1, self.stage + 1
+        """The mean loss of (idx, targets) through every (virtual) stage, no graph; the same on
+        every pp rank. Blocking sends are fine here: each message's receiver is already
+        waiting for it, or will be once its own previous chunk is done."""
+        p, V = self.n_stages, self.n_chunks
         with no_grad():
-            x = idx if self.is_first else Tensor(comm.recv(self.group, prev))
-            out = self.forward(x, targets)
-            if not self.is_last:
-                comm.send(self.group, out.data, nxt)
-                loss = np.zeros(1)
-            else:
-                loss = np.array([out.item()])
+            for c in range(V):
+                prev, nxt = (neighbour(self.stage, c, d, p, V) for d in (-1, +1))
+                x = idx if prev is None else Tensor(comm.recv(self.group, prev[0]))
+                out = self.forward(x, targets if nxt is None else None, chunk=c)
+                if nxt is not None:
+                    comm.send(self.group, out.data, nxt[0])
+            loss = np.array([out.item()]) if self.is_last else np.zeros(1)
         return float(comm.broadcast(self.group, loss, self.n_stages - 1)[0]) if self.n_stages > 1 \
             else float(loss[0])
 
@@ -179,12 +190,19 @@ class PipelineStage(Model):
 # --- the executor ---------------------------------------------------------------------------------
 
 def microbatch_span(ins, stage: int):
-    """--trace: a Forward or Backward instruction as a span "forward mb 3" (args kind, mb, stage)."""
-    if trace.RECORDER is None or not isinstance(ins, (Forward, Backward)):
+    """--trace: a Forward, Backward or WeightGrad instruction as a span "forward mb 3" (args
+    kind F, B or W, mb, stage, chunk)."""
+    if trace.RECORDER is None or not isinstance(ins, COMPUTE):
         return trace.NOTHING
-    kind = "F" if isinstance(ins, Forward) else "B"
-    return trace.span(f"{'forward' if kind == 'F' else 'backward'} mb {ins.mb}", "microbatch",
-                      kind=kind, mb=ins.mb, stage=stage)
+    what = {"F": "forward", "B": "backward", "W": "weight gradients"}[ins.short]
+    return trace.span(f"{what} mb {ins.mb}" + (f" chunk {ins.chunk}" if ins.chunk else ""), "microbatch",
+                      kind=ins.short, mb=ins.mb, stage=stage, chunk=ins.chunk)
+
+
+def op_label(ins) -> str:
+    """A timeline row's kind: F, B or W, and the chunk after it when it is not 0 ("F1")."""
+    return ins.short + (str(ins.chunk) if ins.chunk else "")
+
 
 class StepObserver:
     """What the executor measures of one training step, kept out of the schedule walk: the
@@ -194,8 +212,9 @@ class StepObserver:
     micro-batch graphs in flight, at their peak. Receives and sends are not timed: a stage
     waiting for its neighbour is idle, and idle time is what the bubble counts."""
 
-    def __init__(self):
-        self.timeline = []          # ("F"/"B", mb, start, end) of each op, in the order run
+    def __init__(self, split: bool = False):
+        self.split = split          # a split backward: a micro-batch's activations are kept until W
+        self.timeline = []          # (op_label, mb, start, end) of each op, in the order run
         self.saved = {}             # saved-activation bytes of each graph in flight, by micro-batch
         self.peak = 0               # the most bytes in flight at once
         self.per_mb = 0             # the most bytes one micro-batch's graph saved
@@ -203,19 +222,23 @@ class StepObserver:
         self.t0 = time.perf_counter()
 
     def on_start(self, ins):
-        if isinstance(ins, (Forward, Backward)):
+        if isinstance(ins, COMPUTE):
             self.start = time.perf_counter()
 
     def on_end(self, ins, out=None):
-        """After ins ran; out: a Forward's graph (its output, or loss on the last stage)."""
+        """After ins ran; out: a Forward's graph (its output, or loss on the last stage).
+        A micro-batch's saved bytes count from its F to its B, or with a split backward to
+        its W (B frees part of them; W still needs the layers' inputs: counted whole)."""
+        if not isinstance(ins, COMPUTE):
+            return
+        key = (ins.chunk, ins.mb)
+        self.timeline.append((op_label(ins), ins.mb, self.start - self.t0, time.perf_counter() - self.t0))
         if isinstance(ins, Forward):
-            self.timeline.append(("F", ins.mb, self.start - self.t0, time.perf_counter() - self.t0))
-            self.saved[ins.mb] = out.saved_bytes()
-            self.per_mb = max(self.per_mb, self.saved[ins.mb])
+            self.saved[key] = out.saved_bytes()
+            self.per_mb = max(self.per_mb, self.saved[key])
             self.peak = max(self.peak, sum(self.saved.values()))
-        elif isinstance(ins, Backward):                 # backward freed the graph's activations
-            del self.saved[ins.mb]
-            self.timeline.append(("B", ins.mb, self.start - self.t0, time.perf_counter() - self.t0))
+        elif isinstance(ins, WeightGrad if self.split else Backward):
+            del self.saved[key]
 
     def on_step_end(self):
         self.step_time = time.perf_counter() - self.t0
@@ -233,14 +256,20 @@ class PipelineEngine:
 
     def __init__(self, stage_model: PipelineStage, schedule: str, n_micro: int):
         self.model, self.schedule, self.n_micro = stage_model, schedule, n_micro
-        self.instructions = schedules.schedule(schedule, stage_model.stage, stage_model.n_stages, n_micro)
-        backwards = [k for k, ins in enumerate(self.instructions) if isinstance(ins, Backward)]
-        self.last_backward = backwards[-1]              # dp synchronises during this one
+        self.instructions = schedules.schedule(schedule, stage_model.stage, stage_model.n_stages, n_micro,
+                                               stage_model.n_chunks)
+        # zero-bubble schedules: Backward runs B only, WeightGrad W (backward_split.py)
+        self.split = any(isinstance(ins, WeightGrad) for ins in self.instructions)
+        # dp synchronises during the last instruction that makes each chunk's parameter
+        # gradients (with interleaving a chunk's are complete before the rank's last backward)
+        makes_grads = {ins.chunk: k for k, ins in enumerate(self.instructions)
+                       if isinstance(ins, WeightGrad if self.split else Backward)}
+        self.last_backward = set(makes_grads.values())
         self.steps = []                                 # per step: StepObserver.stats()
 
     @property
     def bubble_theory(self) -> float:
-        return schedules.bubble_theory(self.schedule, self.model.n_stages, self.n_micro)
+        return schedules.bubble_theory(self.schedule, self.model.n_stages, self.n_micro, self.model.n_chunks)
 
     def train_step(self, batches, loss_denom, sync: GradSync | None = None, loss_scale: float = 1.0) -> float:
         """Forward and backward of every micro-batch in `batches` [(x, y), ...] as the
@@ -252,10 +281,12 @@ class PipelineEngine:
         group's gradient synchroniser (interfaces.GradSync; None: one dp rank)."""
         sync = sync if sync is not None else NoSync(self.model.parameters())
         self.batches, self.loss_denom, self.sync, self.loss_scale = batches, loss_denom, sync, loss_scale
-        self.acts, self.grads = {}, {}      # received activations / output gradients, by micro-batch
+        # all by (chunk, micro-batch):
+        self.acts, self.grads = {}, {}      # received activations / output gradients
         self.inputs, self.outputs = {}, {}  # the leaf input and the output (or loss) of each graph in flight
+        self.pending = {}                   # split backward: what W still has to do (backward_split.PendingW)
         self.sends, self.loss_sum = [], 0.0
-        watch = StepObserver()
+        watch = StepObserver(self.split)
         stage = self.model.stage
         with trace.span("schedule", "pipeline", schedule=self.schedule, stage=stage):
             for k, ins in enumerate(self.instructions):    # warm-up, steady state, cool-down: schedules.py
@@ -275,29 +306,41 @@ class PipelineEngine:
 
     def run(self, k: int, ins):
         """Execute instruction k of this stage's list, `ins`. Returns a Forward's graph (its
-        output, or the loss on the last stage), else None."""
-        model, group, mb = self.model, self.model.group, ins.mb
-        prev, nxt = model.stage - 1, model.stage + 1
+        output, or the loss on the last stage), else None. Messages go to the neighbouring
+        virtual stage (schedules.neighbour: the next or previous rank, or round the ring with
+        interleaving); gradients on their own tag, so that with interleaving on 2 ranks an
+        activation and a gradient between the same two ranks never take each other's place."""
+        model, group, key = self.model, self.model.group, (ins.chunk, ins.mb)
+        p, V = model.n_stages, model.n_chunks
+        prev, nxt = (neighbour(model.stage, ins.chunk, d, p, V) for d in (-1, +1))
         if isinstance(ins, RecvActivation):
-            self.acts[mb] = comm.recv(group, prev)
+            self.acts[key] = comm.recv(group, prev[0])
         elif isinstance(ins, RecvGrad):
-            self.grads[mb] = comm.recv(group, nxt)
+            self.grads[key] = comm.recv(group, nxt[0], tag=TAG_P2P_GRAD)
         elif isinstance(ins, Forward):
-            x, y = self.batches[mb]
-            if not model.is_first:              # the previous stage's output, as a leaf of this graph
-                x = self.inputs[mb] = Tensor(self.acts.pop(mb), requires_grad=True)
-            out = self.outputs[mb] = model.forward(x, y if model.is_last else None, self.loss_denom)
-            if model.is_last:
+            x, y = self.batches[ins.mb]
+            if prev is not None:                # the previous stage's output, as a leaf of this graph
+                x = self.inputs[key] = Tensor(self.acts.pop(key), requires_grad=True)
+            out = self.outputs[key] = model.forward(x, y if nxt is None else None, self.loss_denom, ins.chunk)
+            if nxt is None:
                 self.loss_sum += out.item()
             return out
         elif isinstance(ins, Backward):
-            self.sync.sync_now(k == self.last_backward)
-            out = self.outputs.pop(mb)
-            out.backward(backward_seed(self.loss_scale) if model.is_last else self.grads.pop(mb))
+            out = self.outputs.pop(key)
+            seed = backward_seed(self.loss_scale) if nxt is None else self.grads.pop(key)
+            if self.split:                      # B: the input's gradient now, W later
+                seed = np.ones_like(out.data) if seed is None else seed
+                self.pending[key] = backward_split.backward_b(out, seed, [] if prev is None else [self.inputs[key]])
+            else:
+                self.sync.sync_now(k in self.last_backward)
+                out.backward(seed)
+        elif isinstance(ins, WeightGrad):
+            self.sync.sync_now(k in self.last_backward)
+            self.pending.pop(key).run()
         elif isinstance(ins, SendActivation):
-            self.sends.append(comm.send_async(group, self.outputs[mb].data, nxt))
+            self.sends.append(comm.send_async(group, self.outputs[key].data, nxt[0]))
         elif isinstance(ins, SendGrad):
-            self.sends.append(comm.send_async(group, self.inputs.pop(mb).grad, prev))
+            self.sends.append(comm.send_async(group, self.inputs.pop(key).grad, prev[0], tag=TAG_P2P_GRAD))
         return None
 
     def push_sends(self):
@@ -341,7 +384,7 @@ class PipelineEngine:
         saved-activation bytes over all steps; the others get None. Collective over the pp
         group (each stage sends 2 small arrays)."""
         this = self.steps[step]
-        rows = np.array([[0 if kind == "F" else 1, mb, a, b] for kind, mb, a, b in this["timeline"]])
+        rows = np.array([[_code(kind), mb, a, b] for kind, mb, a, b in this["timeline"]])
         later = self.steps[1:] or self.steps            # the first step warms caches up
         nums = np.array([this["step_time"], this["busy"], this["peak_activation_bytes"],
                          this["microbatch_activation_bytes"], max(st["peak_activation_bytes"] for st in self.steps)]
@@ -355,7 +398,7 @@ class PipelineEngine:
         for stage in range(model.n_stages):
             their_rows, their_nums = (rows, nums) if stage == 0 else \
                 (comm.recv(model.group, stage), comm.recv(model.group, stage))
-            out.append({"timeline": [(stage, "FB"[int(k)], int(mb), a, b) for k, mb, a, b in their_rows],
+            out.append({"timeline": [(stage, _label(int(k)), int(mb), a, b) for k, mb, a, b in their_rows],
                         "step_time": float(their_nums[0]), "busy": float(their_nums[1]),
                         "microbatch_activation_bytes": int(their_nums[3]),
                         "peak_activation_bytes": int(their_nums[4])})
@@ -367,20 +410,30 @@ class PipelineEngine:
         return out
 
 
+def _code(label: str) -> int:
+    """A timeline kind (op_label: "F", "B", "W", with the chunk after it) as one number to send."""
+    return "FBW".index(label[0]) + 3 * int(label[1:] or 0)
+
+
+def _label(code: int) -> str:
+    kind, chunk = "FBW"[code % 3], code // 3
+    return kind + (str(chunk) if chunk else "")
+
+
 # --- what a stage holds and sends, by formula (the planner and the summary use these) -------------
 
-def local_tensors(cfg: GPTConfig, stage: int, n_stages: int, tp: int = 1) -> list:
+def local_tensors(cfg: GPTConfig, stage: int, n_stages: int, tp: int = 1, n_chunks: int = 1) -> list:
     """[(canonical name, elements on one rank)] of a stage, model order: the stage's tensors
     (schedules.stage_param_names; the last stage keeps a copy of a tied wte), each as
     tensor parallelism cuts it (tensor_parallel.local_size: split ones / tp, vocabulary
-    ones padded to Vp = tp * ceil(V / tp) rows first)."""
-    names = set(schedules.stage_param_names(cfg, stage, n_stages))
+    ones padded to Vp = tp * ceil(V / tp) rows first). n_chunks: interleaved, the rank's chunks."""
+    names = set(schedules.stage_param_names(cfg, stage, n_stages, n_chunks))
     return [(name, local_size(name, shape, tp)) for name, shape, _ in param_specs(cfg) if name in names]
 
 
-def local_param_count(cfg: GPTConfig, stage: int, n_stages: int, tp: int = 1) -> int:
+def local_param_count(cfg: GPTConfig, stage: int, n_stages: int, tp: int = 1, n_chunks: int = 1) -> int:
     """Parameters one rank of `stage` holds, by formula (what num_local_params() must measure)."""
-    return sum(n for _, n in local_tensors(cfg, stage, n_stages, tp))
+    return sum(n for _, n in local_tensors(cfg, stage, n_stages, tp, n_chunks))
 
 
 def megatron_count_stage(cfg: GPTConfig, stage: int, n_stages: int, rows: int, t: int,

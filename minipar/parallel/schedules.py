@@ -183,11 +183,24 @@ def partition(n_layer: int, n_stages: int) -> list:
     return [range(a, a + n) for a, n in zip(starts, sizes)]
 
 
-def stage_param_names(cfg: GPTConfig, stage: int, n_stages: int) -> list:
+def rank_layers(n_layer: int, stage: int, n_stages: int, n_chunks: int = 1) -> list:
+    """The layer ranges of the chunks rank `stage` holds: with n_chunks V the layers are
+    partitioned into p*V virtual stages and the rank holds stage, stage + p, ... (interleaved.py)."""
+    parts = partition(n_layer, n_stages * n_chunks)
+    return [parts[c * n_stages + stage] for c in range(n_chunks)]
+
+
+def stage_param_names(cfg: GPTConfig, stage: int, n_stages: int, n_chunks: int = 1) -> list:
     """Canonical names (docs/design.md §2) of the parameters `stage` holds, in model order: its
     blocks; the first stage wte and wpe; the last ln_f and lm_head (untied) or, tied, its
     own copy of wte (Megatron's embedding group: both ends hold wte and all-reduce its
-    gradient). With one stage that is every name once."""
+    gradient). With one stage that is every name once. With n_chunks V > 1: the names of
+    every virtual stage the rank holds (rank_layers), the embeddings on rank 0's chunk 0 and
+    the head on rank p-1's chunk V-1."""
+    if n_chunks > 1:
+        held = {n for c in range(n_chunks)
+                for n in stage_param_names(cfg, c * n_stages + stage, n_stages * n_chunks)}
+        return [n for n, _, _ in param_specs(cfg) if n in held]
     parts = partition(cfg.n_layer, n_stages)
     if not (isinstance(stage, Integral) and 0 <= stage < n_stages):
         raise ValueError(f"stage must be in 0..{n_stages - 1} for {n_stages} stages, got {stage!r}")
