@@ -1,7 +1,8 @@
 """Drawings of a pipeline timeline: who computed what, when.
 
-A timeline is a list of (stage, kind, micro-batch, start, end) with kind "F" (forward) or
-"B" (backward). It comes from one of two places:
+A timeline is a list of (stage, kind, micro-batch, start, end) with kind "F" (forward), "B"
+(backward, or its B part when W is split off) or "W" (the weight gradients, zero_bubble.py),
+followed by the model chunk when it is not 0 ("F1": interleaved.py). It comes from one of two places:
     simulated  parallel/schedules.check(p, m, name).timeline: every stage's instruction list
                run together without MPI, F and B in whole time units (the schedule's shape);
     measured   parallel/pipeline.PipelineEngine.gather_stats(): the last step's forwards and
@@ -28,7 +29,8 @@ def _mb_char(mb):
 
 def ascii_gantt(timeline, n_stages: int, width: int = 120) -> str:
     """One row per stage: "stage 1 |..F0F1..B0F2..". An op drawn over n cells reads
-    "F3" / "B3--" (n >= 2) or "3" (n == 1); '.' is idle. Integer times (the checker's)
+    "F3" / "B3--" / "W3" (n >= 2) or "3" (n == 1), in lower case for an odd model chunk
+    (interleaved: "f3" is chunk 1's forward); '.' is idle. Integer times (the checker's)
     get 2 cells per unit, or 1 if that is wider than `width`; other times (seconds) are
     scaled so the whole run spans `width` cells. Times are measured from the earliest start."""
     if not timeline:
@@ -47,7 +49,8 @@ def ascii_gantt(timeline, n_stages: int, width: int = 120) -> str:
     for stage, kind, mb, start, end in sorted(timeline, key=lambda r: (r[0], r[3])):
         a = min(round((start - t0) * scale), n_cells - 1)
         b = min(max(round((end - t0) * scale), a + 1), n_cells)
-        label = (kind + _mb_char(mb)) if b - a >= 2 else _mb_char(mb)
+        letter = kind[0] if int(kind[1:] or 0) % 2 == 0 else kind[0].lower()   # odd chunks: f, b, w
+        label = (letter + _mb_char(mb)) if b - a >= 2 else _mb_char(mb)
         rows[stage][a:b] = (label + "-" * (b - a))[:b - a]
     digits = len(str(n_stages - 1))
     return "\n".join(f"stage {s:>{digits}} |{''.join(row)}" for s, row in enumerate(rows))
@@ -55,9 +58,13 @@ def ascii_gantt(timeline, n_stages: int, width: int = 120) -> str:
 
 # --- the timeline as an SVG ---------------------------------------------------------------------
 
+COLORS = {"F": ("#4c78a8", "#9ecae9"), "B": ("#54a24b", "#a6d96a"), "W": ("#e45756", "#ff9d98")}   # chunk 0, odd
+
+
 def timeline_svg(timeline, n_stages: int, title: str = "", width: int = 960) -> str:
-    """A hand-written SVG of [(stage, "F"/"B", mb, start, end)]: one row per stage, a rect
-    per forward (blue) and backward (green) labelled with its micro-batch, a time axis in ms."""
+    """A hand-written SVG of [(stage, kind, mb, start, end)]: one row per stage, a rect per
+    forward (blue), backward (green) and W (red; zero-bubble), lighter for odd model chunks
+    (interleaved), labelled with its micro-batch, a time axis in ms."""
     row_h, left, top = 28, 70, 30
     t_end = max((r[4] for r in timeline), default=1.0) or 1.0
     scale = (width - left - 20) / t_end
@@ -73,7 +80,7 @@ def timeline_svg(timeline, n_stages: int, title: str = "", width: int = 960) -> 
                    f'fill="#eeeeee"/>')
     for s, kind, mb, a, b in timeline:
         y, x, w = top + s * row_h, left + a * scale, max((b - a) * scale, 0.5)
-        color = "#4c78a8" if kind == "F" else "#54a24b"
+        color = COLORS[kind[0]][int(kind[1:] or 0) % 2]
         out.append(f'<rect x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{row_h - 4}" fill="{color}" '
                    f'stroke="white" stroke-width="0.5"><title>{kind}{mb} {a * 1e3:.2f}-{b * 1e3:.2f} ms'
                    f'</title></rect>')

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import os
 
-from minipar import traceview
-
-KIND_COLORS = {"F": "#4c78a8", "B": "#54a24b"}
+from minipar import draw, traceview
 
 
 def load_timeline(path: str, note) -> dict | None:
@@ -51,11 +49,12 @@ def draw_timeline(tl: dict, dpi: int):
     t0 = min(0.0, min(r[3] for r in rows))          # traceview's times start at the step's schedule
     span_ms = (max(r[4] for r in rows) - t0) * 1e3
     ax.barh(range(p), span_ms, height=0.7, color="#eeeeee")         # idle: the bubble
-    for stage, kind, mb, start, end in rows:
+    for stage, kind, mb, start, end in rows:         # kind: F, B or W, the chunk after it if not 0
         a, w = (start - t0) * 1e3, (end - start) * 1e3
-        ax.barh(stage, w, left=a, height=0.7, color=KIND_COLORS[kind], edgecolor="white", linewidth=0.6)
+        ax.barh(stage, w, left=a, height=0.7, color=draw.COLORS[kind[0]][int(kind[1:] or 0) % 2],
+                edgecolor="white", linewidth=0.6)
         if w >= 0.025 * span_ms:                    # room for the label
-            ax.text(a + w / 2, stage, f"{kind}{mb}", ha="center", va="center", color="white", fontsize=8)
+            ax.text(a + w / 2, stage, f"{kind[0]}{mb}", ha="center", va="center", color="white", fontsize=8)
     per_stage = tl.get("bubble_per_stage") or []
     ax.set_yticks(range(p), [f"stage {s}" + (f"\nidle {per_stage[s]:.2f}" if s < len(per_stage) else "")
                              for s in range(p)])
@@ -66,7 +65,10 @@ def draw_timeline(tl: dict, dpi: int):
     schedule = tl.get("schedule") or "pipeline"
     ax.set_title(f"{schedule}, {p} stages, step {tl['step']}: bubble {tl['bubble']:.3f} measured "
                  f"(mean idle fraction of the longest stage's span)", fontsize=11)
-    ax.legend(handles=[Patch(color=KIND_COLORS["F"], label="F forward"),
-                       Patch(color=KIND_COLORS["B"], label="B backward")],
+    kinds = {r[1] for r in rows}
+    legend = [("F", 0, "F forward"), ("B", 0, "B backward"), ("W", 0, "W weight gradients")]
+    legend += [(k, 1, f"{k} of an odd chunk") for k in "FBW" if any(x[0] == k and x[1:] for x in kinds)]
+    ax.legend(handles=[Patch(color=draw.COLORS[k][odd], label=label) for k, odd, label in legend
+                       if any(x[0] == k for x in kinds)],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9)
     return fig

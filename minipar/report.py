@@ -15,7 +15,7 @@ import numpy as np
 
 from minipar import comm, data, draw, plan, precision
 from minipar.optim import AdamW
-from minipar.parallel import data_parallel, pipeline, schedules, sequence_parallel, tensor_parallel, zero
+from minipar.parallel import data_parallel, pipeline, schedules, sequence_parallel, tensor_parallel, zero, zero_bubble
 from minipar.perf import human_bytes
 
 
@@ -310,13 +310,19 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
         lines.append(hosts_line(summary["hosts"]))
     if stages is not None:                                # pp rank 0 (world rank 0 among them)
         pl = summary["pipeline"] = pipeline_summary(a, s.pipe, stages, rows_log)
-        lines.append(f"  pipeline: {a.schedule}, p={pp}, m={M}: "
-                     f"bubble measured {pl['bubble_measured']:.3f} (mean "
+        V = pl["virtual_stages"]
+        lines.append(f"  pipeline: {a.schedule}, p={pp}, m={M}" + (f", V={V}" if V > 1 else "")
+                     + f": bubble measured {pl['bubble_measured']:.3f} (mean "
                      f"over stages; per stage "
                      + " ".join(f"{b:.3f}" for b in pl["bubble_per_stage"])
-                     + f"), theory {pl['bubble_theory']:.3f}; "
+                     + f"), theory {pl['bubble_theory']:.3f} with equal op times, "
+                       f"{pl['bubble_theory_from_times']:.3f} with the measured ones, "
+                       f"{pl['bubble_simulated']:.3f} simulated with each stage's own; "
                        f"sent {human_bytes(pl['bytes_sent_per_step'])}/step "
                        f"by stage 0")
+        lines.append("  one micro-batch's F / B / W per stage (ms): " + "; ".join(
+            "/".join(f"{t * 1e3:.2f}" for t in ops) for ops in pl["op_seconds_per_stage"])
+            + (" (B is the whole backward: no W)" if not a.schedule.startswith("zb") else ""))
         lines.append("  saved activations at peak per stage: " + ", ".join(
             f"{human_bytes(b)} ({b / max(u, 1):.1f} micro-batches)" for b, u in
             zip(pl["peak_activation_bytes"], pl["microbatch_activation_bytes"])))
@@ -375,16 +381,32 @@ def tensor_parallel_summary(s, rows_log: list, tp_ledger: dict) -> tuple[dict, s
                  f"{human_bytes(tp_bytes)}/step sent per rank, + 1 for the global grad norm")
 
 
+def simulated_bubble(schedule: str, p: int, m: int, V: int, stages) -> float:
+    """The schedule run by schedules.check with each stage's own measured F, B and W of a
+    micro-batch (a chunk's: 1/V of them): the theory for this pipeline as it is, unequal
+    stages included, with messages free."""
+    ops = [st["op_seconds"] for st in stages]
+    split = schedule.startswith("zb")
+    return schedules.check(p, m, schedule, virtual=V, forward_time=[f / V for f, _, _ in ops],
+                           backward_time=[(b + w) / V for _, b, w in ops],
+                           weight_time=[w / V for _, _, w in ops] if split else None).bubble
+
+
 def pipeline_summary(args, pipe, stages, rows_log) -> dict:
     """docs/design.md §8's `pipeline` figures from every stage's stats (gathered on pp rank 0).
     bubble_measured: 1 - sum of busy time / (p * makespan), the mean over stages of each
     stage's idle fraction of the step's longest stage span, averaged over the steps after
     the first (the first pays for warming caches); pipeline.py's docstring."""
-    return {"schedule": args.schedule, "stages": pipe.model.n_stages,
-            "micro_batches": args.micro_batches,
+    f, b, w = np.mean([st["op_seconds"] for st in stages], axis=0)
+    p, m, V = pipe.model.n_stages, args.micro_batches, pipe.model.n_chunks
+    return {"schedule": args.schedule, "stages": p, "virtual_stages": V,
+            "micro_batches": m,
             "bubble_measured": float(np.mean([st["bubble_mean"] for st in stages])),
             "bubble_per_stage": [st["bubble_mean"] for st in stages],
             "bubble_theory": pipe.bubble_theory,
+            "op_seconds_per_stage": [st["op_seconds"] for st in stages],
+            "bubble_theory_from_times": zero_bubble.bubble_from_times(args.schedule, p, m, f, b, w, V),
+            "bubble_simulated": simulated_bubble(args.schedule, p, m, V, stages),
             "peak_activation_bytes": [st["peak_activation_bytes"] for st in stages],
             "microbatch_activation_bytes": [st["microbatch_activation_bytes"] for st in stages],
             "step_time_s": [st["step_time"] for st in stages],

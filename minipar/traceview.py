@@ -135,7 +135,9 @@ def orders(trace: dict) -> dict:
             while k < len(windows) and windows[k]["end"] + 0.01 < e["end"]:
                 k += 1
             if k < len(windows) and windows[k]["ts"] <= e["ts"]:
-                mine[windows[k]["args"]["step"]].append((e["args"]["kind"], e["args"]["mb"]))
+                chunk = e["args"].get("chunk", 0)               # interleaved: F1 is chunk 1's forward
+                mine[windows[k]["args"]["step"]].append((e["args"]["kind"] + (str(chunk) if chunk else ""),
+                                                         e["args"]["mb"]))
     return out
 
 
@@ -145,15 +147,17 @@ def order(trace: dict, pid: int, step: int) -> list[tuple[str, int]]:
     return orders(trace).get(pid, {}).get(step, [])
 
 
-def scheduled(schedule: str | None, stage: int, n_stages: int, n_micro: int) -> list[tuple[str, int]]:
-    """[(kind, mb)] that a stage must run: its schedule's Forward and Backward instructions
-    (parallel/schedules.py), or, without a pipeline, each micro-batch's forward then backward."""
+def scheduled(schedule: str | None, stage: int, n_stages: int, n_micro: int,
+              virtual: int = 1) -> list[tuple[str, int]]:
+    """[(kind, mb)] that a stage must run: its schedule's Forward, Backward and WeightGrad
+    instructions (parallel/schedules.py; kind F, B or W, with the chunk after it when not 0),
+    or, without a pipeline, each micro-batch's forward then backward."""
     from minipar.parallel import schedules         # noqa: PLC0415
     if n_stages == 1:
         return [(kind, mb) for mb in range(n_micro) for kind in "FB"]
-    return [("F" if isinstance(i, schedules.Forward) else "B", i.mb)
-            for i in schedules.schedule(schedule, stage, n_stages, n_micro)
-            if isinstance(i, (schedules.Forward, schedules.Backward))]
+    return [(i.short + (str(i.chunk) if i.chunk else ""), i.mb)
+            for i in schedules.schedule(schedule, stage, n_stages, n_micro, virtual)
+            if isinstance(i, schedules.COMPUTE)]
 
 
 def audit(trace: dict) -> list[str]:
@@ -173,7 +177,8 @@ def audit(trace: dict) -> list[str]:
     layout = meta.get("layout", {})
     seen_all, all_steps = orders(trace), steps(trace)
     for pid, where in sorted(procs.items()):
-        want = scheduled(meta.get("schedule"), where["pp"], layout.get("pp", 1), meta.get("micro_batches", 1))
+        want = scheduled(meta.get("schedule"), where["pp"], layout.get("pp", 1), meta.get("micro_batches", 1),
+                         meta.get("virtual_stages", 1))
         for step in all_steps:
             seen = seen_all.get(pid, {}).get(step, [])
             if seen != want:
@@ -188,7 +193,8 @@ def steps(trace: dict) -> list[int]:
 
 def pipeline_timeline(trace: dict, step: int | None = None) -> dict:
     """One training step's forwards and backwards on each pipeline stage (the ranks at dp 0,
-    tp 0), as measured: {"timeline": [(stage, "F"/"B", mb, start_s, end_s)], "n_stages",
+    tp 0), as measured: {"timeline": [(stage, kind, mb, start_s, end_s)] (kind F, B or W, and
+    the chunk after it when not 0), "n_stages",
     "step", "bubble", "bubble_per_stage", "schedule", "span_per_stage"}. Times are seconds
     from the step's earliest schedule start. The bubble is the summary's definition
     (docs/pipeline.md): each stage's idle fraction of the longest stage's schedule span (from
@@ -215,7 +221,8 @@ def pipeline_timeline(trace: dict, step: int | None = None) -> dict:
             schedule = sched[0]["args"].get("schedule")
         elif mbs:
             span[stage] = (min(e["ts"] for e in mbs), max(e["end"] for e in mbs))
-        rows += [(stage, e["args"]["kind"], e["args"]["mb"], e["ts"], e["end"]) for e in mbs]
+        rows += [(stage, e["args"]["kind"] + (str(e["args"].get("chunk", 0)) if e["args"].get("chunk") else ""),
+                  e["args"]["mb"], e["ts"], e["end"]) for e in mbs]
     t0 = min(a for a, _ in span.values())
     longest = max(b - a for a, b in span.values())
     bubbles = []

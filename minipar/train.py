@@ -391,6 +391,7 @@ def trace_metadata(s: Session) -> dict:
     a, g = s.args, s.grid
     return {"layout": {"dp": g.dp_size, "tp": g.tp_size, "pp": g.pp_size, "zero": a.zero},
             "schedule": a.schedule if g.pp_size > 1 else None, "micro_batches": a.micro_batches,
+            "virtual_stages": a.virtual_stages,
             "steps": [s.spec.start, a.steps], "argv": sys.argv[1:]}
 
 

@@ -212,8 +212,9 @@ class StepObserver:
     micro-batch graphs in flight, at their peak. Receives and sends are not timed: a stage
     waiting for its neighbour is idle, and idle time is what the bubble counts."""
 
-    def __init__(self, split: bool = False):
+    def __init__(self, split: bool = False, n_chunks: int = 1):
         self.split = split          # a split backward: a micro-batch's activations are kept until W
+        self.n_chunks = n_chunks
         self.timeline = []          # (op_label, mb, start, end) of each op, in the order run
         self.saved = {}             # saved-activation bytes of each graph in flight, by micro-batch
         self.peak = 0               # the most bytes in flight at once
@@ -246,9 +247,13 @@ class StepObserver:
     def stats(self) -> dict:
         """The step's figures, as PipelineEngine.steps keeps them (gather_stats sends them on)."""
         busy = sum(end - start for _, _, start, end in self.timeline)
+        ops = {k: sum(e - a for kind, _, a, e in self.timeline if kind[0] == k) for k in "FBW"}
+        n_f = sum(1 for kind, *_ in self.timeline if kind[0] == "F")          # micro-batches x chunks
         return {"timeline": self.timeline, "step_time": self.step_time, "busy": busy,
                 "bubble": 1.0 - busy / self.step_time if self.step_time > 0 else 0.0,   # of its own span
-                "peak_activation_bytes": self.peak, "microbatch_activation_bytes": self.per_mb}
+                "peak_activation_bytes": self.peak, "microbatch_activation_bytes": self.per_mb,
+                # the stage's F, B and W of one whole micro-batch (all its chunks), in seconds
+                "op_seconds": [ops[k] / max(n_f, 1) * self.n_chunks for k in "FBW"]}
 
 
 class PipelineEngine:
@@ -286,7 +291,7 @@ class PipelineEngine:
         self.inputs, self.outputs = {}, {}  # the leaf input and the output (or loss) of each graph in flight
         self.pending = {}                   # split backward: what W still has to do (backward_split.PendingW)
         self.sends, self.loss_sum = [], 0.0
-        watch = StepObserver(self.split)
+        watch = StepObserver(self.split, self.model.n_chunks)
         stage = self.model.stage
         with trace.span("schedule", "pipeline", schedule=self.schedule, stage=stage):
             for k, ins in enumerate(self.instructions):    # warm-up, steady state, cool-down: schedules.py
@@ -381,13 +386,15 @@ class PipelineEngine:
     def gather_stats(self, step: int = -1):
         """Stage 0 of the pp group gets every stage's stats (a list by stage): the timeline,
         times and bubble of `step`, the mean bubble of the steps after the first, the peak
-        saved-activation bytes over all steps; the others get None. Collective over the pp
+        saved-activation bytes over all steps, the mean F, B and W of one micro-batch over
+        the steps after the first (op_seconds); the others get None. Collective over the pp
         group (each stage sends 2 small arrays)."""
         this = self.steps[step]
         rows = np.array([[_code(kind), mb, a, b] for kind, mb, a, b in this["timeline"]])
         later = self.steps[1:] or self.steps            # the first step warms caches up
         nums = np.array([this["step_time"], this["busy"], this["peak_activation_bytes"],
                          this["microbatch_activation_bytes"], max(st["peak_activation_bytes"] for st in self.steps)]
+                        + list(np.mean([st["op_seconds"] for st in later], axis=0))
                         + [st["busy"] for st in later] + [st["step_time"] for st in later], dtype=np.float64)
         model = self.model
         if model.stage != 0:
@@ -401,9 +408,10 @@ class PipelineEngine:
             out.append({"timeline": [(stage, _label(int(k)), int(mb), a, b) for k, mb, a, b in their_rows],
                         "step_time": float(their_nums[0]), "busy": float(their_nums[1]),
                         "microbatch_activation_bytes": int(their_nums[3]),
-                        "peak_activation_bytes": int(their_nums[4])})
-            busy.append(their_nums[5:5 + len(later)])
-            span.append(their_nums[5 + len(later):])
+                        "peak_activation_bytes": int(their_nums[4]),
+                        "op_seconds": [float(t) for t in their_nums[5:8]]})     # F, B, W
+            busy.append(their_nums[8:8 + len(later)])
+            span.append(their_nums[8 + len(later):])
         makespan = np.max(span, axis=0)                 # per step: the longest stage
         for stage, st in enumerate(out):                # idle fraction of the makespan, mean over steps
             st["bubble_mean"] = float(np.mean(1.0 - busy[stage] / makespan))

@@ -15,7 +15,8 @@ c sends to rank 0's chunk c + 1 (schedules.neighbour).
 
 The timeline gives every op its earliest start: a forward takes forward_time, a whole
 backward backward_time; a split backward's B and W take half of it each, unless
-weight_time is given (then B takes backward_time - weight_time); messages take 0. The peak
+weight_time is given (then B takes backward_time - weight_time); messages take 0. Each time
+is one number for every stage, or a list of one per stage (a measured, unbalanced pipeline). The peak
 in flight counts micro-batches (times chunks) forwarded and not yet backwarded, or with a
 split backward not yet through W: what W still needs is kept until then.
 """
@@ -25,8 +26,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from numbers import Integral
 
-from minipar.parallel.instructions import (COMPUTE, RECVS, SENDS, Forward, Instruction, ScheduleError,
-                                           SendActivation, WeightGrad, _check_numbers, neighbour)
+from minipar.parallel.instructions import (COMPUTE, RECVS, SENDS, Instruction, ScheduleError, SendActivation,
+                                           WeightGrad, _check_numbers, neighbour)
 
 
 @dataclass
@@ -70,14 +71,14 @@ def check(n_stages: int, n_micro: int, schedule_fn_or_name, *, virtual: int = 1,
     or raise ScheduleError (the module docstring)."""
     from minipar.parallel import schedules          # (it imports this module)
     _check_numbers(n_stages, n_micro)
-    if not (forward_time >= 0 and backward_time >= 0 and (weight_time is None or 0 <= weight_time <= backward_time)):
+    p, m, V = n_stages, n_micro, virtual
+    f_t, b_t = _per_stage(forward_time, p), _per_stage(backward_time, p)
+    w_t = [b / 2 for b in b_t] if weight_time is None else _per_stage(weight_time, p)
+    if not all(f >= 0 and b >= 0 and 0 <= w <= b for f, b, w in zip(f_t, b_t, w_t)):
         raise ValueError(f"op times must be >= 0 (and W's at most the backward's), got forward "
                          f"{forward_time}, backward {backward_time}, weight {weight_time}")
-    p, m, V = n_stages, n_micro, virtual
     name, progs = programs(p, m, schedule_fn_or_name, V)
     split = [any(isinstance(i, WeightGrad) for i in prog) for prog in progs]
-    w_time = backward_time / 2 if weight_time is None else weight_time
-    duration = {Forward: forward_time, WeightGrad: w_time}
 
     pc, clock = [0] * p, [0.0] * p
     queues = defaultdict(deque)                # (src, dst, kind) -> deque of (chunk, mb, time sent)
@@ -108,7 +109,8 @@ def check(n_stages: int, n_micro: int, schedule_fn_or_name, *, virtual: int = 1,
         in_flight[s] += 1 if kind == "F" else -1 if kind == ("W" if split[s] else "B") else 0
         peak[s] = max(peak[s], in_flight[s])
         start = clock[s]
-        clock[s] += duration.get(type(ins), backward_time - w_time if split[s] else backward_time)
+        clock[s] += (f_t[s] if kind == "F" else w_t[s] if kind == "W"
+                     else b_t[s] - w_t[s] if split[s] else b_t[s])
         timeline.append((s, kind + (str(ins.chunk) if ins.chunk else ""), ins.mb, start, clock[s]))
 
     def check_message(s, ins):                 # a Send or Recv that is legal on this stage
@@ -196,6 +198,14 @@ def check(n_stages: int, n_micro: int, schedule_fn_or_name, *, virtual: int = 1,
                   bubble=1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0,
                   bubble_theory=theory, peak_in_flight=peak,
                   timeline=sorted(timeline, key=lambda r: (r[0], r[3])), n_chunks=V)
+
+
+def _per_stage(t, p: int) -> list:
+    """An op time for every stage: one number for all, or a sequence of p."""
+    t = list(t) if isinstance(t, (list, tuple)) else [t] * p
+    if len(t) != p:
+        raise ValueError(f"op times: {len(t)} given for {p} stages")
+    return [float(x) for x in t]
 
 
 def _blocked(progs, pc, s, p, V) -> str:
