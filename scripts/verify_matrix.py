@@ -1,8 +1,8 @@
 """Every layout against the single-process run: the whole dp x tp x pp x ZeRO x schedule x
 precision matrix through the CLI, each run with --verify.
 
-    python scripts/verify_matrix.py                  # 4 ranks, then 8 (dp2 x tp2 x pp2): 196 runs,
-                                                     # 11 min on 2 cores shared with other jobs
+    python scripts/verify_matrix.py                  # 4 ranks, then 8 (dp2 x tp2 x pp2): 256 runs,
+                                                     # about 15 min on 2 cores
     python scripts/verify_matrix.py --ranks 4 --precisions fp32
 
 For 4 ranks every factorisation dp*tp*pp = 4, for 8 ranks dp2 x tp2 x pp2; with each ZeRO
@@ -11,14 +11,16 @@ each precision, and --recompute full or selective beside each float64 1F1B (or p
 layout. Sequence parallelism: beside each float64 layout with tp > 1, the same with --sp
 (block size 16 divides over tp 2 and 4), with --recompute by ZeRO stage (SP_RECOMPUTE: none,
 selective, full, selective) so that TP+SP and TP+SP+recompute are both covered; and one fp16
-and one bf16 --sp run with pp > 1. fp32 runs in float64 and must agree to 1e-10 relative,
+and one bf16 --sp run with pp > 1. The schedules past 1F1B (past_1f1b): beside each
+pipelined 1F1B layout in float64 (every ZeRO stage) and in fp16/bf16 (ZeRO 0), interleaved
+with 2 virtual stages, ZB-H1 and ZB-H2. fp32 runs in float64 and must agree to 1e-10 relative,
 losses and every parameter tensor; fp16/bf16 must agree on the losses to 5e-2, as --verify
 judges them. The model is tiny (2 layers, or 4 with pp = 4; C = 16; 3 steps; gradient
 clipping on) so that the matrix runs in minutes. Every run also writes a --trace, which must
 pass minipar.traceview.audit (a valid trace; a process row per rank; comm events equal to
 each rank's ledger; forwards and backwards in the schedule's order). Prints one row per run
 and the count of failures, and the largest relative differences with and without --sp;
-exit 1 if any fails. (tests/test_layouts.py runs a representative 14 of these in
+exit 1 if any fails. (tests/test_layouts.py runs a representative 18 of these in
 `make test`; tests/test_trace.py audits traces on 1, 4 and 8 ranks.)
 """
 import argparse
@@ -65,6 +67,19 @@ def cases(ranks, precisions):
                 if tp > 1 and pp > 1 and precision != "fp32" and precision not in mixed_sp:
                     mixed_sp.add(precision)
                     yield n, flags + ["--sp"]
+                if pp > 1 and schedule == "1f1b" and (precision == "fp32" or zero == 0):
+                    yield from past_1f1b(n, dp, tp, pp, zero, precision)
+
+
+def past_1f1b(n, dp, tp, pp, zero, precision):
+    """The schedules past 1F1B on a pipelined layout: interleaved (V = 2, so 2p layers and p
+    micro-batches), ZB-H1 and ZB-H2 (2 micro-batches, as the others)."""
+    base = ["--dp", str(dp), "--tp", str(tp), "--pp", str(pp), "--zero", str(zero)]
+    base += ["--dtype", "float64"] if precision == "fp32" else ["--precision", precision]
+    yield n, base + ["--n-layer", str(2 * pp), "--schedule", "interleaved", "--virtual-stages", "2",
+                     "--micro-batches", str(pp)]
+    for schedule in ("zb-h1", "zb-h2"):
+        yield n, base + ["--n-layer", str(max(2, pp)), "--schedule", schedule, "--micro-batches", "2"]
 
 
 def relative(line: str) -> dict:

@@ -28,6 +28,12 @@ MATRIX = [
     (8, "--dp 2 --tp 2 --pp 2 --zero 2 --schedule gpipe --micro-batches 2"),
     (8, "--dp 4 --tp 2 --zero 3"),
     (8, "--dp 2 --tp 2 --pp 2 --precision bf16 --micro-batches 2"),
+    # the schedules past 1F1B: zero-bubble (B and W split) and interleaved (2 chunks per rank)
+    (4, "--dp 2 --pp 2 --zero 1 --schedule zb-h1 --micro-batches 4"),
+    (4, "--tp 2 --pp 2 --sp --schedule zb-h2 --micro-batches 4"),
+    (4, "--dp 2 --pp 2 --zero 2 --n-layer 4 --schedule interleaved --virtual-stages 2 --micro-batches 2"),
+    (8, "--dp 2 --tp 2 --pp 2 --n-layer 4 --schedule interleaved --virtual-stages 2 --micro-batches 2 "
+        "--precision fp16"),
 ]
 
 
