@@ -154,3 +154,27 @@ def test_saved_bytes_equal_the_formula(groups, tp, sp, recompute):
     assert measured[3] == formula
     assert measured[3] - measured[2] == activations.layer_bytes(B, T, C, H, g.size, 8, 8, sp and g.size > 1,
                                                                 recompute)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_b_then_w_equals_one_backward_with_tensor_parallelism(groups, sp):
+    """backward_split across tp ranks (the zero-bubble schedules' B and W): every gradient equal
+    (==) to one backward's, and the same collectives, some of them now in W (sequence
+    parallelism's re-gathers and parameter sums, the vocabulary embedding's)."""
+    from minipar import backward_split
+    cls = SequenceParallelGPT if sp else TensorParallelGPT
+    x, y = batch(4)
+    kinds = []
+    for split in (False, True):
+        model = cls(config(), groups[2], seed=0, dtype=np.float64)
+        tpar.reset_traffic()
+        loss = model(x, y)
+        if split:
+            backward_split.backward_b(loss, np.ones(())).run()
+        else:
+            loss.backward()
+        kinds.append(tpar.traffic())
+        if not split:
+            one = {n: p.grad.copy() for n, p in model.named_parameters()}
+    assert all(np.array_equal(p.grad, one[n]) for n, p in model.named_parameters())
+    assert kinds[0] == kinds[1]
