@@ -257,7 +257,7 @@ def test_a_lost_host_ends_the_job_with_a_comm_timeout(cluster, scripts, tmp_path
     puller.start()
     try:
         p = cluster.mpirun(4, [sys.executable, str(scripts / "exchange.py"), str(started)], ppn=2,
-                           env={"MINIPAR_COMM_TIMEOUT": "10"}, timeout=60)
+                           env={"MINIPAR_COMM_TIMEOUT": "4"}, timeout=60)
         ended = time.monotonic()
     finally:
         puller.join(timeout=70)
@@ -266,5 +266,5 @@ def test_a_lost_host_ends_the_job_with_a_comm_timeout(cluster, scripts, tmp_path
     assert pids_inside(cluster, "h1") == [], "the ranks cut off on h1 are still running"
     assert p.returncode != 0, p.stdout
     assert ended - cut["at"] < 30, f"the job took {ended - cut['at']:.1f} s to end after h1 went"
-    assert re.search(r"CommTimeout: rank [01]: .* gave up after 1\d\.\d s waiting to .*rank [23]\b",
+    assert re.search(r"CommTimeout: rank [01]: .* gave up after [4-9]\.\d s waiting to .*rank [23]\b",
                      p.stderr), p.stderr[-3000:]
