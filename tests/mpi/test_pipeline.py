@@ -29,12 +29,12 @@ STEPS, B = 2, 8
 PARAM_TOL = 1e-10
 
 
-def flags(n_layer, m, tied=True, schedule="1f1b", clip=0.5):
+def flags(n_layer, m, tied=True, schedule="1f1b", clip=0.5, virtual=1):
     return train.build_parser().parse_args(
         ["--batch-size", str(B), "--steps", str(STEPS), "--warmup", "1", "--lr", "1e-2",
          "--grad-clip", str(clip), "--dtype", "float64", "--seed", "0", "--n-layer", str(n_layer),
          "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--micro-batches", str(m),
-         "--schedule", schedule] + ([] if tied else ["--untied"]))
+         "--schedule", schedule, "--virtual-stages", str(virtual)] + ([] if tied else ["--untied"]))
 
 
 def config(n_layer, tied=True):
@@ -69,12 +69,12 @@ def twin(n_layer, m, tied=True):
     return _TWINS[key]
 
 
-def run(n_layer, pp, schedule, m, dp=1, tp=1, tied=True, mode="bucketed", bucket_mb=1.0):
+def run(n_layer, pp, schedule, m, dp=1, tp=1, tied=True, mode="bucketed", bucket_mb=1.0, virtual=1):
     """STEPS steps on blocks of dp*tp*pp ranks -> (losses, norms, full grads, full params, engine, grid)."""
     k = dp * tp * pp
     sub = WORLD.Split(color=RANK // k, key=RANK)
     grid = ProcessGrid(sub, dp, tp, pp)
-    args = flags(n_layer, m, tied, schedule)
+    args = flags(n_layer, m, tied, schedule, virtual=virtual)
     spec = RunSpec(config(n_layer, tied), np.float64, tokens(), 0, None, None, None, dp, tp, pp)
     model, opt = train.init_model(spec, args, grid)
     ddp = data_parallel.make(model.parameters(), grid.dp_group, mode, bucket_mb) if dp > 1 else None
@@ -198,3 +198,32 @@ def test_consolidated_state_and_evaluate():
     assert model.num_params() == ref.num_params()
     assert model.num_local_params() == pipeline.local_param_count(config(n_layer), grid.pp_rank, pp)
     sub.Free()
+
+
+@pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1)])
+@pytest.mark.parametrize("m", [4, 8])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_schedules_past_1f1b_match_single_process(pp, m, schedule, virtual):
+    """Interleaved 1F1B (2 chunks per rank: 2p layers) and the zero-bubble schedules (B and W
+    split) give the twin's losses, gradients and weights; each rank holds the parameters of
+    its chunks."""
+    n_layer = pp * virtual
+    out = run(n_layer, pp, schedule, m, virtual=virtual, tied=m == 4)
+    assert_twin(out, twin(n_layer, m, tied=m == 4), f"pp={pp} m={m} {schedule}")
+    stage, names = out[5].pp_rank, set(out[2])
+    assert names == set(schedules.stage_param_names(config(n_layer, m == 4), stage, pp, virtual)), names
+
+
+@pytest.mark.parametrize("pp,virtual", [(2, 1), (2, 2), (4, 2), (2, 3)])
+def test_point_to_point_messages_per_micro_batch(pp, virtual):
+    """A micro-batch crosses pV - 1 boundaries each way: the ranks of the pipeline together
+    send 2 m (pV - 1) messages per step (untied: no embedding exchange; the loss goes by
+    broadcast), as the ledger counts them."""
+    m = 4
+    comm.reset_traffic()
+    out = run(pp * virtual, pp, "interleaved" if virtual > 1 else "1f1b", m, tied=False, virtual=virtual)
+    g = comm.Group(WORLD)
+    mine = comm.traffic().get("send", {}).get("calls", 0)
+    every = comm.all_gather(g, np.array([mine])).reshape(SIZE // pp, pp).sum(axis=1)   # per pipeline
+    assert out[4].model.n_chunks == virtual
+    assert list(every) == [STEPS * 2 * m * (pp * virtual - 1)] * (SIZE // pp), every
