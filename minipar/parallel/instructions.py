@@ -26,35 +26,29 @@ class Instruction:
     mb: int                     # micro-batch index, 0 .. m-1
     chunk: int = 0              # which of the rank's model chunks (interleaved.py); 0 otherwise
     short = "?"
+    compute = False             # F, B and W print as "F3" ("F3@1": chunk 1), messages as "SendAct(3)"
 
     def __str__(self):
+        if self.compute:
+            return f"{self.short}{self.mb}" + (f"@{self.chunk}" if self.chunk else "")
         return f"{self.short}({self.mb}{f', chunk {self.chunk}' if self.chunk else ''})"
 
 
 @dataclass(frozen=True)
 class Forward(Instruction):
-    short = "F"
-
-    def __str__(self):
-        return f"F{self.mb}" + (f"@{self.chunk}" if self.chunk else "")
+    short, compute = "F", True
 
 
 @dataclass(frozen=True)
 class Backward(Instruction):
     """The whole backward, or with a WeightGrad later only its B part (backward_split.py)."""
-    short = "B"
-
-    def __str__(self):
-        return f"B{self.mb}" + (f"@{self.chunk}" if self.chunk else "")
+    short, compute = "B", True
 
 
 @dataclass(frozen=True)
 class WeightGrad(Instruction):
     """W: the parameters' gradients of a micro-batch whose Backward ran B only (zero_bubble.py)."""
-    short = "W"
-
-    def __str__(self):
-        return f"W{self.mb}" + (f"@{self.chunk}" if self.chunk else "")
+    short, compute = "W", True
 
 
 @dataclass(frozen=True)
