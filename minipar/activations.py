@@ -1,7 +1,8 @@
 """Activation memory: the bytes minipar's ops save for backward, by formula, beside
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
 arXiv:2205.05198, Table 2). The planner prints both; tests hold the formula to
-Tensor.saved_bytes and the trainer's measured peak (docs/sequence-parallel.md).
+Tensor.saved_bytes and the trainer's measured peak (docs/sequence-parallel.md), which
+peak_in_flight_bytes finds by walking a pipeline stage's schedule.
 
 Letters as in the paper: s sequence length (minipar's T), b micro-batch rows, h hidden size
 (C), a heads (H), t tensor-parallel ranks, d bytes per element. What one transformer layer
@@ -73,7 +74,8 @@ def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsiz
                 compute_itemsize: int, sp: bool = False, recompute: str = "none", owned=None) -> int:
     """Bytes one micro-batch of `rows` sequences leaves saved for backward on a device of
     `stage` (Tensor.saved_bytes: parameters and the stage's received input excluded, views
-    once): its layers (layer_bytes) and its ends. itemsize: storage bytes per element,
+    once): its layers (layer_bytes) and its ends. A virtual stage v of p*V (interleaved.py)
+    is a stage here: stage_bytes(cfg, v, p*V, ...) is one chunk's. itemsize: storage bytes per element,
     compute_itemsize the compute's (4 for fp16/bf16, else itemsize).
 
     Exact for tp = 1. With tp > 1 the vocabulary-parallel embedding and cross-entropy keep
@@ -102,6 +104,36 @@ def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsiz
         total += (Ns * C * comp + Ns * comp + low) + Ns * C * store + N * Vl * comp
         total += N * INT64 if tp == 1 else 2 * targets * INT64
     return total
+
+
+def peak_in_flight_bytes(cfg: GPTConfig, schedule: str, stage: int, pp: int, virtual: int, micro_batches: int,
+                         tp: int, rows: int, itemsize: int, compute_itemsize: int, sp: bool = False,
+                         recompute: str = "none", owned=None) -> tuple[int, int]:
+    """(bytes, graphs): the saved activations a device of pipeline `stage` holds at its peak,
+    and the most (chunk, micro-batch) graphs it holds at once, from its own instruction list
+    (schedules.schedule(schedule, stage, p, m, V)): the order on a stage is fixed by its list.
+    Walking it, each Forward of chunk c adds stage_bytes of virtual stage v = c*p + stage of
+    p*V (its layers, the embedding on v = 0, the head on v = pV-1), its Backward frees them,
+    or its WeightGrad when the list has any (W still needs the layers' inputs), as
+    pipeline.StepObserver counts the trainer's; the peak is the largest sum on the way. The
+    graphs are whole micro-batches for V = 1 (1 naive, m GPipe, min(m, p - stage) 1F1B) and
+    chunk-micro-batches for V > 1, schedule_check's peak_in_flight either way. Without a
+    pipeline (pp = 1) one micro-batch at a time. owned: as stage_bytes."""
+    def size(v, n):
+        return stage_bytes(cfg, v, n, tp, rows, itemsize, compute_itemsize, sp, recompute, owned)
+    if pp == 1:
+        return size(0, 1), 1
+    instructions = schedules.schedule(schedule, stage, pp, micro_batches, virtual)
+    frees = schedules.WeightGrad if any(isinstance(i, schedules.WeightGrad) for i in instructions) \
+        else schedules.Backward
+    chunk_bytes = [size(c * pp + stage, pp * virtual) for c in range(virtual)]
+    held = graphs = peak = peak_graphs = 0
+    for ins in instructions:
+        step = +1 if isinstance(ins, schedules.Forward) else -1 if isinstance(ins, frees) else 0
+        held += step * chunk_bytes[ins.chunk]
+        graphs += step
+        peak, peak_graphs = max(peak, held), max(peak_graphs, graphs)
+    return peak, peak_graphs
 
 
 def setting_args(setting: str, tp: int) -> dict:

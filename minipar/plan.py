@@ -8,7 +8,8 @@ Layout flags are the trainer's (same names, same defaults), so one set of flags 
 one run; tests/test_plan*.py hold every figure to what minipar measures on such runs.
 Where a mechanism has a formula of its own, the planner calls it rather than restating it:
 pipeline.local_tensors (what a device holds), zero.formula and zero.collectives_per_step
-(ZeRO's memory and collectives), tensor_parallel.megatron_calls, schedules.bubble_theory.
+(ZeRO's memory and collectives), tensor_parallel.megatron_calls, schedules.bubble_theory,
+activations.peak_in_flight_bytes, the schedule's instructions (schedules.schedule).
 
 Memory per device (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054, section 3):
     s   bytes per stored parameter and gradient (`itemsize`): 4 (fp32), 8 (float64),
@@ -28,8 +29,11 @@ Memory per device (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054, section 3):
         zero 3     s P_pad / N   s P_pad / N   K P_pad / N
     (fp16, no padding: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N.)
     activations: the bytes minipar's ops save for backward (activation_bytes), per
-    micro-batch of b = B/(dp*M) sequences, times the micro-batches in flight: 1 without a
-    pipeline and with the naive schedule, M with GPipe, min(M, pp - stage) with 1F1B.
+    micro-batch of b = B/(dp*M) sequences, at the stage's peak: its own instruction list
+    walked, + a chunk's bytes at each Forward, - at its Backward (at its WeightGrad with
+    zb-h1/zb-h2), the largest sum (activations.peak_in_flight_bytes). Whole micro-batches
+    for V = 1: 1 without a pipeline and with the naive schedule, M with GPipe,
+    min(M, pp - stage) with 1F1B; --virtual-stages V > 1 counts chunk-micro-batches.
 
 FLOPs of a forward pass over one sequence of T tokens, the count of Hoffmann et al.
 2022 (arXiv:2203.15556, "Chinchilla", appendix F), C channels, H heads, V vocabulary, 4C MLP width:
@@ -38,8 +42,9 @@ FLOPs of a forward pass over one sequence of T tokens, the count of Hoffmann et 
     final logits 2TCV.   backward = 2 x forward;  6ND beside it (N params, D = B*T).
 All but the embeddings (a row lookup in minipar) and the softmax are matmuls that minipar
 runs exactly so (the T x T products in full, masked afterwards); 3x their sum is
-model.train_flops_per_token. Per device: the stage's layers (embeddings on the first,
-logits on the last), / tp (heads, MLP columns, Vp/tp vocabulary rows), B/dp sequences.
+model.train_flops_per_token. Per device: the stage's layers (all its chunks' with
+--virtual-stages: schedules.rank_layers; embeddings on the first, logits on the last), / tp
+(heads, MLP columns, Vp/tp vocabulary rows), B/dp sequences.
 
 Communication: bytes one device sends per step (dp rank 0, tp rank 0 of each stage), as
 minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm/):
@@ -52,14 +57,16 @@ minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm
            the head's f and the vocab-parallel cross-entropy's 3 of b*T (4L + 5 in all,
            tensor_parallel.megatron_calls), and the 8-byte gradient-norm all-reduce once
            per step
-    pp     per boundary M activations down and M gradients up (b*T*C*s + a 128-byte
-           header each), the tied wte gradient between the two ends (with ZeRO: the
-           rank's shard of it), the loss broadcast
+    pp     one message per SendActivation and SendGrad of the stage's instruction list
+           (b*T*C*s, /tp with --sp, + a 128-byte header each): M down and M up per
+           boundary, V times as many with --virtual-stages V (rank pp-1's chunks send to
+           rank 0's next, round the ring); the tied wte gradient between the two ends
+           (with ZeRO: the rank's shard of it), the loss broadcast
     other  8-byte all-reduces: the loss over dp, the gradient norm over pp and over dp
            (ZeRO: each rank squares its shard; bucketed dp: its piece of each bucket;
            not with --dp-mode naive), the fp16/bf16 overflow flag over the world
-bubble: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/p for the naive schedule
-(schedules.bubble_theory).
+bubble: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/p for the naive schedule, (p-1)/(Vm+p-1)
+interleaved, (p-1)/(3m+p-1) for zb-h1 and zb-h2 (schedules.bubble_theory, every op of one length).
 
 Across hosts (--ranks-per-host K: rank r on host r // K): the same calls, walked message by
 message on the device's real groups with the algorithm comm's dispatcher picks there (the
@@ -120,20 +127,24 @@ def activation_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, it
     return activations.stage_bytes(cfg, stage, pp, tp, rows, itemsize, compute_itemsize, sp, recompute)
 
 
-def in_flight(schedule: str, stage: int, pp: int, M: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak (schedules.py)."""
-    if pp == 1 or schedule == "naive":
-        return 1
-    return M if schedule == "gpipe" else min(M, pp - stage)
+def chunks(lay) -> int:
+    """Model chunks per pipeline rank: --virtual-stages with a pipeline, else 1."""
+    return lay.virtual_stages if lay.pp > 1 else 1
+
+
+def rank_layer_count(cfg: GPTConfig, stage: int, pp: int, n_chunks: int = 1) -> int:
+    """Transformer blocks a rank of `stage` holds: all its chunks' (schedules.rank_layers)."""
+    return sum(len(r) for r in schedules.rank_layers(cfg.n_layer, stage, pp, n_chunks))
 
 
 # --- FLOPs ------------------------------------------------------------------------------------
 
-def flop_components(cfg: GPTConfig, tp: int = 1, stage: int = 0, pp: int = 1) -> dict:
-    """The Chinchilla appendix F forward FLOPs of one sequence, by component, on one device of `stage`."""
+def flop_components(cfg: GPTConfig, tp: int = 1, stage: int = 0, pp: int = 1, n_chunks: int = 1) -> dict:
+    """The Chinchilla appendix F forward FLOPs of one sequence, by component, on one device of
+    `stage` (with n_chunks: its chunks' blocks; rank 0 holds virtual stage 0, rank pp-1 pV-1)."""
     T, C, H, V = cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size
     Vl = V if tp == 1 else -(-V // tp)                    # vocabulary rows on this device
-    L = len(schedules.partition(cfg.n_layer, pp)[stage])
+    L = rank_layer_count(cfg, stage, pp, n_chunks)
     first, last = stage == 0, stage == pp - 1
     return {
         "embeddings": 2 * T * Vl * C if first else 0,
@@ -257,13 +268,13 @@ def dp_bytes(tensors: list, units: list, lay, itemsize: int, g=None):
 
 def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: int, g=None):
     """Megatron's all-reduces of one step on tp rank 0 of the tp group g
-    (tensor_parallel.megatron_calls)."""
+    (tensor_parallel.megatron_calls), over the blocks of all the rank's chunks."""
     tp, pp, M = lay.tp, lay.pp, lay.micro_batches
     if tp == 1:
         return 0
     g = Flat(tp) if g is None else g
     rows, T, C = lay.rows, cfg.block_size, cfg.n_embd
-    n_layers = len(schedules.partition(cfg.n_layer, pp)[stage])
+    n_layers = rank_layer_count(cfg, stage, pp, chunks(lay))
     first, last = stage == 0, stage == pp - 1
     if lay.sp:                                            # sequence_parallel.sp_count, by kind
         count = sequence_parallel.sp_count(cfg, rows, T, tp, n_layers, first, last, lay.recompute)
@@ -282,15 +293,17 @@ def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: i
 
 
 def pp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, g=None):
-    """Point-to-point messages and the loss broadcast of one step on the pp group g (pipeline.py)."""
-    pp, M = lay.pp, lay.micro_batches
+    """Point-to-point messages and the loss broadcast of one step on the pp group g
+    (pipeline.py): one message per SendActivation and SendGrad in the stage's instruction
+    list, to the rank of the neighbouring virtual stage (schedules.neighbour)."""
+    pp, M, V = lay.pp, lay.micro_batches, chunks(lay)
     if pp == 1:
         return 0
     g = Flat(pp, stage) if g is None else g
     act = lay.rows * cfg.block_size * cfg.n_embd * itemsize                # (b, T, C), + a header
     act //= lay.tp if lay.sp else 1                                        # --sp: (b, T/tp, C)
-    sent = (M * g.send(act, stage + 1) if stage < pp - 1 else 0) \
-        + (M * g.send(act, stage - 1) if stage > 0 else 0)                # activations down, gradients up
+    sent = sum(g.send(act, schedules.neighbour(stage, ins.chunk, ins.peer, pp, V)[0])
+               for ins in schedules.schedule(lay.schedule, stage, pp, M, V) if isinstance(ins, schedules.SENDS))
     if cfg.tie_embeddings and stage in (0, pp - 1):       # wte's gradient to the other end (ZeRO: its shard)
         n = tensor_parallel.local_size("wte.weight", (cfg.vocab_size, cfg.n_embd), lay.tp)
         sent += g.send((zero.padded(n, lay.dp) // lay.dp if lay.zero else n) * itemsize, pp - 1 - stage)
@@ -311,10 +324,12 @@ def other_parts(stage: int, lay, groups: dict) -> dict:
 
 class Layout(argparse.Namespace):
     """The layout flags (dp, tp, pp, zero, micro_batches, batch_size, precision, dtype,
-    schedule, dp_mode, bucket_mb, sp, recompute); rows = B/(dp*M), the micro-batch of one device."""
+    schedule, virtual_stages, dp_mode, bucket_mb, sp, recompute); rows = B/(dp*M), the
+    micro-batch of one device."""
 
-    sp = False                # the defaults of the two flags that only shape activations and tp bytes
+    sp = False                # the defaults of the flags a caller may leave out
     recompute = "none"
+    virtual_stages = 1
 
     @property
     def rows(self) -> int:
@@ -338,9 +353,10 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
     hosts = hosts or plan_hosts.Hosts()
     spread = hosts.n_hosts(lay.dp * lay.tp * lay.pp) > 1
     itemsize, compute_itemsize, K = itemsizes(lay)
-    N, pp, M = lay.dp, lay.pp, lay.micro_batches
-    bubble = schedules.bubble_theory(lay.schedule, pp, M)
+    N, pp, M, V = lay.dp, lay.pp, lay.micro_batches, chunks(lay)
+    bubble = schedules.bubble_theory(lay.schedule, pp, M, V)
     out = {"model": None, "layout": {**vars(lay), "sp": lay.sp, "recompute": lay.recompute,
+                                     "virtual_stages": lay.virtual_stages,
                                      "world": lay.dp * lay.tp * lay.pp,
                                      "micro_batch_rows": lay.rows if cfg else None, "bytes_per_param": itemsize,
                                      "optimizer_bytes_per_param": K},
@@ -360,16 +376,15 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
     out["params"] = sum(math.prod(shape) for _, shape, _ in param_specs(cfg))
     mem_st, flops_st, comm_st = [], [], []
     for stage in range(pp):
-        tensors = pipeline.local_tensors(cfg, stage, pp, lay.tp)
+        tensors = pipeline.local_tensors(cfg, stage, pp, lay.tp, V)
         units = zero_units(tensors, N)
         P_local, P_pad = sum(n for _, n in tensors), sum(units)
-        held = in_flight(lay.schedule, stage, pp, M)
-        act = held * activation_bytes(cfg, stage, pp, lay.tp, lay.rows, itemsize, compute_itemsize,
-                                      lay.sp, lay.recompute)
+        act, held = activations.peak_in_flight_bytes(cfg, lay.schedule, stage, pp, V, M, lay.tp, lay.rows,
+                                                     itemsize, compute_itemsize, lay.sp, lay.recompute)
         states = model_states(P_local, P_pad, itemsize, K, lay.zero, N)
         mem_st.append({**states, "activations": act, "total": states["model_states"] + act, "stage": stage,
                        "micro_batches_in_flight": held, "params_local": P_local, "params_padded": P_pad})
-        stage_flops = flops(flop_components(cfg, lay.tp, stage, pp), lay.batch_size // N)
+        stage_flops = flops(flop_components(cfg, lay.tp, stage, pp, V), lay.batch_size // N)
         flops_st.append({"stage": stage, **stage_flops})
         groups = plan_hosts.device_groups(lay, hosts, stage) if spread else flat_groups(lay, stage)
         axes = {"dp": dp_bytes(tensors, units, lay, itemsize, groups["dp"]),
@@ -417,8 +432,8 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     trainer = config.build_parser()                       # the trainer's defaults
-    default = {k: trainer.get_default(k) for k in ("batch_size", "micro_batches", "schedule", "dtype",
-                                                    "precision", "tp", "pp", "zero")}
+    default = {k: trainer.get_default(k) for k in ("batch_size", "micro_batches", "schedule", "virtual_stages",
+                                                    "dtype", "precision", "tp", "pp", "zero")}
     parser = Parser(prog="python -m minipar.plan",
                     description="Memory, FLOPs and communication per device of training a GPT-2 shaped "
                                 "model on a dp x tp x pp layout, as minipar would run it.")
@@ -452,6 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="parameter dtype with --precision fp32 (8 bytes for float64) [%(default)s]")
     layout.add_argument("--schedule", choices=tuple(schedules.SCHEDULES), default=default["schedule"],
                         help="pipeline schedule [%(default)s]")
+    layout.add_argument("--virtual-stages", type=int, default=default["virtual_stages"], metavar="V",
+                        help="--schedule interleaved: model chunks per pipeline rank [%(default)s]")
     layout.add_argument("--sp", action="store_true",
                         help="sequence parallelism inside the tp group (activations, tp bytes)")
     layout.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
@@ -473,8 +490,8 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     with the trainer's messages (config.validate, config.prepare) where they exist."""
     given = [k for k in SHAPE_FLAGS if getattr(args, k) is not None]
     lay = Layout(**{k: getattr(args, k) for k in ("dp", "tp", "pp", "zero", "micro_batches", "batch_size",
-                                                  "precision", "dtype", "schedule", "dp_mode", "bucket_mb",
-                                                  "sp", "recompute")})
+                                                  "precision", "dtype", "schedule", "virtual_stages",
+                                                  "dp_mode", "bucket_mb", "sp", "recompute")})
     for flag in ("dp", "tp", "pp"):
         if getattr(lay, flag) < 1:
             raise PlanError(f"--{flag} must be >= 1, got {getattr(lay, flag)}")
@@ -497,6 +514,7 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
             raise PlanError(f"--params gives the size alone; drop {extra} (or drop --params)")
         if not (math.isfinite(args.params) and args.params >= 1):
             raise PlanError(f"--params must be a count >= 1, got {args.params:g}")
+        config.check_schedule(None, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batches)
         return None, lay, int(round(args.params))
     base = dict(zip(("n_layer", "n_head", "n_embd", "vocab_size", "block_size"), PRESETS[args.model])) \
         if args.model else {"vocab_size": 256, **config.MODEL_DEFAULTS}
@@ -509,6 +527,7 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
         raise PlanError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     config.check_split(cfg, lay.dp, lay.tp, lay.pp, lay.batch_size, lay.micro_batches)
     config.check_sequence_split(cfg, lay.tp, lay.sp)
+    config.check_schedule(cfg, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batches)
     return cfg, lay, None
 
 
@@ -545,7 +564,9 @@ def table(r: dict, name: str | None = None) -> str:
                f"optimizer state")
     if r["model"] is not None:
         out.append(f"  batch: {lay['batch_size']} sequences; per dp rank {lay['micro_batches']} micro-batch(es) of "
-                   f"{lay['micro_batch_rows']}" + (f"; {lay['schedule']} schedule, bubble {r['bubble']:.3f}"
+                   f"{lay['micro_batch_rows']}" + (f"; {lay['schedule']} schedule"
+                                                   + (f", V={lay['virtual_stages']}" if lay["virtual_stages"] > 1
+                                                      else "") + f", bubble {r['bubble']:.3f}"
                                                    if lay["pp"] > 1 else ""))
     h = r["hosts"]
     show_hosts = h["ranks_per_host"] is not None or h["inter_node_gbps"] or h["intra_node_gbps"]
@@ -561,7 +582,8 @@ def table(r: dict, name: str | None = None) -> str:
         out.append(_row(key.replace("_", " "), [human_bytes(row[key]) for row in mem]))
     if r["model"] is not None:
         out.append(_row("activations", [human_bytes(row["activations"]) for row in mem]))
-        out.append(_row("  micro-batches held", [row["micro_batches_in_flight"] for row in mem]))
+        held = "  micro-batches held" if lay["virtual_stages"] == 1 or lay["pp"] == 1 else "  chunk-micro-batches"
+        out.append(_row(held, [row["micro_batches_in_flight"] for row in mem]))
         out.append(_row("total", [human_bytes(row["total"]) for row in mem]))
         fl = r["flops"]
         out.append("")

@@ -169,10 +169,11 @@ def describe(s) -> list[str]:
                          f"residual stream, embeddings); f and g all-gather and reduce-scatter "
                          f"along the sequence")
     if s.pipe is not None:
-        pp = g.pp_size
-        parts = schedules.partition(cfg.n_layer, pp)
-        lines.append(f"  pipeline: {pp} stages, layers "
-                     + ", ".join(f"{r.start}..{r.stop - 1}" for r in parts)
+        pp, V = g.pp_size, a.virtual_stages
+        held = [schedules.rank_layers(cfg.n_layer, r, pp, V) for r in range(pp)]
+        lines.append(f"  pipeline: {pp} stages" + (f" of {V} chunks each (interleaved)" if V > 1 else "")
+                     + ", layers " + ", ".join(" + ".join(f"{c.start}..{c.stop - 1}" for c in chunks)
+                                               for chunks in held)
                      + f" (stage 0 + wte/wpe, stage {pp - 1} + ln_f/head"
                      + (", tied wte copied to the last stage" if cfg.tie_embeddings else "")
                      + f"); {a.schedule} schedule over {M} micro-batch(es), bubble in theory "
@@ -200,7 +201,8 @@ def plan_lines(s) -> list[str]:
     a, g = s.args, s.grid
     lay = plan.Layout(dp=g.dp_size, tp=g.tp_size, pp=g.pp_size, zero=a.zero, micro_batches=a.micro_batches,
                       batch_size=a.batch_size, precision=a.precision, dtype=a.dtype, schedule=a.schedule,
-                      dp_mode=a.dp_mode, bucket_mb=a.bucket_mb, sp=a.sp, recompute=a.recompute)
+                      dp_mode=a.dp_mode, bucket_mb=a.bucket_mb, sp=a.sp, recompute=a.recompute,
+                      virtual_stages=a.virtual_stages)
     r = plan.plan(s.cfg, lay)
     lines = []
     for mem, sent in zip(r["memory_per_stage"], r["comm_per_stage"]):
@@ -351,7 +353,7 @@ def tensor_parallel_summary(s, rows_log: list, tp_ledger: dict) -> tuple[dict, s
     a, cfg, g = s.args, s.cfg, s.grid
     M, pp, T = a.micro_batches, g.pp_size, cfg.block_size
     rows = a.batch_size // g.dp_size // M
-    layers = len(schedules.partition(cfg.n_layer, pp)[g.pp_rank])
+    layers = sum(len(c) for c in schedules.rank_layers(cfg.n_layer, g.pp_rank, pp, a.virtual_stages))
     first, last = g.pp_rank == 0, g.pp_rank == pp - 1
     steps_run = len(rows_log)
     tp_bytes = float(np.mean([r["tp_bytes"] for r in rows_log]))

@@ -23,7 +23,8 @@ import pytest
 
 from minipar import activations, ops, plan
 from minipar.model import GPT, GPTConfig, param_specs, train_flops_per_token
-from minipar.parallel import pipeline, tensor_parallel, zero
+from minipar.comm.group import HEADER_BYTES
+from minipar.parallel import pipeline, schedules, tensor_parallel, zero
 from minipar.parallel.pipeline import PipelineStage
 from minipar.parallel.tensor_parallel import TensorParallelGPT
 from minipar.tensor import Tensor
@@ -161,10 +162,10 @@ def no_tp_comm(monkeypatch):
     monkeypatch.setattr(tensor_parallel, "tp_all_reduce", lambda group, x, op, kind: x)
 
 
-def stage_model(cfg, tp, pp, stage, dtype, recompute="none"):
+def stage_model(cfg, tp, pp, stage, dtype, recompute="none", n_chunks=1):
     inner = TensorParallelGPT(cfg, FakeGroup(tp), dtype=dtype) if tp > 1 else GPT(cfg, dtype=dtype)
     inner.recompute = recompute                       # as train.py sets it, before the stage wraps it
-    return PipelineStage(inner, stage, pp, FakeGroup(pp, stage))
+    return PipelineStage(inner, stage, pp, FakeGroup(pp, stage), n_chunks)
 
 
 def stage_input(cfg, stage, rows, dtype, rng):
@@ -255,6 +256,56 @@ def test_micro_batches_in_flight_follow_the_schedule():
     assert held == {"naive": [1, 1, 1, 1], "gpipe": [8, 8, 8, 8], "1f1b": [4, 3, 2, 1]}
     r = run_plan(*flags)
     assert r["memory"] == max(r["memory_per_stage"], key=lambda m: m["total"])   # the largest stage
+
+
+P4_M8 = ["--n-layer", "8", "--pp", "4", "--micro-batches", "8", "--batch-size", "16"]
+
+
+def schedule_flags(name):
+    """--schedule name, and 2 virtual stages for interleaved."""
+    return ["--schedule", name] + (["--virtual-stages", "2"] if name == "interleaved" else [])
+
+
+@pytest.mark.parametrize("name", list(schedules.SCHEDULES))
+def test_in_flight_peak_is_the_checkers(name):
+    """p = 4, m = 8: the walk of each stage's own list holds at its peak as many (chunk,
+    micro-batch) graphs as schedules.check counts when it runs every stage together; with one
+    chunk every graph is a whole micro-batch of the stage's bytes."""
+    V = 2 if name == "interleaved" else 1
+    r = run_plan(*P4_M8, *schedule_flags(name))
+    held = [m["micro_batches_in_flight"] for m in r["memory_per_stage"]]
+    assert held == schedules.check(4, 8, name, virtual=V).peak_in_flight, (name, held)
+    if V == 1:
+        cfg = GPTConfig(**{k: r["model"][k] for k in (*plan.SHAPE_FLAGS, "tie_embeddings")})
+        assert [m["activations"] for m in r["memory_per_stage"]] == [
+            n * plan.activation_bytes(cfg, st, 4, 1, 2, 4, 4) for st, n in enumerate(held)]
+
+
+def test_zero_bubble_holds_until_w():
+    """zb-h1 keeps 1F1B's p micro-batches on stage 0 but frees them at W, not B: a later stage
+    holds more than 1F1B's p - stage; zb-h2 lets up to 2p - 1 be in flight."""
+    held = {name: [m["micro_batches_in_flight"] for m in run_plan(*P4_M8, "--schedule", name)["memory_per_stage"]]
+            for name in ("1f1b", "zb-h1", "zb-h2")}
+    assert held["1f1b"] == [4, 3, 2, 1] and held["zb-h1"][0] == 4
+    assert all(z >= o for z, o in zip(held["zb-h1"], held["1f1b"])) and held["zb-h1"] != held["1f1b"]
+    assert max(held["zb-h2"]) == 7, held
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_chunks_bytes_equal_saved_bytes(recompute):
+    """Interleaved, p = 2, V = 2, 4 layers: the forward of each chunk of each rank (a leaf
+    input past virtual stage 0, the loss on virtual stage 3) saves exactly
+    activations.stage_bytes(cfg, v, p*V) with v = chunk*p + stage, the unit the walk adds."""
+    cfg = GPTConfig(vocab_size=97, block_size=12, n_layer=4, n_head=3, n_embd=24)
+    rng = np.random.default_rng(0)
+    for st in range(2):
+        m = stage_model(cfg, 1, 2, st, np.float64, recompute, n_chunks=2)
+        for chunk in range(2):
+            v = chunk * 2 + st
+            y = rng.integers(0, cfg.vocab_size, (2, cfg.block_size))
+            out = m.forward(stage_input(cfg, v, 2, np.float64, rng), y if v == 3 else None, 24, chunk)
+            assert out.saved_bytes() == activations.stage_bytes(cfg, v, 4, 1, 2, 8, 8, recompute=recompute), \
+                (st, chunk, recompute)
 
 
 # ---------------------------------------------------------------- FLOPs
@@ -353,6 +404,30 @@ def test_bubble():
     assert run_plan(*base, "--pp", "4", "--micro-batches", "8", "--schedule", "naive")["bubble"] == 0.75
 
 
+@pytest.mark.parametrize("name", list(schedules.SCHEDULES))
+def test_bubble_is_bubble_theory_of_the_schedule(name):
+    """Each schedule at p = 4, m = 8 (V = 2 interleaved): schedules.bubble_theory, e.g.
+    3/19 interleaved, 3/27 zero bubble."""
+    V = 2 if name == "interleaved" else 1
+    r = run_plan(*P4_M8, *schedule_flags(name))
+    assert r["bubble"] == schedules.bubble_theory(name, 4, 8, V) and r["layout"]["virtual_stages"] == V
+    assert r["bubble"] == {"interleaved": 3 / 19, "zb-h1": 3 / 27, "zb-h2": 3 / 27}.get(name, r["bubble"])
+
+
+@pytest.mark.parametrize("name", list(schedules.SCHEDULES))
+def test_pp_messages_follow_the_instruction_lists(name):
+    """One message of b*T*C*s bytes + the header per send: M down and M up per boundary
+    (2M on a middle stage, M at either end), V times as many with V chunks, minus the M the
+    ends do not send (virtual stage 0 has no previous, pV-1 no next): 2VM - M at the ends.
+    --untied: no wte exchange; 1 for the naive schedule alike. The rest is the loss broadcast."""
+    V = 2 if name == "interleaved" else 1
+    r = run_plan(*P4_M8, *schedule_flags(name), "--untied")
+    act = 2 * 64 * 128 * 4 + HEADER_BYTES                                   # b = 2, T = 64, C = 128, fp32
+    broadcast = [plan.broadcast_sent(8, 4, st, 3) for st in range(4)]
+    want = [(2 * V * 8 - (8 if st in (0, 3) else 0)) * act + broadcast[st] for st in range(4)]
+    assert [c["pp"] for c in r["comm_per_stage"]] == want, name
+
+
 # ---------------------------------------------------------------- the command line
 
 def test_json_has_every_key(capsys):
@@ -415,7 +490,8 @@ def test_activations_per_layer_mark_the_runs_setting(capsys, flags, setting):
 def test_defaults_are_the_trainers():
     from minipar import config
     t, p = config.build_parser(), plan.build_parser()
-    for key in ("batch_size", "micro_batches", "schedule", "dtype", "precision", "tp", "pp", "zero"):
+    for key in ("batch_size", "micro_batches", "schedule", "virtual_stages", "dtype", "precision", "tp", "pp",
+                "zero"):
         assert p.get_default(key) == t.get_default(key), key
     r = run_plan()
     assert {k: r["model"][k] for k in config.MODEL_DEFAULTS} == config.MODEL_DEFAULTS
@@ -438,6 +514,15 @@ def test_defaults_are_the_trainers():
     (["--tp", "2", "--sp", "--block-size", "15"],
      "--sp splits each sequence over --tp 2: --block-size 15 is not divisible by 2"),
     (["--zero", "4"], "argument --zero: invalid choice"),
+    (["--virtual-stages", "0"], "--virtual-stages must be >= 1, got 0"),
+    (["--pp", "2", "--virtual-stages", "2"], "--virtual-stages 2 is for --schedule interleaved, not 1f1b"),
+    (["--pp", "2", "--schedule", "interleaved", "--micro-batches", "3", "--batch-size", "12"],
+     "--schedule interleaved takes micro-batches in groups of --pp 2: --micro-batches 3 is not a multiple of 2"),
+    (["--params", "1e9", "--pp", "2", "--schedule", "interleaved", "--micro-batches", "3", "--batch-size", "12"],
+     "--micro-batches 3 is not a multiple of 2"),
+    (["--pp", "2", "--micro-batches", "2", "--schedule", "interleaved", "--virtual-stages", "3"],
+     "= 2 x 3 = 6 chunks: --n-layer 4 is too few"),
+    (["--schedule", "zb-h3"], "argument --schedule: invalid choice"),
     (["--model", "gpt5"], "argument --model: invalid choice"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, flags, message):

@@ -8,12 +8,13 @@ rank that writes the log) must equal what the run measured:
 - bytes sent per step, per axis, from the ledger: `grad_sync_bytes` (dp; `zero_bytes`
   with --zero), `tp_bytes`, `pp_bytes`, and the whole `comm_bytes`, on every step;
 - with --pp, the saved activations at peak of every stage (`peak_activation_bytes`):
-  equal for tp = 1 (the planner counts what each op saves). With tp > 1 the
+  equal for tp = 1 (the planner counts what each op saves, walking each stage's
+  instruction list: activations.peak_in_flight_bytes), whatever the schedule. With tp > 1 the
   vocabulary-parallel ops keep the ids of the tokens a tp rank owns, 8 bytes each, which
   depends on the data: the planner assumes ceil(N/tp) of N, within 5% here; given the
   count (tp rank 0 owns every token of the built-in corpus, which is ASCII, below
   ceil(256/tp) for tp = 2) activations.stage_bytes equals the measured peak exactly.
---sp and --recompute go to the planner as they go to the trainer.
+--sp, --recompute, --schedule and --virtual-stages go to the planner as they go to the trainer.
 Adding a layout is one line in LAYOUTS: (ranks, trainer flags).
 """
 import pytest
@@ -44,6 +45,14 @@ LAYOUTS = [
     (4, ["--dtype", "float64", "--tp", "2", "--pp", "2", "--n-layer", "2", "--sp", "--micro-batches", "2"]),
     (4, ["--dtype", "float64", "--dp", "2", "--tp", "2", "--sp", "--recompute", "full", "--zero", "1"]),
     (4, ["--tp", "2", "--pp", "2", "--n-layer", "4", "--recompute", "full", "--micro-batches", "2"]),
+    # schedules past 1F1B: W frees a micro-batch (zb), chunks send round the ring (interleaved)
+    (2, ["--dtype", "float64", "--pp", "2", "--n-layer", "2", "--micro-batches", "4", "--schedule", "zb-h1"]),
+    (2, ["--dtype", "float64", "--pp", "2", "--n-layer", "4", "--micro-batches", "4", "--schedule", "interleaved",
+         "--virtual-stages", "2"]),
+    (4, ["--dtype", "float64", "--dp", "2", "--pp", "2", "--n-layer", "2", "--micro-batches", "4",
+         "--schedule", "zb-h2", "--zero", "1"]),
+    (4, ["--dtype", "float64", "--tp", "2", "--pp", "2", "--n-layer", "4", "--micro-batches", "2",
+         "--schedule", "interleaved", "--virtual-stages", "2"]),
 ]
 TRAINER_ONLY = {"--steps", "--sample", "--log"}          # flags with a value that the planner has not
 
@@ -99,10 +108,10 @@ def owned_peaks(cfg, lay, r) -> list:
     assert data.load_tokens(None, cfg.block_size).max() < first_foreign, "not every token on tp rank 0"
     itemsize, compute_itemsize, _ = plan.itemsizes(lay)
     N = lay.rows * cfg.block_size
-    return [m["micro_batches_in_flight"] * activations.stage_bytes(
-                cfg, stage, lay.pp, lay.tp, lay.rows, itemsize, compute_itemsize, lay.sp, lay.recompute,
-                owned=(N, N))
-            for stage, m in enumerate(r["memory_per_stage"])]
+    return [activations.peak_in_flight_bytes(cfg, lay.schedule, stage, lay.pp, plan.chunks(lay), lay.micro_batches,
+                                             lay.tp, lay.rows, itemsize, compute_itemsize, lay.sp, lay.recompute,
+                                             owned=(N, N))[0]
+            for stage in range(lay.pp)]
 
 
 def test_planner_flags_keep_sp_and_recompute():

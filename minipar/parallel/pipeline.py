@@ -61,7 +61,7 @@ from minipar.model import GPTConfig, param_specs
 from minipar.parallel import schedules
 from minipar.parallel.schedules import (COMPUTE, Backward, Forward, RecvActivation, RecvGrad,
                                         SendActivation, SendGrad, WeightGrad, neighbour)
-from minipar.parallel.tensor_parallel import layout_of, local_size, megatron_count, tp_all_reduce
+from minipar.parallel.tensor_parallel import layout_of, local_size, tp_all_reduce
 from minipar.precision import backward_seed
 from minipar.tensor import Tensor, no_grad
 
@@ -442,12 +442,3 @@ def local_tensors(cfg: GPTConfig, stage: int, n_stages: int, tp: int = 1, n_chun
 def local_param_count(cfg: GPTConfig, stage: int, n_stages: int, tp: int = 1, n_chunks: int = 1) -> int:
     """Parameters one rank of `stage` holds, by formula (what num_local_params() must measure)."""
     return sum(n for _, n in local_tensors(cfg, stage, n_stages, tp, n_chunks))
-
-
-def megatron_count_stage(cfg: GPTConfig, stage: int, n_stages: int, rows: int, t: int,
-                         recompute: str = "none") -> tuple[int, int]:
-    """tensor_parallel.megatron_count for one pipeline stage: 4 all-reduces per block of
-    rows*t*C elements, the embedding's g on the first stage, the head's f and the
-    cross-entropy's three of rows*t on the last."""
-    n_layers = len(schedules.partition(cfg.n_layer, n_stages)[stage])
-    return megatron_count(cfg, rows, t, n_layers, stage == 0, stage == n_stages - 1, recompute)
