@@ -238,6 +238,8 @@ def check_schedule(cfg: GPTConfig | None, pp: int, schedule: str, virtual: int, 
         raise ConfigError(f"--virtual-stages must be >= 1, got {virtual}")
     if virtual > 1 and schedule != "interleaved":
         raise ConfigError(f"--virtual-stages {virtual} is for --schedule interleaved, not {schedule}")
+    if virtual > 1 and pp == 1:
+        raise ConfigError(f"--virtual-stages {virtual} cuts a pipeline's stages into chunks: it needs --pp > 1")
     if schedule != "interleaved" or pp == 1:
         return
     if micro_batches % pp:

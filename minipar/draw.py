@@ -82,17 +82,22 @@ def timeline_svg(timeline, n_stages: int, title: str = "", width: int = 960) -> 
         y, x, w = top + s * row_h, left + a * scale, max((b - a) * scale, 0.5)
         color = COLORS[kind[0]][int(kind[1:] or 0) % 2]
         out.append(f'<rect x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{row_h - 4}" fill="{color}" '
-                   f'stroke="white" stroke-width="0.5"><title>{kind}{mb} {a * 1e3:.2f}-{b * 1e3:.2f} ms'
+                   f'stroke="white" stroke-width="0.5"><title>{_op(kind, mb)} {a * 1e3:.2f}-{b * 1e3:.2f} ms'
                    f'</title></rect>')
         if w >= 14:
             out.append(f'<text x="{x + w / 2:.1f}" y="{y + 18}" text-anchor="middle" fill="white">'
-                       f'{kind}{mb}</text>')
+                       f'{_op(kind, mb)}</text>')
     y = top + n_stages * row_h + 16
     for k in range(6):
         t = t_end * k / 5
         out.append(f'<text x="{left + t * scale:.1f}" y="{y}" text-anchor="middle">{t * 1e3:.1f} ms</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _op(kind: str, mb: int) -> str:
+    """An op's label: "F3", or "F3@1" for chunk 1 (interleaved), as schedules print it."""
+    return f"{kind[0]}{mb}" + (f"@{kind[1:]}" if kind[1:] else "")
 
 
 def _esc(text: str) -> str:

@@ -325,8 +325,9 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
         lines.append("  one micro-batch's F / B / W per stage (ms): " + "; ".join(
             "/".join(f"{t * 1e3:.2f}" for t in ops) for ops in pl["op_seconds_per_stage"])
             + (" (B is the whole backward: no W)" if not a.schedule.startswith("zb") else ""))
+        unit = "micro-batches" if V == 1 else "chunk graphs of the largest"   # interleaved: a chunk's graph
         lines.append("  saved activations at peak per stage: " + ", ".join(
-            f"{human_bytes(b)} ({b / max(u, 1):.1f} micro-batches)" for b, u in
+            f"{human_bytes(b)} ({b / max(u, 1):.1f} {unit})" for b, u in
             zip(pl["peak_activation_bytes"], pl["microbatch_activation_bytes"])))
         timeline = [r for st in stages for r in st["timeline"]]
         lines.append(f"  last step's timeline ({pl['step_time_s'][0] * 1e3:.1f} ms on stage 0; "
@@ -427,7 +428,8 @@ def draw_timeline(s, summary: dict):
     pl, a, pp = summary["pipeline"], s.args, s.grid.pp_size
     with open(a.timeline, "w") as f:
         f.write(draw.timeline_svg(pl["last_step_timeline"], pp,
-                                  f"{a.schedule} p={pp} m={a.micro_batches}: "
+                                  f"{a.schedule} p={pp} m={a.micro_batches}"
+                                  + (f" V={a.virtual_stages}" if a.virtual_stages > 1 else "") + ": "
                                   f"bubble {pl['bubble_measured']:.3f} "
                                   f"(theory {pl['bubble_theory']:.3f})"))
     s.say(f"  timeline drawn in {a.timeline}")
