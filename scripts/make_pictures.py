@@ -1,12 +1,16 @@
-"""Regenerate every picture under docs/img/ from real runs (docs/pictures.md shows them).
+"""Regenerate every picture under docs/img/ from real runs (docs/pictures.md and docs/pipeline.md show them).
 
-    python scripts/make_pictures.py            # about a minute and a half on 2 cores
+    python scripts/make_pictures.py            # about two and a half minutes on 2 cores
+    python scripts/make_pictures.py schedules  # only part 3 (or: runs, explain)
 
 1. Two training runs on 4 ranks (dp 2 x pp 2, ZeRO-1, 1F1B over 4 micro-batches), fp32 and
    bf16, with --log, --eval-every and --trace; `python -m minipar.plot` overlays their logs
    and draws the fp32 run's pipeline timeline from its trace: docs/img/{loss, throughput,
    comm, memory, timeline}.{png,svg}.
 2. `python -m minipar.explain` for each algorithm it draws: docs/img/explain-*.{svg,png}.
+3. One 4-stage training run per pipeline schedule (8 layers, 8 micro-batches; interleaved
+   with 2 virtual stages), its last step drawn by --timeline: docs/img/schedule-*.svg
+   (docs/pipeline.md shows them one above the other).
 Nothing here is drawn by hand: each picture is what a run recorded.
 """
 import os
@@ -25,6 +29,9 @@ TRAIN = ["--dp", "2", "--pp", "2", "--zero", "1", "--micro-batches", "4", "--ste
 EXPLAIN = [("ring-all-reduce", 4), ("reduce-scatter", 4), ("all-gather", 4),
            ("recursive-doubling", 5), ("broadcast", 4), ("reduce", 4), ("megatron-mlp", 2),
            ("1f1b", 4)]
+SCHEDULE_RUN = ["--pp", "4", "--n-layer", "8", "--micro-batches", "8", "--steps", "6", "--sample", "0"]
+SCHEDULES = [("gpipe", []), ("1f1b", []), ("interleaved", ["--virtual-stages", "2"]), ("zb-h1", []),
+             ("zb-h2", [])]
 
 
 def run(cmd, timeout=600):
@@ -37,8 +44,7 @@ def run(cmd, timeout=600):
     return p.stdout
 
 
-def main():
-    os.makedirs(IMG, exist_ok=True)
+def training_pictures():
     with tempfile.TemporaryDirectory() as tmp:
         logs = []
         for precision in ("fp32", "bf16"):
@@ -48,10 +54,35 @@ def main():
             logs.append(log)
         print(run([PY, "-m", "minipar.plot", *logs, "--label", "fp32", "bf16",
                    "--trace", os.path.join(tmp, "fp32.json"), "--out", IMG]), end="")
+
+
+def explain_pictures():
     for what, p in EXPLAIN:
         print(run([PY, "-m", "minipar.explain", what, "--p", str(p), "--out", IMG]).splitlines()[-1])
         os.remove(os.path.join(IMG, f"explain-{what}-p{p}.json"))       # its trace: not a picture
 
 
+def schedule_pictures():
+    """The last step of each schedule, measured; its summary's pipeline lines are printed."""
+    for name, extra in SCHEDULES:
+        out = run([MPIRUN, "-n", "4", PY, "-m", "minipar.train", *SCHEDULE_RUN, "--schedule", name, *extra,
+                   "--timeline", os.path.join(IMG, f"schedule-{name}.svg")])
+        print("\n".join(line for line in out.splitlines()
+                        if line.lstrip().startswith(("pipeline:", "one micro-batch", "saved activations"))))
+
+
+PARTS = {"runs": training_pictures, "explain": explain_pictures, "schedules": schedule_pictures}
+
+
+def main(parts):
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        sys.exit(f"usage: make_pictures.py [{' '.join(PARTS)}] (all of them when none is named); "
+                 f"unknown: {' '.join(unknown)}")
+    os.makedirs(IMG, exist_ok=True)
+    for name in parts or PARTS:
+        PARTS[name]()
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
