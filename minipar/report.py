@@ -331,8 +331,8 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
             zip(pl["peak_activation_bytes"], pl["microbatch_activation_bytes"])))
         timeline = [r for st in stages for r in st["timeline"]]
         lines.append(f"  last step's timeline ({pl['step_time_s'][0] * 1e3:.1f} ms on stage 0; "
-                     f"F forward, "
-                     f"B backward, digits the micro-batch, '.' idle):")
+                     f"F forward, B backward" + (", W weight gradients" if a.schedule.startswith("zb") else "")
+                     + (", lower case chunk 1" if V > 1 else "") + ", digits the micro-batch, '.' idle):")
         lines += ["    " + line for line in draw.ascii_gantt(timeline, pp, width=100).splitlines()]
     if g.tp_size > 1:
         summary["tensor_parallel"], line = tensor_parallel_summary(s, rows_log, tp_ledger)
