@@ -42,8 +42,8 @@ test-serial: install
 test-mpi: install
 	timeout -k 10 900 $(MPIRUN) -n $(NP) $(PY) -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
 
-# The teaching labs (labs/README.md): every grader passes minipar's code and a hand-written
-# solution, fails the stub, and catches every planted mistake.
+# The teaching labs (labs/README.md): every grader passes the hand-written solution, fails the
+# stub and catches a planted mistake (labs-check-full: minipar's code too, and every mistake).
 labs-check: install
 	timeout -k 10 600 $(PY) -m labs.check_all --quick
 

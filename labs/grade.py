@@ -72,10 +72,8 @@ def run_criterion(lab_dir: str, c: framework.Criterion, student: str) -> dict:
     return {"name": c.name, "ok": ok, "seconds": round(seconds, 2), "message": message}
 
 
-def grade(lab_dir: str, student: str, first_failure: bool = False, say=print,
-          trainer: bool = True) -> list[dict]:
-    """Grade the file `student` (a copy of it) against every criterion of the lab
-    (trainer=False: all but the criteria that run the real trainer)."""
+def grade(lab_dir: str, student: str, first_failure: bool = False, say=print) -> list[dict]:
+    """Grade the file `student` (a copy of it) against every criterion of the lab."""
     lab = framework.load_lab(lab_dir)
     results = []
     with tempfile.TemporaryDirectory(prefix="minipar-lab-") as scratch:
@@ -83,8 +81,6 @@ def grade(lab_dir: str, student: str, first_failure: bool = False, say=print,
         with open(copy, "w", encoding="utf-8") as f:      # a .mutant becomes the file it stands for
             f.write(framework.materialize(lab_dir, student))
         for c in lab.CRITERIA:
-            if c.trainer and not trainer:
-                continue
             r = run_criterion(lab_dir, c, copy)
             results.append(r)
             line = f"{'PASS' if r['ok'] else 'FAIL'}  {c.name:<34} {r['seconds']:6.1f} s"

@@ -278,6 +278,10 @@ class Function:
     backward(self, grad) -> one gradient (or None) per forward argument, in order.
     Non-Tensor arguments (ints, index arrays, flags) are passed through and get None."""
 
+    # which inputs want a gradient: apply() sets it per node (backward_split narrows it); a
+    # node made by hand, outside apply (labs/01_autograd), computes them all
+    needs_input_grad = (True,) * 8
+
     def save(self, *arrays):
         """Keep what backward needs. Counted by Tensor.saved_bytes()."""
         self.saved = arrays

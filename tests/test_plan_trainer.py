@@ -15,8 +15,11 @@ rank that writes the log) must equal what the run measured:
   count (tp rank 0 owns every token of the built-in corpus, which is ASCII, below
   ceil(256/tp) for tp = 2) activations.stage_bytes equals the measured peak exactly.
 --sp, --recompute, --schedule and --virtual-stages go to the planner as they go to the trainer.
-Adding a layout is one line in LAYOUTS: (ranks, trainer flags).
+Adding a layout is one line in LAYOUTS: (ranks, trainer flags). `make test` runs LAYOUTS;
+scripts/plan_matrix.py also the MORE below (each a variant that LAYOUTS covers in kind).
 """
+import os
+
 import pytest
 
 from minipar import activations, data, plan
@@ -28,32 +31,37 @@ LAYOUTS = [
     (2, ["--dtype", "float64", "--micro-batches", "2"]),                                   # dp2
     (2, ["--dtype", "float64", "--tp", "2"]),
     (2, ["--dtype", "float64", "--pp", "2", "--n-layer", "2", "--micro-batches", "2", "--schedule", "gpipe"]),
-    (4, ["--dtype", "float64", "--dp", "2", "--tp", "2", "--untied", "--micro-batches", "2"]),
-    (2, ["--precision", "fp16", "--bucket-mb", "0.01"]),                  # dp2, 2-byte buckets, several
     (2, ["--precision", "bf16", "--pp", "2", "--n-layer", "2", "--micro-batches", "4"]),     # 1f1b
     (4, ["--n-embd", "32", "--bucket-mb", "0.1", "--dtype", "float64"]),   # dp4: direct (1.5b), doubling (2b)
-    (3, ["--n-embd", "32", "--batch-size", "12"]),        # dp3: one bucket, uneven array_split pieces
     (3, ["--tp", "3", "--n-head", "3", "--n-embd", "24", "--dtype", "float64"]),   # V padded; p = 3 fix-up
-    (4, ["--tp", "2", "--pp", "2", "--n-layer", "2", "--micro-batches", "2", "--dtype", "float64"]),
-    (2, ["--zero", "1", "--dtype", "float64"]),
-    (2, ["--zero", "2", "--dtype", "float64", "--micro-batches", "2"]),
     (2, ["--zero", "3", "--dtype", "float64", "--micro-batches", "2"]),
     (4, ["--zero", "2", "--pp", "2", "--n-layer", "2", "--micro-batches", "2", "--precision", "fp16"]),
-    (4, ["--zero", "3", "--tp", "2", "--dtype", "float64"]),
-    (3, ["--zero", "1", "--batch-size", "12", "--precision", "bf16"]),     # wte, the block padded for N = 3
-    (2, ["--dtype", "float64", "--tp", "2", "--sp"]),
     (4, ["--dtype", "float64", "--tp", "2", "--pp", "2", "--n-layer", "2", "--sp", "--micro-batches", "2"]),
     (4, ["--dtype", "float64", "--dp", "2", "--tp", "2", "--sp", "--recompute", "full", "--zero", "1"]),
     (4, ["--tp", "2", "--pp", "2", "--n-layer", "4", "--recompute", "full", "--micro-batches", "2"]),
     # schedules past 1F1B: W frees a micro-batch (zb), chunks send round the ring (interleaved)
-    (2, ["--dtype", "float64", "--pp", "2", "--n-layer", "2", "--micro-batches", "4", "--schedule", "zb-h1"]),
-    (2, ["--dtype", "float64", "--pp", "2", "--n-layer", "4", "--micro-batches", "4", "--schedule", "interleaved",
-         "--virtual-stages", "2"]),
     (4, ["--dtype", "float64", "--dp", "2", "--pp", "2", "--n-layer", "2", "--micro-batches", "4",
          "--schedule", "zb-h2", "--zero", "1"]),
     (4, ["--dtype", "float64", "--tp", "2", "--pp", "2", "--n-layer", "4", "--micro-batches", "2",
          "--schedule", "interleaved", "--virtual-stages", "2"]),
 ]
+# The rest of the matrix: `python scripts/plan_matrix.py` (MINIPAR_PLAN_MATRIX=all) runs them too.
+MORE = [
+    (4, ["--dtype", "float64", "--dp", "2", "--tp", "2", "--untied", "--micro-batches", "2"]),
+    (2, ["--precision", "fp16", "--bucket-mb", "0.01"]),                  # dp2, 2-byte buckets, several
+    (3, ["--n-embd", "32", "--batch-size", "12"]),        # dp3: one bucket, uneven array_split pieces
+    (4, ["--tp", "2", "--pp", "2", "--n-layer", "2", "--micro-batches", "2", "--dtype", "float64"]),
+    (2, ["--zero", "1", "--dtype", "float64"]),
+    (2, ["--zero", "2", "--dtype", "float64", "--micro-batches", "2"]),
+    (4, ["--zero", "3", "--tp", "2", "--dtype", "float64"]),
+    (3, ["--zero", "1", "--batch-size", "12", "--precision", "bf16"]),     # wte, the block padded for N = 3
+    (2, ["--dtype", "float64", "--tp", "2", "--sp"]),
+    (2, ["--dtype", "float64", "--pp", "2", "--n-layer", "2", "--micro-batches", "4", "--schedule", "zb-h1"]),
+    (2, ["--dtype", "float64", "--pp", "2", "--n-layer", "4", "--micro-batches", "4", "--schedule", "interleaved",
+         "--virtual-stages", "2"]),
+]
+if os.environ.get("MINIPAR_PLAN_MATRIX") == "all":
+    LAYOUTS = LAYOUTS + MORE
 TRAINER_ONLY = {"--steps", "--sample", "--log"}          # flags with a value that the planner has not
 
 

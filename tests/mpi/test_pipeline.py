@@ -201,8 +201,7 @@ def test_consolidated_state_and_evaluate():
 
 
 @pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1)])
-@pytest.mark.parametrize("m", [4, 8])
-@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8)])
 def test_schedules_past_1f1b_match_single_process(pp, m, schedule, virtual):
     """Interleaved 1F1B (2 chunks per rank: 2p layers) and the zero-bubble schedules (B and W
     split) give the twin's losses, gradients and weights; each rank holds the parameters of
@@ -214,7 +213,7 @@ def test_schedules_past_1f1b_match_single_process(pp, m, schedule, virtual):
     assert names == set(schedules.stage_param_names(config(n_layer, m == 4), stage, pp, virtual)), names
 
 
-@pytest.mark.parametrize("pp,virtual", [(2, 1), (2, 2), (4, 2), (2, 3)])
+@pytest.mark.parametrize("pp,virtual", [(2, 1), (4, 2), (2, 3)])
 def test_point_to_point_messages_per_micro_batch(pp, virtual):
     """A micro-batch crosses pV - 1 boundaries each way: the ranks of the pipeline together
     send 2 m (pV - 1) messages per step (untied: no embedding exchange; the loss goes by
