@@ -1,0 +1,131 @@
+"""Ring attention for context parallelism (Liu et al. 2023, arXiv:2310.01889): causal
+attention over a sequence split across the C ranks of a cp group, on minipar's own
+point-to-point messages. The building block of context parallelism, not yet wired into the
+trainer (no --cp flag so far); tests/mpi/test_ring_attention.py holds it to the
+single-process attention.
+
+The split. The sequence of T tokens is cut into 2C chunks of T/(2C); rank i keeps chunks i and
+2C-1-i ("zig-zag", or head and tail), so that under the causal mask every rank has the same
+number of (query, key) pairs to compute: a rank holding an early chunk also holds a late one.
+The contiguous split (rank i keeps tokens [2i, 2i+2) chunks) is here too, to show the imbalance.
+
+Forward, on rank r with its queries q (B, H, t, hs), t = T/C, and its own keys and values:
+C steps; at step j it holds the K, V block of rank r - j (mod C) and, while it computes with it,
+already passes it on to rank r + 1 (non-blocking send and receive: the transfer overlaps the
+compute). Each block's scores S = q K^T / sqrt(hs), masked where the key's position is after
+the query's, are merged into the running output with the log-sum-exp rescaling of an online
+softmax:
+    m' = max(m, rowmax S);  l' = l e^(m - m') + rowsum e^(S - m');  acc' = acc e^(m - m') + e^(S - m') V
+    o = acc / l,  lse = m + log l          (the softmax over all T keys, without ever holding them)
+Backward passes K and V round the ring again, with dK and dV travelling beside them: at step j
+the rank adds its queries' share to the block's dK, dV (P = e^(S - lse), dS = P (dO V^T - D),
+D = rowsum(dO o); dV += P^T dO, dK += dS^T q / sqrt(hs), dQ += dS K / sqrt(hs)), and after C
+passes each block's dK, dV arrive back at their owner. Passing them round again costs C - 1
+more K, V transfers and C of dK, dV; keeping every received block instead would hold
+the whole sequence's K and V on each rank, the memory context parallelism exists to avoid.
+
+Messages per attention call and rank, n = B H t hs elements: forward C - 1, each K and V as
+one array (2n); backward C, C - 1 of them K, V, dK, dV together (4n), then dK, dV home (2n).
+In all 2n(C-1) forward and 2n(C-1) + 2nC backward, as the ledger counts them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minipar import comm
+from minipar.tensor import Function
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def positions(rank: int, n_ranks: int, T: int, layout: str = "zigzag") -> np.ndarray:
+    """The global positions of rank `rank`'s T/C tokens, in the order it holds them."""
+    C = n_ranks
+    if T % (2 * C):
+        raise ValueError(f"context parallelism cuts the sequence into 2 x cp = {2 * C} chunks: "
+                         f"length {T} is not divisible by {2 * C}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    c = T // (2 * C)
+    if layout == "contiguous":
+        return np.arange(2 * rank * c, 2 * (rank + 1) * c)
+    return np.concatenate([np.arange(rank * c, (rank + 1) * c),
+                           np.arange((2 * C - 1 - rank) * c, (2 * C - rank) * c)])
+
+
+def pairs(rank: int, n_ranks: int, T: int, layout: str = "zigzag") -> int:
+    """(query, key) pairs rank `rank` computes under the causal mask: its work."""
+    mine = positions(rank, n_ranks, T, layout)
+    return int(sum(int(p) + 1 for p in mine))
+
+
+def _scores(q, k, pos_q, pos_k, scale):
+    """q K^T * scale with the causal mask (-inf where the key comes after the query)."""
+    s = (q @ np.swapaxes(k, -1, -2)) * scale                       # (B, H, t, t)
+    return np.where(pos_k[None, :] > pos_q[:, None], -np.inf, s)
+
+
+def _ring_step(group, outgoing):
+    """Start passing `outgoing` to the next rank and receiving from the previous one."""
+    nxt, prev = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    return comm.send_async(group, outgoing, nxt), comm.recv_async(group, prev)
+
+
+class RingAttention(Function):
+    """o = causal softmax(q K^T / sqrt(hs)) V over the whole sequence, q, k, v (B, H, t, hs)
+    this rank's tokens at `layout` positions of a sequence of t * C (see the module)."""
+
+    def forward(self, q, k, v, group, layout="zigzag"):
+        C, r = group.size, group.rank
+        T = q.shape[-2] * C
+        self.group, self.layout, self.T = group, layout, T
+        self.scale = 1.0 / np.sqrt(q.shape[-1])
+        pos_q = positions(r, C, T, layout)
+        m = np.full(q.shape[:-1], -np.inf, dtype=q.dtype)
+        l = np.zeros(q.shape[:-1], dtype=q.dtype)
+        acc = np.zeros_like(q)
+        kv = np.stack([k, v])                                         # (2, B, H, t, hs): one message
+        for j in range(C):
+            owner = (r - j) % C
+            handles = _ring_step(group, kv) if j < C - 1 else None
+            s = _scores(q, kv[0], pos_q, positions(owner, C, T, layout), self.scale)
+            m_new = np.maximum(m, s.max(-1))
+            p = np.exp(s - m_new[..., None])                          # masked: exp(-inf) = 0
+            fix = np.exp(m - m_new)                                   # 0 on the first block
+            l = l * fix + p.sum(-1)
+            acc = acc * fix[..., None] + p @ kv[1]
+            m = m_new
+            if handles is not None:
+                kv = handles[1].wait()                                # the receive first: waiting on
+                handles[0].wait()                                     # it moves both messages along
+        o = acc / l[..., None]
+        self.save(q, k, v, o, m + np.log(l))
+        return o
+
+    def backward(self, do):
+        q, k, v, o, lse = self.saved
+        group, C, r, T = self.group, self.group.size, self.group.rank, self.T
+        pos_q = positions(r, C, T, self.layout)
+        D = (do * o).sum(-1)                                          # (B, H, t)
+        dq = np.zeros_like(q)
+        block = np.stack([k, v, np.zeros_like(k), np.zeros_like(v)])  # K, V, dK, dV travel together
+        for j in range(C):
+            owner = (r - j) % C
+            kb, vb = block[0], block[1]
+            s = _scores(q, kb, pos_q, positions(owner, C, T, self.layout), self.scale)
+            p = np.exp(s - lse[..., None])                            # the softmax, recomputed
+            block[3] += np.swapaxes(p, -1, -2) @ do                   # dV
+            ds = p * (do @ np.swapaxes(vb, -1, -2) - D[..., None])
+            dq += (ds @ kb) * self.scale
+            block[2] += (np.swapaxes(ds, -1, -2) @ q) * self.scale    # dK
+            outgoing = block if j < C - 1 else block[2:]              # the last pass: dK, dV home
+            if C > 1:
+                send, recv = _ring_step(group, np.ascontiguousarray(outgoing))
+                got = recv.wait()
+                send.wait()
+                block = got if j < C - 1 else np.concatenate([block[:2], got])
+        return dq, block[2], block[3], None, None
+
+
+def ring_attention(q, k, v, group, layout: str = "zigzag"):
+    return RingAttention.apply(q, k, v, group, layout)
