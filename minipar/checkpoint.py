@@ -408,12 +408,12 @@ def save_run(path: str, s, next_step: int):
     """A training session's checkpoint (s: train.Session), called on every rank. model.npz:
     the canonical model, consolidated on rank 0 (collective: tp all-gathers, pp sends to
     stage 0, ZeRO all-gathers over dp). The optimizer: each rank writes the shard it holds
-    (optimizer_shard), with ZeRO every rank, without it dp rank 0 of each (tp, pp) position
+    (optimizer_shard), with ZeRO every rank, without it dp rank 0 (cp rank 0) of each (tp, pp) position
     (its dp replicas hold the same). Then save() agrees that every write succeeded before
     rank 0 commits."""
     model, opt, args, grid = s.model, s.opt, s.args, s.grid
     state = canonical_state(model, opt)
-    writes = isinstance(opt, zero.Zero) or grid.dp_rank == 0
+    writes = isinstance(opt, zero.Zero) or (grid.dp_rank == 0 and grid.cp_rank == 0)
     shard = optimizer_shard(model, opt) if writes else None
     meta = None
     if grid.rank == 0:
@@ -422,7 +422,8 @@ def save_run(path: str, s, next_step: int):
         tokens = s.spec.tokens
         meta = {"config": s.cfg.to_dict(), "step": next_step, "dtype": args.dtype, "precision": args.precision,
                 **({"loss_scaler": scaler.state_dict()} if scaler is not None else {}),
-                "layout": {"dp": grid.dp_size, "tp": grid.tp_size, "pp": grid.pp_size, "zero": args.zero},
+                "layout": {"dp": grid.dp_size, "cp": grid.cp_size, "tp": grid.tp_size, "pp": grid.pp_size,
+                           "zero": args.zero},
                 "data": {"source": args.data or data.BUILTIN_NAME, "tokens": int(len(tokens)),
                          "sha256_16": data.tokens_digest(tokens), "position": next_step},
                 "seed": args.seed, "batch_size": args.batch_size}

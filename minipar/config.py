@@ -3,7 +3,7 @@
 
 `prepare` reads the flags, the checkpoint (if resuming) and the data, and raises
 ConfigError with the numbers in one line for anything that cannot run: a layout whose
-dp*tp*pp is not the world size, heads not divisible by tp, a batch that dp*micro-batches
+dp*cp*tp*pp is not the world size, heads not divisible by tp, a batch that dp*micro-batches
 does not divide, a missing data file, a checkpoint that does not match the flags ... It
 sends no message, so every rank reaches the same verdict before the first one;
 `agree_on_errors` then makes all ranks exit together if any one failed (a file only one
@@ -22,6 +22,7 @@ from minipar import checkpoint, comm, data, precision
 from minipar.model import GPTConfig, param_specs
 from minipar.parallel import schedules
 from minipar.parallel.grid import LayoutError, check_layout
+from minipar.parallel.ring_attention import LAYOUTS
 
 MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
 DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -43,9 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m minipar.train", allow_abbrev=False,
         description="Train a small GPT-2 on a NumPy autograd engine, on one process or across "
                     "MPI ranks: mpirun -n 4 python -m minipar.train")
-    g = p.add_argument_group("layout (world = dp * tp * pp)")
+    g = p.add_argument_group("layout (world = dp * cp * tp * pp)")
     g.add_argument("--dp", type=int, metavar="D",
-                   help="data-parallel replicas [world / (tp*pp)]")
+                   help="data-parallel replicas [world / (cp*tp*pp)]")
+    g.add_argument("--cp", type=int, default=1, metavar="C",
+                   help="context parallelism: each sequence split over C ranks, attention by ring "
+                        "attention; --block-size must divide by 2C (docs/context-parallel.md) "
+                        "[%(default)s]")
+    g.add_argument("--cp-layout", choices=LAYOUTS, default=None,
+                   help="--cp: which tokens each rank keeps, chunks i and 2C-1-i of 2C (zigzag: the "
+                        "same causal work on every rank) or chunks 2i, 2i+1 [zigzag]")
     g.add_argument("--tp", type=int, default=1, metavar="T",
                    help="tensor-parallel ranks [%(default)s]")
     g.add_argument("--sp", action="store_true",
@@ -257,6 +265,23 @@ def check_sequence_split(cfg: GPTConfig | None, tp: int, sp: bool):
                           f"{cfg.block_size} is not divisible by {tp}")
 
 
+def check_context_split(cfg: GPTConfig | None, args):
+    """--cp cuts every sequence into 2 x cp chunks (no padding); --cp-layout needs --cp > 1;
+    --sp does not combine with it (its sequence shards would be of the rank's tokens)."""
+    cp = args.cp
+    if args.cp_layout is not None and cp == 1:
+        raise ConfigError(f"--cp-layout {args.cp_layout} places the tokens of a cp group: it needs --cp > 1")
+    args.cp_layout = args.cp_layout or "zigzag"
+    if cp == 1:
+        return
+    if cfg is not None and cfg.block_size % (2 * cp):
+        raise ConfigError(f"--cp {cp} cuts each sequence into 2 x cp = {2 * cp} chunks: --block-size "
+                          f"{cfg.block_size} is not divisible by {2 * cp}")
+    if args.sp:
+        raise ConfigError(f"--sp does not combine with --cp {cp}: both split the sequence, and minipar "
+                          f"has only one of them at a time (use --cp with --tp, or --sp without --cp)")
+
+
 def resolve_dp_flags(args):
     """--dp-mode and --bucket-mb belong to plain data parallelism: refused with --zero, else
     set to their defaults (bucketed, 1 MiB) when not given."""
@@ -281,9 +306,10 @@ class RunSpec:
     meta: dict | None           # --resume: the checkpoint's meta.json, else None
     state: dict | None          # --resume: its canonical model {name: array}
     ostate: dict | None         # --resume: its canonical optimizer state {"step", "m", "v"}
-    dp: int                     # the layout, world = dp * tp * pp
+    dp: int                     # the layout, world = dp * cp * tp * pp
     tp: int
     pp: int
+    cp: int = 1
 
 
 def prepare(args, world: int) -> RunSpec:
@@ -306,13 +332,14 @@ def prepare(args, world: int) -> RunSpec:
     if args.save:
         check_save_dir(args.save)
     try:
-        dp, tp, pp = check_layout(world, args.dp, args.tp, args.pp)
+        dp, tp, pp = check_layout(world, args.dp, args.tp, args.pp, args.cp)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     if args.timeline and pp == 1:
         raise ConfigError(f"--timeline {args.timeline} draws a pipeline: it needs --pp > 1")
     check_split(cfg, dp, tp, pp, args.batch_size, args.micro_batches)
     check_sequence_split(cfg, tp, args.sp)
+    check_context_split(cfg, args)
     check_schedule(cfg, pp, args.schedule, args.virtual_stages, args.micro_batches)
     resolve_dp_flags(args)
     if args.zero == 3 and pp > 1:
@@ -347,7 +374,7 @@ def prepare(args, world: int) -> RunSpec:
     if start >= args.steps:
         raise ConfigError(f"--steps {args.steps} is not beyond the checkpoint's step {start}: "
                           f"nothing to train")
-    return RunSpec(cfg, DTYPES[args.dtype], tokens, start, meta, state, ostate, dp, tp, pp)
+    return RunSpec(cfg, DTYPES[args.dtype], tokens, start, meta, state, ostate, dp, tp, pp, args.cp)
 
 
 def agree_on_errors(world_comm, err: ConfigError | None):

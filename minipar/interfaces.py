@@ -28,7 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
-from minipar import recompute, trace
+from minipar import ops, recompute, trace
 from minipar.optim import sum_of_squares
 
 
@@ -46,6 +46,7 @@ class Model:
     tp_size: int = 1          # tensor-parallel ranks the model is split over
     tp_rank: int = 0          # and this rank's place among them
     recompute: str = "none"   # --recompute: none, selective or full (recompute.py)
+    context = None            # --cp: this rank's context_parallel.ContextSplit, or None
 
     # --- forward -----------------------------------------------------------------------------
     def run_block(self, i: int, x):
@@ -53,6 +54,21 @@ class Model:
         (trace.layer) and, with recompute "full", recomputed in backward."""
         with trace.layer(f"h.{i}"):
             return recompute.block(lambda t: self.block(i, t), x, self.recompute)
+
+    def position_ids(self, t: int) -> np.ndarray:
+        """The global positions of the t tokens of each sequence this rank holds: 0..t-1,
+        or with context parallelism its share of a sequence of t * cp tokens."""
+        T = t if self.context is None else t * self.context.size
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} > block_size {self.cfg.block_size}")
+        return np.arange(t) if self.context is None else self.context.positions(T)
+
+    def attend(self, qkv, n_head: int):
+        """Causal self-attention of the packed qkv (B, t, 3C'): the fused op, or with
+        context parallelism the ring over the cp group (context_parallel.py)."""
+        if self.context is not None:
+            return self.context.attention(qkv, n_head)
+        return ops.causal_self_attention(qkv, n_head, self.recompute == "selective")
 
     # --- parameters -------------------------------------------------------------------------
     def named_parameters(self) -> list:

@@ -103,19 +103,17 @@ class GPT(Model):
     # --- forward, in pieces that the pipeline can cut between -----------------------------
     def embed(self, idx) -> Tensor:
         idx = np.asarray(idx)
-        t = idx.shape[-1]
-        if t > self.cfg.block_size:
-            raise ValueError(f"sequence length {t} > block_size {self.cfg.block_size}")
+        positions = self.position_ids(idx.shape[-1])                    # 0..t-1 (--cp: its share)
         P = self.params
         tok = ops.embedding(idx, P["wte.weight"])                       # (B, t, C)
-        pos = ops.embedding(np.arange(t)[None, :], P["wpe.weight"])      # (1, t, C)
+        pos = ops.embedding(positions[None, :], P["wpe.weight"])        # (1, t, C)
         return tok + pos
 
     def block(self, i: int, x: Tensor) -> Tensor:
         P, h = self.params, f"h.{i}."
         a = ops.layer_norm(x, P[h + "ln_1.weight"], P[h + "ln_1.bias"])
         qkv = ops.linear(a, P[h + "attn.c_attn.weight"], P[h + "attn.c_attn.bias"])   # (B, t, 3C)
-        y = ops.causal_self_attention(qkv, self.cfg.n_head, self.recompute == "selective")  # (B, t, C)
+        y = self.attend(qkv, self.cfg.n_head)                                         # (B, t, C)
         x = x + ops.linear(y, P[h + "attn.c_proj.weight"], P[h + "attn.c_proj.bias"])
         m = ops.layer_norm(x, P[h + "ln_2.weight"], P[h + "ln_2.bias"])
         m = ops.gelu(ops.linear(m, P[h + "mlp.c_fc.weight"], P[h + "mlp.c_fc.bias"]))  # (B, t, 4C)

@@ -168,7 +168,8 @@ def process_name(grid) -> str:
     """The process row's name: "rank 5 dp1 tp0 pp1"."""
     if grid is None:
         return "rank 0"
-    return f"rank {grid.rank} dp{grid.dp_rank} tp{grid.tp_rank} pp{grid.pp_rank}"
+    cp = f" cp{grid.cp_rank}" if grid.cp_size > 1 else ""
+    return f"rank {grid.rank} dp{grid.dp_rank}{cp} tp{grid.tp_rank} pp{grid.pp_rank}"
 
 
 def start(world, name: str, peek: bool = False):

@@ -35,7 +35,7 @@ from minipar.config import ConfigError, RunSpec, agree_on_errors, build_parser, 
 from minipar.interfaces import GradSync, Model
 from minipar.model import GPT, train_flops_per_token
 from minipar.optim import AdamW, clip_coef, lr_at
-from minipar.parallel import data_parallel, pipeline, sequence_parallel, tensor_parallel, zero
+from minipar.parallel import context_parallel, data_parallel, pipeline, sequence_parallel, tensor_parallel, zero
 from minipar.parallel.grid import ProcessGrid
 from minipar.perf import keep_freed_memory, matmul_peak_flops
 from minipar.tensor import no_grad
@@ -62,7 +62,8 @@ class Session:
     sampler: data.Sampler                       # the global batch of every step
     sync: GradSync | None = None                # None: data_parallel.NoSync (one dp rank)
     rows: tuple[int, int] | None = None         # this dp rank's rows of the batch; None: all
-    dp_group: comm.Group | None = None          # sums the step's loss over dp (dp > 1)
+    context: object = None                      # --cp: this rank's ContextSplit (its tokens)
+    dp_group: comm.Group | None = None          # sums the step's loss over dp x cp (> 1 rank)
     world_group: comm.Group | None = None       # agrees on fp16 overflow (world > 1)
     pipe: pipeline.PipelineEngine | None = None  # runs the micro-batches with --pp > 1
     spec: RunSpec | None = None                 # what config.prepare decided
@@ -85,7 +86,12 @@ class Session:
     @property
     def has_dp(self) -> bool:
         """Does this run sum gradients over dp ranks, or shard them with ZeRO?"""
-        return self.grid is not None and (self.grid.dp_size > 1 or self.args.zero > 0)
+        return self.grid is not None and (self.grid.grad_group.size > 1 or self.args.zero > 0)
+
+    def local(self, batch):
+        """This rank's tokens of an (ids, targets) batch: all of them, or with --cp its share
+        of every sequence (context_parallel.ContextSplit.local)."""
+        return batch if self.context is None else tuple(self.context.local(a) for a in batch)
 
 
 # --- building a rank's model and optimizer ------------------------------------------------
@@ -115,6 +121,8 @@ def init_model(spec: RunSpec, args, grid: ProcessGrid | None = None):
     else:
         model = GPT(spec.cfg, seed=args.seed, dtype=spec.dtype)
     model.recompute = args.recompute                 # before a pipeline stage wraps it
+    if grid is not None and grid.cp_size > 1:
+        model.context = context_parallel.ContextSplit(grid.cp_group, args.cp_layout)
     if grid is not None and grid.pp_size > 1:
         model = pipeline.PipelineStage(model, grid.pp_rank, grid.pp_size, grid.pp_group, args.virtual_stages)
     opt = build_optimizer(model, args)
@@ -155,8 +163,8 @@ def train_step(s: Session, step: int) -> dict:
     opt.lr = lr
     sync.zero_grad()
     sync.start_step()
-    # each micro-batch: (B/(dp*M), T)
-    batches = [s.sampler.batch(step, lo + k * mb, lo + (k + 1) * mb) for k in range(M)]
+    # each micro-batch: (B/(dp*M), T), with --cp (B/(dp*M), T/cp)
+    batches = [s.local(s.sampler.batch(step, lo + k * mb, lo + (k + 1) * mb)) for k in range(M)]
     if s.pipe is not None:                               # the stage's schedule, then dp's sync
         loss_local = s.pipe.train_step(batches, B * T, sync, loss_scale=scale)
     else:
@@ -273,19 +281,20 @@ def set_up(args) -> Session:
         if err is not None:
             err.agreed = True      # main(): every rank learns of it below and exits 2
         agree_on_errors(world_comm, err)
-    grid = ProcessGrid(world_comm, spec.dp, spec.tp, spec.pp)
+    grid = ProcessGrid(world_comm, spec.dp, spec.tp, spec.pp, spec.cp)
     model, opt = init_model(spec, args, grid)
     sync = None
+    grads = grid.grad_group        # dp x cp: every rank of it has a partial gradient of the same weights
     if args.zero:                  # one object: the dp synchroniser and the sharded optimizer
-        opt = sync = zero.Zero(model, opt, grid.dp_group, args.zero)
-    elif grid.dp_size > 1:
-        sync = data_parallel.make(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb)
+        opt = sync = zero.Zero(model, opt, grads, args.zero)
+    elif grads.size > 1:
+        sync = data_parallel.make(model.parameters(), grads, args.dp_mode, args.bucket_mb)
     B, T, dp, r = args.batch_size, spec.cfg.block_size, grid.dp_size, grid.dp_rank
     if args.trace and not args.dry_run:         # after the clocks' ping-pong with rank 0
         trace.start(grid.world, trace.process_name(grid))
     return Session(args, model, opt, data.Sampler(spec.tokens, T, B, args.seed), sync=sync,
-                   rows=(r * B // dp, (r + 1) * B // dp),
-                   dp_group=grid.dp_group if dp > 1 else None,
+                   rows=(r * B // dp, (r + 1) * B // dp), context=model.context,
+                   dp_group=grads if grads.size > 1 else None,
                    world_group=grid.world if world > 1 else None,
                    pipe=(pipeline.PipelineEngine(model, args.schedule, args.micro_batches)
                          if grid.pp_size > 1 else None),
@@ -322,7 +331,11 @@ def validation_loss(s: Session) -> float:
     """The mean loss of 4 batches of the held-out split (collective with --pp: every stage)."""
     val = data.Sampler(s.spec.tokens, s.cfg.block_size, s.args.batch_size, s.args.seed, split="val")
     with no_grad(), trace.span("validation", "eval"):
-        return float(np.mean([s.model.evaluate(*val.batch(i)) for i in range(4)]))
+        loss = float(np.mean([s.model.evaluate(*s.local(val.batch(i))) for i in range(4)]))
+    if s.context is None:
+        return loss
+    # each cp rank's mean over as many tokens as every other's: their mean is the batch's
+    return float(comm.all_reduce(s.context.group, np.array([loss]))[0]) / s.context.size
 
 
 def sample(s: Session):
@@ -330,7 +343,7 @@ def sample(s: Session):
     a, model = s.args, s.model
     if a.sample <= 0:
         return
-    if s.grid.tp_size > 1 or s.grid.pp_size > 1 or a.zero == 3:
+    if s.grid.tp_size > 1 or s.grid.pp_size > 1 or s.grid.cp_size > 1 or a.zero == 3:
         # collective over tp, pp, dp; whole on rank 0
         full = checkpoint.canonical_state(model, s.opt)
         if s.rank == 0:
@@ -360,8 +373,8 @@ def run(args) -> dict:
     # the training steps' only (not validation)
     tp_ledger = tensor_parallel.traffic()
     # stage 3: every dp rank holds other shards
-    replicated = s.grid.dp_size > 1 and args.zero != 3
-    digest = (data_parallel.check_replicas(s.model.parameters(), s.grid.dp_group)
+    replicated = s.grid.grad_group.size > 1 and args.zero != 3
+    digest = (data_parallel.check_replicas(s.model.parameters(), s.grid.grad_group)
               if replicated else None)
     if args.save:
         with trace.span("save checkpoint", "checkpoint", step=args.steps):
@@ -389,7 +402,7 @@ def run(args) -> dict:
 def trace_metadata(s: Session) -> dict:
     """What a reader of the trace needs to check it: the layout, the schedule, the command."""
     a, g = s.args, s.grid
-    return {"layout": {"dp": g.dp_size, "tp": g.tp_size, "pp": g.pp_size, "zero": a.zero},
+    return {"layout": {"dp": g.dp_size, "cp": g.cp_size, "tp": g.tp_size, "pp": g.pp_size, "zero": a.zero},
             "schedule": a.schedule if g.pp_size > 1 else None, "micro_batches": a.micro_batches,
             "virtual_stages": a.virtual_stages,
             "steps": [s.spec.start, a.steps], "argv": sys.argv[1:]}

@@ -1,22 +1,31 @@
-"""The process grid: world = dp x tp x pp ranks, and one communicator per axis.
+"""The process grid: world = dp x cp x tp x pp ranks, and one communicator per axis.
 
-Rank order (docs/design.md §6): tp varies fastest, then dp, then pp,
+Rank order (docs/design.md §6): tp varies fastest, then cp, then dp, then pp,
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 so tensor-parallel partners, which talk on every layer, are neighbouring ranks (on one
-node in a real cluster), and pipeline stages, which talk least, are farthest apart.
+node in a real cluster), context-parallel partners (K and V round a ring on every layer)
+next to them, inside the host too where it is big enough, and pipeline stages, which talk
+least, are farthest apart. With cp = 1 this is the dp x tp x pp order of before.
 Example, dp=2 tp=2 pp=2 (8 ranks):
 
     pp stage 0:  dp 0 -> ranks 0 1 (tp)   dp 1 -> ranks 2 3
     pp stage 1:  dp 0 -> ranks 4 5        dp 1 -> ranks 6 7
     dp groups: {0,2} {1,3} {4,6} {5,7}     pp groups: {0,4} {1,5} {2,6} {3,7}
 
+and dp=2 cp=2 (4 ranks): cp groups {0,1} {2,3}, dp groups {0,2} {1,3}.
+
+Every rank of a cp group holds the same parameters and computes a partial gradient over its
+own tokens, so gradients are summed over dp x cp: grad_group, the dp group itself when
+cp = 1 (ZeRO shards over it too).
+
 `check_layout` validates a layout without any communication, so that every rank can
-reject a bad one before the first message. `ProcessGrid` then builds the three groups
+reject a bad one before the first message. `ProcessGrid` then builds the groups
 with Comm.Split (creating communicators is not a collective *operation* on data), each
-tagged with its axis ("tp", "dp", "pp"; the whole world "world") so that minipar.comm's
-ledger counts each axis's bytes where they are sent (comm.traffic_by_axis()).
+tagged with its axis ("tp", "cp", "dp", "pp"; the whole world "world"; grad_group "dp") so
+that minipar.comm's ledger counts each axis's bytes where they are sent
+(comm.traffic_by_axis()).
 """
 from __future__ import annotations
 
@@ -29,17 +38,19 @@ class LayoutError(ValueError):
     """A layout that cannot run: the message names the numbers."""
 
 
-def check_layout(world: int, dp: int | None, tp: int, pp: int) -> tuple[int, int, int]:
-    """-> (dp, tp, pp). Unset dp is world / (tp * pp). Raises LayoutError, no communication."""
-    for name, v in (("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
+def check_layout(world: int, dp: int | None, tp: int, pp: int, cp: int = 1) -> tuple[int, int, int]:
+    """-> (dp, tp, pp). Unset dp is world / (cp * tp * pp). Raises LayoutError, no
+    communication."""
+    for name, v in (("tp", tp), ("pp", pp), ("cp", cp)) + ((("dp", dp),) if dp is not None else ()):
         if v < 1:
             raise LayoutError(f"--{name} must be >= 1, got {v}")
+    names, sizes = ("cp*tp*pp", f"{cp}*{tp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")   # cp once used
     if dp is None:
-        if world % (tp * pp):
-            raise LayoutError(f"world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
-        dp = world // (tp * pp)
-    if world != dp * tp * pp:
-        raise LayoutError(f"world size {world} != dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}")
+        if world % (cp * tp * pp):
+            raise LayoutError(f"world size {world} is not divisible by {names} = {sizes} = {cp * tp * pp}")
+        dp = world // (cp * tp * pp)
+    if world != dp * cp * tp * pp:
+        raise LayoutError(f"world size {world} != dp*{names} = {dp}*{sizes} = {dp * cp * tp * pp}")
     return dp, tp, pp
 
 
@@ -48,36 +59,41 @@ class Coords:
     dp: int
     tp: int
     pp: int
+    cp: int = 0
 
 
 class ProcessGrid:
-    """This rank's place in the dp x tp x pp grid, and its groups: tp_group, dp_group,
-    pp_group (and world), tagged with their axis for the traffic ledger."""
+    """This rank's place in the dp x cp x tp x pp grid, and its groups: tp_group, cp_group,
+    dp_group, pp_group, grad_group (dp x cp) and world, tagged with their axis for the
+    traffic ledger."""
 
-    def __init__(self, comm, dp: int, tp: int = 1, pp: int = 1):
+    def __init__(self, comm, dp: int, tp: int = 1, pp: int = 1, cp: int = 1):
         world = comm.Get_size()
-        check_layout(world, dp, tp, pp)
+        check_layout(world, dp, tp, pp, cp)
         self.comm, self.rank, self.world_size = comm, comm.Get_rank(), world
-        self.dp_size, self.tp_size, self.pp_size = dp, tp, pp
+        self.dp_size, self.tp_size, self.pp_size, self.cp_size = dp, tp, pp, cp
         r = self.rank
         self.tp_rank = r % tp
-        self.dp_rank = (r // tp) % dp
-        self.pp_rank = r // (dp * tp)
+        self.cp_rank = (r // tp) % cp
+        self.dp_rank = (r // (tp * cp)) % dp
+        self.pp_rank = r // (dp * cp * tp)
+        t, c, d, p = self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank
         # Split: same color -> same group; key orders ranks inside it
-        tp_comm = comm.Split(color=self.pp_rank * dp + self.dp_rank, key=self.tp_rank)
-        dp_comm = comm.Split(color=self.pp_rank * tp + self.tp_rank, key=self.dp_rank)
-        pp_comm = comm.Split(color=self.dp_rank * tp + self.tp_rank, key=self.pp_rank)
-        self.tp_group = Group(tp_comm, axis="tp")
-        self.dp_group = Group(dp_comm, axis="dp")
-        self.pp_group = Group(pp_comm, axis="pp")
+        self.tp_group = Group(comm.Split(color=(p * dp + d) * cp + c, key=t), axis="tp")
+        self.dp_group = Group(comm.Split(color=(p * cp + c) * tp + t, key=d), axis="dp")
+        self.pp_group = Group(comm.Split(color=(d * cp + c) * tp + t, key=p), axis="pp")
+        self.cp_group, self.grad_group = None, self.dp_group      # cp = 1: no ring, grads over dp
+        if cp > 1:
+            self.cp_group = Group(comm.Split(color=(p * dp + d) * tp + t, key=c), axis="cp")
+            self.grad_group = Group(comm.Split(color=p * tp + t, key=d * cp + c), axis="dp")
         self.world = Group(comm, axis="world")
 
-    def rank_of(self, dp_rank: int, tp_rank: int, pp_rank: int) -> int:
-        return pp_rank * self.dp_size * self.tp_size + dp_rank * self.tp_size + tp_rank
+    def rank_of(self, dp_rank: int, tp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp_size + dp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank
 
     @property
     def coords(self) -> Coords:
-        return Coords(self.dp_rank, self.tp_rank, self.pp_rank)
+        return Coords(self.dp_rank, self.tp_rank, self.pp_rank, self.cp_rank)
 
     @property
     def is_first_stage(self) -> bool:
@@ -88,8 +104,10 @@ class ProcessGrid:
         return self.pp_rank == self.pp_size - 1
 
     def describe(self) -> str:
-        return f"dp={self.dp_size} tp={self.tp_size} pp={self.pp_size}"
+        cp = f" cp={self.cp_size}" if self.cp_size > 1 else ""
+        return f"dp={self.dp_size}{cp} tp={self.tp_size} pp={self.pp_size}"
 
     def __repr__(self):
+        cp = f" cp={self.cp_rank}" if self.cp_size > 1 else ""
         return (f"ProcessGrid(rank {self.rank}/{self.world_size}, {self.describe()}, "
-                f"coords dp={self.dp_rank} tp={self.tp_rank} pp={self.pp_rank})")
+                f"coords dp={self.dp_rank}{cp} tp={self.tp_rank} pp={self.pp_rank})")

@@ -21,7 +21,8 @@ Backward passes K and V round the ring again, with dK and dV travelling beside t
 the rank adds its queries' share to the block's dK, dV (P = e^(S - lse), dS = P (dO V^T - D),
 D = rowsum(dO o); dV += P^T dO, dK += dS^T q / sqrt(hs), dQ += dS K / sqrt(hs)), and after C
 passes each block's dK, dV arrive back at their owner. Passing them round again costs C - 1
-more K, V transfers and C of dK, dV; keeping every received block instead would hold
+more K, V transfers and C of dK, dV, and these do not overlap the compute (the block a rank
+passes on is the one it has just added to); keeping every received block instead would hold
 the whole sequence's K and V on each rank, the memory context parallelism exists to avoid.
 
 Messages per attention call and rank, n = B H t hs elements: forward C - 1, each K and V as
@@ -30,9 +31,12 @@ In all 2n(C-1) forward and 2n(C-1) + 2nC backward, as the ledger counts them.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from minipar import comm
+from minipar.comm.group import HEADER_BYTES
 from minipar.tensor import Function
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -59,10 +63,27 @@ def pairs(rank: int, n_ranks: int, T: int, layout: str = "zigzag") -> int:
     return int(sum(int(p) + 1 for p in mine))
 
 
+def ring_traffic(n: int, C: int, itemsize: int, forwards: int = 1) -> tuple[int, int]:
+    """(messages, bytes) one rank sends for one attention call and its backward, n = B H t hs
+    elements of its q (of K, and of V): forward C - 1 messages of 2n, backward C - 1 of 4n and
+    one of 2n, each with its header (comm.HEADER_BYTES). forwards = 2 when the forward runs
+    again in backward (--recompute full)."""
+    if C == 1:
+        return 0, 0
+    messages = forwards * (C - 1) + C
+    elements = forwards * 2 * n * (C - 1) + 2 * n * (C - 1) + 2 * n * C
+    return messages, elements * itemsize + messages * HEADER_BYTES
+
+
 def _scores(q, k, pos_q, pos_k, scale):
     """q K^T * scale with the causal mask (-inf where the key comes after the query)."""
     s = (q @ np.swapaxes(k, -1, -2)) * scale                       # (B, H, t, t)
     return np.where(pos_k[None, :] > pos_q[:, None], -np.inf, s)
+
+
+# Seconds this process has spent waiting for ring messages, by pass: the communication the
+# compute did not hide (the "exposed" time; scripts/bench_ring.py, the trainer's summary).
+WAITED = {"forward": 0.0, "backward": 0.0}
 
 
 def _ring_step(group, outgoing):
@@ -71,11 +92,28 @@ def _ring_step(group, outgoing):
     return comm.send_async(group, outgoing, nxt), comm.recv_async(group, prev)
 
 
+def _finish(handles, which: str):
+    """Wait for a ring step: the receive first (waiting on it moves both messages along;
+    waiting on the send first can deadlock the ring), then the send. -> the received array."""
+    t0 = time.perf_counter()
+    got = handles[1].wait()
+    handles[0].wait()
+    WAITED[which] += time.perf_counter() - t0
+    return got
+
+
+def _progress(handles):
+    """Let the messages in flight advance (minipar's handles move only when tested)."""
+    if handles is not None:
+        handles[1].test()
+        handles[0].test()
+
+
 class RingAttention(Function):
     """o = causal softmax(q K^T / sqrt(hs)) V over the whole sequence, q, k, v (B, H, t, hs)
     this rank's tokens at `layout` positions of a sequence of t * C (see the module)."""
 
-    def forward(self, q, k, v, group, layout="zigzag"):
+    def forward(self, q, k, v, group, layout="zigzag", overlap=True):
         C, r = group.size, group.rank
         T = q.shape[-2] * C
         self.group, self.layout, self.T = group, layout, T
@@ -88,16 +126,19 @@ class RingAttention(Function):
         for j in range(C):
             owner = (r - j) % C
             handles = _ring_step(group, kv) if j < C - 1 else None
+            # overlap=False, the benchmark's baseline: the whole transfer, then the compute
+            ready = _finish(handles, "forward") if handles is not None and not overlap else None
             s = _scores(q, kv[0], pos_q, positions(owner, C, T, layout), self.scale)
+            _progress(handles)
             m_new = np.maximum(m, s.max(-1))
             p = np.exp(s - m_new[..., None])                          # masked: exp(-inf) = 0
+            _progress(handles)
             fix = np.exp(m - m_new)                                   # 0 on the first block
             l = l * fix + p.sum(-1)
             acc = acc * fix[..., None] + p @ kv[1]
             m = m_new
             if handles is not None:
-                kv = handles[1].wait()                                # the receive first: waiting on
-                handles[0].wait()                                     # it moves both messages along
+                kv = _finish(handles, "forward") if overlap else ready
         o = acc / l[..., None]
         self.save(q, k, v, o, m + np.log(l))
         return o
@@ -120,12 +161,12 @@ class RingAttention(Function):
             block[2] += (np.swapaxes(ds, -1, -2) @ q) * self.scale    # dK
             outgoing = block if j < C - 1 else block[2:]              # the last pass: dK, dV home
             if C > 1:
-                send, recv = _ring_step(group, np.ascontiguousarray(outgoing))
-                got = recv.wait()
-                send.wait()
+                got = _finish(_ring_step(group, np.ascontiguousarray(outgoing)), "backward")
                 block = got if j < C - 1 else np.concatenate([block[:2], got])
-        return dq, block[2], block[3], None, None
+        return dq, block[2], block[3], None, None, None
 
 
-def ring_attention(q, k, v, group, layout: str = "zigzag"):
-    return RingAttention.apply(q, k, v, group, layout)
+def ring_attention(q, k, v, group, layout: str = "zigzag", overlap: bool = True):
+    """overlap=False waits for each K, V block before computing with the one in hand: the
+    baseline that shows what overlapping hides (scripts/bench_ring.py)."""
+    return RingAttention.apply(q, k, v, group, layout, overlap)

@@ -180,8 +180,7 @@ class SequenceParallelGPT(TensorParallelGPT):
         P, h, g, r = self.params, f"h.{i}.", self.group, self.replicated
         a = ops.layer_norm(x, r(h + "ln_1.weight"), r(h + "ln_1.bias"))            # (B, t/tp, C)
         qkv = GatherSequenceLinear.apply(a, P[h + "attn.c_attn.weight"], P[h + "attn.c_attn.bias"], g)
-        y = ops.causal_self_attention(qkv, self.cfg.n_head // self.tp_size,
-                                      self.recompute == "selective")                # (B, t, C/tp)
+        y = self.attend(qkv, self.cfg.n_head // self.tp_size)                     # (B, t, C/tp)
         x = x + (ScatterToSequence.apply(ops.linear(y, P[h + "attn.c_proj.weight"]), g)
                  + r(h + "attn.c_proj.bias"))
         m = ops.layer_norm(x, r(h + "ln_2.weight"), r(h + "ln_2.bias"))

@@ -169,9 +169,10 @@ class ParallelAttention:
     def __init__(self, c_attn: ColumnParallelLinear, c_proj: RowParallelLinear, local_heads: int):
         self.c_attn, self.c_proj, self.local_heads = c_attn, c_proj, local_heads
 
-    def __call__(self, x: Tensor, recompute: bool = False) -> Tensor:
+    def __call__(self, x: Tensor, attend=ops.causal_self_attention) -> Tensor:
+        """attend(qkv, heads): the model's attention (Model.attend; the ring with --cp)."""
         qkv = self.c_attn(x)                                          # (B, t, 3C/tp)
-        y = ops.causal_self_attention(qkv, self.local_heads, recompute)   # (B, t, C/tp)
+        y = attend(qkv, self.local_heads)                             # (B, t, C/tp)
         return self.c_proj(y)                                         # (B, t, C)
 
 
@@ -417,13 +418,12 @@ class TensorParallelGPT(Model):
         idx = self.check_ids(idx)
         t = idx.shape[-1]
         tok = self.wte(idx)                                                       # (B, t, C)
-        pos = ops.embedding(np.arange(t)[None, :], self.params["wpe.weight"])     # (1, t, C)
+        pos = ops.embedding(self.position_ids(t)[None, :], self.params["wpe.weight"])  # (1, t, C)
         return tok + pos
 
     def block(self, i: int, x: Tensor) -> Tensor:
         P, h = self.params, f"h.{i}."
-        x = x + self.attn[i](ops.layer_norm(x, P[h + "ln_1.weight"], P[h + "ln_1.bias"]),
-                             self.recompute == "selective")
+        x = x + self.attn[i](ops.layer_norm(x, P[h + "ln_1.weight"], P[h + "ln_1.bias"]), self.attend)
         return x + self.mlp[i](ops.layer_norm(x, P[h + "ln_2.weight"], P[h + "ln_2.bias"]))
 
     def head(self, x: Tensor) -> Tensor:
