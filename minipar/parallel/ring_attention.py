@@ -1,13 +1,16 @@
 """Ring attention for context parallelism (Liu et al. 2023, arXiv:2310.01889): causal
 attention over a sequence split across the C ranks of a cp group, on minipar's own
-point-to-point messages. The building block of context parallelism, not yet wired into the
-trainer (no --cp flag so far); tests/mpi/test_ring_attention.py holds it to the
-single-process attention.
+point-to-point messages: the attention of context parallelism (context_parallel.py, --cp).
+tests/mpi/test_ring_attention.py holds it to the single-process attention.
 
 The split. The sequence of T tokens is cut into 2C chunks of T/(2C); rank i keeps chunks i and
 2C-1-i ("zig-zag", or head and tail), so that under the causal mask every rank has the same
 number of (query, key) pairs to compute: a rank holding an early chunk also holds a late one.
 The contiguous split (rank i keeps tokens [2i, 2i+2) chunks) is here too, to show the imbalance.
+The work is done in c x c sub-blocks, c = T/2C (a rank's two chunks against the two chunks
+of the K, V block in hand); a sub-block whose keys all come after its queries is skipped, so
+a rank computes blocks() of them per pass: 2C + 1 under zig-zag on every rank (2C - 1 below
+the diagonal, 2 on it), 4r + 3 on rank r under the contiguous split.
 
 Forward, on rank r with its queries q (B, H, t, hs), t = T/C, and its own keys and values:
 C steps; at step j it holds the K, V block of rank r - j (mod C) and, while it computes with it,
@@ -75,15 +78,41 @@ def ring_traffic(n: int, C: int, itemsize: int, forwards: int = 1) -> tuple[int,
     return messages, elements * itemsize + messages * HEADER_BYTES
 
 
-def _scores(q, k, pos_q, pos_k, scale):
-    """q K^T * scale with the causal mask (-inf where the key comes after the query)."""
-    s = (q @ np.swapaxes(k, -1, -2)) * scale                       # (B, H, t, t)
-    return np.where(pos_k[None, :] > pos_q[:, None], -np.inf, s)
+def sub_blocks(pos_q, pos_k):
+    """The c x c sub-blocks worth computing when queries at pos_q meet keys at pos_k (each two
+    chunks of c = t/2): -> [(query slice, key slice, mask)]. A sub-block whose keys all come
+    after its queries is skipped (fully masked); mask is the causal mask (True: masked) where
+    some do (a chunk against itself), None where none do."""
+    c = len(pos_q) // 2
+    halves = (slice(0, c), slice(c, 2 * c))
+    out = []
+    for a in halves:
+        for b in halves:
+            pq, pk = pos_q[a], pos_k[b]
+            if pk[0] > pq[-1]:
+                continue
+            out.append((a, b, pk[None, :] > pq[:, None] if pk[-1] > pq[0] else None))
+    return out
+
+
+def blocks(rank: int, n_ranks: int, T: int, layout: str = "zigzag") -> int:
+    """c x c sub-blocks of scores rank `rank` computes in one pass (forward, or backward),
+    c = T/2C: zig-zag 2C + 1 on every rank, contiguous 4 rank + 3. Its attention time."""
+    mine = positions(rank, n_ranks, T, layout)
+    return sum(len(sub_blocks(mine, positions(o, n_ranks, T, layout))) for o in range(n_ranks))
+
+
+def _scores(q, k, mask, scale):
+    """q K^T * scale, -inf where mask (a key after its query)."""
+    s = (q @ np.swapaxes(k, -1, -2)) * scale
+    return s if mask is None else np.where(mask, -np.inf, s)
 
 
 # Seconds this process has spent waiting for ring messages, by pass: the communication the
-# compute did not hide (the "exposed" time; scripts/bench_ring.py, the trainer's summary).
+# compute did not hide (the "exposed" time; scripts/bench_ring.py, the trainer's summary),
+# and the c x c sub-blocks of scores it has computed (blocks()).
 WAITED = {"forward": 0.0, "backward": 0.0}
+BLOCKS = {"forward": 0, "backward": 0}
 
 
 def _ring_step(group, outgoing):
@@ -128,15 +157,16 @@ class RingAttention(Function):
             handles = _ring_step(group, kv) if j < C - 1 else None
             # overlap=False, the benchmark's baseline: the whole transfer, then the compute
             ready = _finish(handles, "forward") if handles is not None and not overlap else None
-            s = _scores(q, kv[0], pos_q, positions(owner, C, T, layout), self.scale)
-            _progress(handles)
-            m_new = np.maximum(m, s.max(-1))
-            p = np.exp(s - m_new[..., None])                          # masked: exp(-inf) = 0
-            _progress(handles)
-            fix = np.exp(m - m_new)                                   # 0 on the first block
-            l = l * fix + p.sum(-1)
-            acc = acc * fix[..., None] + p @ kv[1]
-            m = m_new
+            for a, b, mask in sub_blocks(pos_q, positions(owner, C, T, layout)):
+                s = _scores(q[..., a, :], kv[0][..., b, :], mask, self.scale)
+                m_new = np.maximum(m[..., a], s.max(-1))
+                p = np.exp(s - m_new[..., None])                      # masked: exp(-inf) = 0
+                fix = np.exp(m[..., a] - m_new)                       # 0 on a row's first block
+                l[..., a] = l[..., a] * fix + p.sum(-1)
+                acc[..., a, :] = acc[..., a, :] * fix[..., None] + p @ kv[1][..., b, :]
+                m[..., a] = m_new
+                BLOCKS["forward"] += 1
+                _progress(handles)
             if handles is not None:
                 kv = _finish(handles, "forward") if overlap else ready
         o = acc / l[..., None]
@@ -152,13 +182,15 @@ class RingAttention(Function):
         block = np.stack([k, v, np.zeros_like(k), np.zeros_like(v)])  # K, V, dK, dV travel together
         for j in range(C):
             owner = (r - j) % C
-            kb, vb = block[0], block[1]
-            s = _scores(q, kb, pos_q, positions(owner, C, T, self.layout), self.scale)
-            p = np.exp(s - lse[..., None])                            # the softmax, recomputed
-            block[3] += np.swapaxes(p, -1, -2) @ do                   # dV
-            ds = p * (do @ np.swapaxes(vb, -1, -2) - D[..., None])
-            dq += (ds @ kb) * self.scale
-            block[2] += (np.swapaxes(ds, -1, -2) @ q) * self.scale    # dK
+            kb, vb, dk, dv = block
+            for a, b, mask in sub_blocks(pos_q, positions(owner, C, T, self.layout)):
+                qa, da = q[..., a, :], do[..., a, :]
+                p = np.exp(_scores(qa, kb[..., b, :], mask, self.scale) - lse[..., a, None])  # P again
+                dv[..., b, :] += np.swapaxes(p, -1, -2) @ da
+                ds = p * (da @ np.swapaxes(vb[..., b, :], -1, -2) - D[..., a, None])
+                dq[..., a, :] += (ds @ kb[..., b, :]) * self.scale
+                dk[..., b, :] += (np.swapaxes(ds, -1, -2) @ qa) * self.scale
+                BLOCKS["backward"] += 1
             outgoing = block if j < C - 1 else block[2:]              # the last pass: dK, dV home
             if C > 1:
                 got = _finish(_ring_step(group, np.ascontiguousarray(outgoing)), "backward")

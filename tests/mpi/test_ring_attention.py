@@ -40,6 +40,7 @@ def test_output_and_gradients_equal_full_attention(groups, cp, layout):
     mine = ra.positions(g.rank, g.size, T, layout)
     local = [Tensor(x[..., mine, :].copy(), requires_grad=True) for x in (q, k, v)]
     comm.reset_traffic()
+    ra.BLOCKS.update(forward=0, backward=0)
     out = ra.ring_attention(*local, g, layout)
     out.backward(do[..., mine, :])
     got = [out.data] + [t.grad for t in local]
@@ -53,6 +54,9 @@ def test_output_and_gradients_equal_full_attention(groups, cp, layout):
     # elements: forward 2n(C-1) (K, V), backward 2n(C-1) (K, V) + 2nC (dK, dV), n = B H t hs
     assert sends.get("bytes_sent", 0) == (2 * (C - 1) * 2 + (C if C > 1 else 0) * 2) * B * H * t * HS * 8 \
         + sends.get("calls", 0) * HEADER_BYTES
+    assert (sends.get("calls", 0), sends.get("bytes_sent", 0)) == ra.ring_traffic(B * H * t * HS, C, 8)
+    # the sub-blocks computed: the fully masked ones skipped, as many in backward as forward
+    assert ra.BLOCKS == {"forward": ra.blocks(g.rank, C, T, layout), "backward": ra.blocks(g.rank, C, T, layout)}
 
 
 def test_the_sequence_must_split_into_2cp_chunks():
@@ -72,3 +76,14 @@ def test_zigzag_balances_the_causal_work(C):
     assert zig == [T * (T + 1) // (2 * C)] * C
     assert flat == [4 * r * c * c + c * (2 * c + 1) for r in range(C)]
     assert sum(flat) == sum(zig) == T * (T + 1) // 2
+
+
+@pytest.mark.parametrize("C", [1, 2, 3, 4, 8])
+def test_sub_blocks_computed_per_rank(C):
+    """The c x c sub-blocks of scores a rank computes per pass (the rest are fully masked and
+    skipped): 2C - 1 below the diagonal and 2 on it under zig-zag, on every rank; 4r + 3 on
+    rank r under the contiguous split, so its last rank works (4C - 1)/3 times its first."""
+    T = 4 * C
+    assert [ra.blocks(r, C, T, "zigzag") for r in range(C)] == [2 * C + 1] * C
+    assert [ra.blocks(r, C, T, "contiguous") for r in range(C)] == [4 * r + 3 for r in range(C)]
+    assert sum(ra.blocks(r, C, T, "contiguous") for r in range(C)) == C * (2 * C + 1)
