@@ -15,7 +15,7 @@ import numpy as np
 
 from minipar import comm, data, draw, plan, precision
 from minipar.optim import AdamW
-from minipar.parallel import data_parallel, pipeline, schedules, sequence_parallel, tensor_parallel, zero, zero_bubble
+from minipar.parallel import context_parallel, data_parallel, pipeline, schedules, sequence_parallel, tensor_parallel, zero, zero_bubble
 from minipar.perf import human_bytes
 
 
@@ -107,6 +107,8 @@ def mechanisms(s) -> str:
                    + (" with sequence parallelism" if a.sp else ""))
     elif a.sp:
         out.append("sequence parallelism over tp 1 (nothing to split)")
+    if g.cp_size > 1:
+        out.append(f"context parallelism over {g.cp_size} ranks ({a.cp_layout} ring attention)")
     if g.pp_size > 1:
         out.append(f"pipeline parallelism over {g.pp_size} stages "
                    f"({a.schedule}, {a.micro_batches} micro-batches)")
@@ -147,7 +149,9 @@ def describe(s) -> list[str]:
         lines.append(f"  hosts: {w.n_nodes}, " + "; ".join(
             f"{name}: ranks {', '.join(str(q) for q, n in enumerate(w.nodes) if n == h)}"
             for h, name in enumerate(w.hosts)))
-        for axis, group in (("dp", g.dp_group), ("tp", g.tp_group), ("pp", g.pp_group)):
+        for axis, group in (("dp", g.dp_group), ("cp", g.cp_group), ("tp", g.tp_group), ("pp", g.pp_group)):
+            if group is None:
+                continue
             if comm.spans_hosts(group):
                 lines.append(f"  {axis} group of rank 0: {group.size} ranks on {group.n_nodes} hosts: "
                              f"its all-reduces, reduce-scatters and all-gathers above "
@@ -168,6 +172,13 @@ def describe(s) -> list[str]:
                          f"{T // g.tp_size} of the {T} positions of every sequence (LayerNorms, "
                          f"residual stream, embeddings); f and g all-gather and reduce-scatter "
                          f"along the sequence")
+    if g.cp_size > 1:
+        C = g.cp_size
+        lines.append(f"  context parallel: each cp rank holds {T // C} of the {T} positions of every "
+                     f"sequence ({a.cp_layout}: this rank "
+                     + ", ".join(f"{p[0]}..{p[-1]}" for p in np.split(s.context.positions(T), 2))
+                     + f"); attention by ring attention, K and V passing round {C} ranks; gradients "
+                       f"summed over dp x cp = {g.grad_group.size} rank(s)")
     if s.pipe is not None:
         pp, V = g.pp_size, a.virtual_stages
         held = [schedules.rank_layers(cfg.n_layer, r, pp, V) for r in range(pp)]
@@ -179,12 +190,13 @@ def describe(s) -> list[str]:
                      + f"); {a.schedule} schedule over {M} micro-batch(es), bubble in theory "
                        f"{s.pipe.bubble_theory:.3f}")
     if a.zero:
-        lines.append(f"  ZeRO stage {a.zero} over {dp} dp rank(s): "
+        shards = g.grad_group.size
+        lines.append(f"  ZeRO stage {a.zero} over {shards} rank(s) (dp x cp): "
                      + {1: "optimizer state", 2: "optimizer state and gradients",
                         3: "optimizer state, gradients and parameters"}[a.zero]
                      + f" sharded in {len(s.sync.units)} units (wte, each block, the rest), "
                        f"each padded to a "
-                       f"multiple of {dp} ({s.sync.padding} padding elements on this rank)")
+                       f"multiple of {shards} ({s.sync.padding} padding elements on this rank)")
     lines.append(f"  batch: {B} x {T} tokens; each dp rank {B // dp} sequences in "
                  f"{M} micro-batch(es) of "
                  f"{B // dp // M}")
@@ -238,7 +250,8 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
     per_rank = memory_per_rank(g.world, mem)                 # collective over the world
     P_bytes = sum(p.data.nbytes for p in model.parameters())
     grad_sync = float(np.mean([r["grad_sync_bytes"] for r in rows_log]))
-    theory = 2 * (dp - 1) / dp * P_bytes
+    n_sum = g.grad_group.size                                # the ranks gradients are summed over: dp x cp
+    theory = 2 * (n_sum - 1) / n_sum * P_bytes
     exposed = float(np.mean([r["exposed_comm_s"] for r in rows_log]))
     step_time = float(np.mean([r["step_time"] for r in rows_log]))
     summary = {"summary": True, "params_count": model.num_params(), "steps": steps_run,
@@ -247,7 +260,7 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
                "tokens_per_s": B * T * steps_run / elapsed,
                "mfu": s.flops_step * steps_run / elapsed / s.peak,
                "peak_flops": s.peak, "seconds": elapsed, "memory": mem, "memory_per_rank": per_rank,
-               "layout": {"dp": dp, "tp": g.tp_size, "pp": pp, "zero": a.zero},
+               "layout": {"dp": dp, "cp": g.cp_size, "tp": g.tp_size, "pp": pp, "zero": a.zero},
                "data_parallel": {"mode": f"zero{a.zero}" if a.zero else
                                  a.dp_mode if s.has_dp else None,
                                  "buckets": len(sync.units) if a.zero else
@@ -306,7 +319,8 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
                      f"(ratio {ratio:.3f}); exposed comm "
                      f"{exposed * 1e3:.1f} ms/step ({exposed / step_time:.0%} of the step)")
     if digest is not None:
-        lines.append(f"  replicas identical across {dp} dp ranks (weights sha256 {digest})")
+        lines.append(f"  replicas identical across {n_sum} " + ("dp" if g.cp_size == 1 else "dp x cp")
+                     + f" ranks (weights sha256 {digest})")
     if g.world.n_nodes > 1:
         summary["hosts"] = hosts_summary(g, rows_log)
         lines.append(hosts_line(summary["hosts"]))
@@ -337,10 +351,13 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
     if g.tp_size > 1:
         summary["tensor_parallel"], line = tensor_parallel_summary(s, rows_log, tp_ledger)
         lines.append(line)
+    if g.cp_size > 1:
+        summary["context_parallel"], line = context_parallel.summary(s, rows_log)
+        lines.append(line)
     if a.save:
-        writers = s.world if a.zero else s.world // dp                # see checkpoint.save_run
+        writers = s.world if a.zero else s.world // n_sum             # see checkpoint.save_run
         who = ("one process" if s.world == 1 else "every rank" if writers == s.world
-               else "dp rank 0 of each (tp, pp)")
+               else "dp rank 0 of each (tp, pp)" if g.cp_size == 1 else "dp rank 0, cp rank 0 of each (tp, pp)")
         lines.append(f"  checkpoint: {a.save} (step {a.steps}): model.npz and "
                      f"{writers} optimizer shard(s) in "
                      f"{a.save}/optim, written by {who}")

@@ -158,7 +158,7 @@ def train_step(s: Session, step: int) -> dict:
     scaler = opt.scaler if args.precision != "fp32" else None
     scale = scaler.scale if scaler is not None else 1.0
     t0 = time.perf_counter()
-    sent0, inter0 = sent_by_axis(), sent_by_axis("bytes_sent_inter")
+    sent0, inter0, waited0 = sent_by_axis(), sent_by_axis("bytes_sent_inter"), context_parallel.waited()
     lr = lr_at(step, args.lr, args.lr_schedule, args.warmup, args.steps, args.min_lr)
     opt.lr = lr
     sync.zero_grad()
@@ -207,7 +207,8 @@ def train_step(s: Session, step: int) -> dict:
             "tp_bytes": step_sent.get("tp", 0), "zero_bytes": step_sent.get("zero", 0),
             "bytes_by_axis": {str(axis): n for axis, n in step_sent.items() if n},
             "inter_host_bytes_by_axis": {str(axis): n for axis, n in step_inter.items() if n},
-            "exposed_comm_s": sync.exposed_seconds, "step_time": dt, "loss_scale": scale,
+            "exposed_comm_s": sync.exposed_seconds, "cp_wait_s": context_parallel.waited() - waited0,
+            "step_time": dt, "loss_scale": scale,
             "skipped": skipped}
 
 

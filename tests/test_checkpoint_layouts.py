@@ -56,7 +56,7 @@ def test_dp4_zero2_resumes_on_tp2_pp2(tmp_path):
     d, a, b = str(tmp_path / "ck"), str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
     ok(mpirun(4, *F64, "--zero", "2", "--steps", "3", "--save", d))
     meta = json.load(open(os.path.join(d, "meta.json")))
-    assert meta["format"] == 2 and meta["layout"] == {"dp": 4, "tp": 1, "pp": 1, "zero": 2}, meta["layout"]
+    assert meta["format"] == 2 and meta["layout"] == {"dp": 4, "cp": 1, "tp": 1, "pp": 1, "zero": 2}, meta["layout"]
     shards = meta["optimizer"]["shards"]
     assert sorted(shards) == [checkpoint.shard_name(r) for r in range(4)] == sorted(
         "optim/" + f for f in os.listdir(os.path.join(d, "optim"))), shards
@@ -82,6 +82,24 @@ def test_dp4_zero3_resumes_on_one_process_without_zero(tmp_path):
     run_tiny(*tiny, *F64, "--steps", "6", "--resume", d, "--log", b)
     run_tiny(*tiny, *F64, "--steps", "6", "--log", a)
     assert_resumed_equals_uninterrupted(b, a, 3, "dp4 zero3 -> 1 process, zero 0")
+
+
+def test_cp2_dp2_zero1_resumes_on_cp4_and_on_tp2_cp2(tmp_path):
+    """Context parallelism holds whole parameters on each cp rank and ZeRO shards over
+    dp x cp: four shards from dp 2 x cp 2 -> cp 4 (no dp, no ZeRO) and -> tp 2 x cp 2, each
+    equal to the uninterrupted run in its layout. Without ZeRO only dp 0, cp 0 writes."""
+    d, e = str(tmp_path / "ck"), str(tmp_path / "ck0")
+    ok(mpirun(4, *F64, "--cp", "2", "--zero", "1", "--steps", "3", "--save", d))
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    assert meta["layout"] == {"dp": 2, "cp": 2, "tp": 1, "pp": 1, "zero": 1}, meta["layout"]
+    assert len(meta["optimizer"]["shards"]) == 4
+    for target in (["--cp", "4"], ["--cp", "2", "--tp", "2", "--cp-layout", "contiguous"]):
+        a, b = str(tmp_path / f"a{len(target)}.jsonl"), str(tmp_path / f"b{len(target)}.jsonl")
+        ok(mpirun(4, *F64, *target, "--steps", "6", "--resume", d, "--log", b))
+        ok(mpirun(4, *F64, *target, "--steps", "6", "--log", a))
+        assert_resumed_equals_uninterrupted(b, a, 3, f"dp2 cp2 zero1 -> {' '.join(target)}")
+    ok(mpirun(4, *F64, "--cp", "2", "--steps", "3", "--save", e))
+    assert len(json.load(open(os.path.join(e, "meta.json")))["optimizer"]["shards"]) == 1
 
 
 def test_fp16_dp2_zero1_resumes_on_one_process_with_the_loss_scaler(tmp_path):
