@@ -34,8 +34,9 @@ from minipar import plot_timeline
 
 DPI = 100
 FORMATS = ("png", "svg", "pdf")
-AXES = ("dp", "tp", "pp", "zero", "world")          # the process grid's group axes (§5)
-AXIS_COLORS = {"dp": "#4c78a8", "tp": "#f58518", "pp": "#54a24b", "zero": "#e45756", "world": "#b279a2"}
+AXES = ("dp", "cp", "tp", "pp", "zero", "world")    # the process grid's group axes (§5)
+AXIS_COLORS = {"dp": "#4c78a8", "cp": "#72b7b2", "tp": "#f58518", "pp": "#54a24b", "zero": "#e45756",
+               "world": "#b279a2"}
 STATES = ("params", "grads", "optimizer")          # model states, stacked in the memory figure
 STATE_COLORS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b"}
 NO_MATPLOTLIB = "minipar.plot: matplotlib is not installed; pip install -e '.[plot]' (or make install)"
@@ -149,7 +150,7 @@ def describe(summary: dict | None) -> str | None:
     if not summary or "layout" not in summary:
         return None
     lay = summary["layout"]
-    parts = [f"{a}{lay[a]}" for a in ("dp", "tp", "pp") if lay.get(a, 1) > 1]
+    parts = [f"{a}{lay[a]}" for a in ("dp", "cp", "tp", "pp") if lay.get(a, 1) > 1]
     parts += [f"zero{lay['zero']}"] if lay.get("zero") else []
     mode = (summary.get("precision") or {}).get("mode", "fp32")
     return " ".join(parts or ["1 process"]) + ("" if mode == "fp32" else f" {mode}")
@@ -267,7 +268,7 @@ def draw_comm(runs: list[Run], note):
         top = max(np.nanmax(sum(by_axis.values())), np.nanmax(total) if total is not None else 0)
         if not top > 0:
             lay = (run.summary or {}).get("layout", {})
-            one = lay.get("dp", 1) * lay.get("tp", 1) * lay.get("pp", 1) == 1
+            one = lay.get("dp", 1) * lay.get("cp", 1) * lay.get("tp", 1) * lay.get("pp", 1) == 1
             message(ax, "nothing sent" + (": one process" if one else ""))
             continue
         scale, unit = byte_unit(top)

@@ -3,7 +3,7 @@ messages, the pipeline timeline of one step, and the checks that make it a valid
 minipar.plot and minipar.explain draw from these; the tests check with them.
 
     t = load("trace.json")
-    processes(t)            {pid: {"name", "rank", "dp", "tp", "pp"}}
+    processes(t)            {pid: {"name", "rank", "dp", "cp", "tp", "pp"}}
     spans(t, cat="comm")    the "X" events (and async "b" begins, with "end"/"dur" filled in)
     problems(t)             [] for a valid trace, else one line per problem
     comm_bytes(t)           {pid: {axis: {"calls", "bytes_sent", "bytes_recv"}}} from the events
@@ -18,7 +18,7 @@ import json
 import re
 from collections import defaultdict
 
-_NAME = re.compile(r"rank (\d+) dp(\d+) tp(\d+) pp(\d+)")
+_NAME = re.compile(r"rank (\d+) dp(\d+)(?: cp(\d+))? tp(\d+) pp(\d+)")      # cp only with --cp
 
 
 def load(path: str) -> dict:
@@ -27,14 +27,14 @@ def load(path: str) -> dict:
 
 
 def processes(trace: dict) -> dict:
-    """{pid: {"name", "rank", "dp", "tp", "pp"}} from the process_name metadata events."""
+    """{pid: {"name", "rank", "dp", "cp", "tp", "pp"}} from the process_name metadata events."""
     out = {}
     for e in trace["traceEvents"]:
         if e.get("ph") == "M" and e.get("name") == "process_name":
             name = e["args"]["name"]
             m = _NAME.fullmatch(name)
-            coords = dict(zip(("rank", "dp", "tp", "pp"), map(int, m.groups()))) if m else \
-                {"rank": e["pid"], "dp": 0, "tp": 0, "pp": 0}
+            coords = dict(zip(("rank", "dp", "cp", "tp", "pp"), (int(g or 0) for g in m.groups()))) if m else \
+                {"rank": e["pid"], "dp": 0, "cp": 0, "tp": 0, "pp": 0}
             out[e["pid"]] = {"name": name, **coords}
     return out
 
@@ -201,7 +201,7 @@ def pipeline_timeline(trace: dict, step: int | None = None) -> dict:
     its first instruction to its last send done), then the mean over stages. A run without
     --pp is one stage whose span runs from its first forward to its last backward."""
     procs = processes(trace)
-    stage_pid = {p["pp"]: pid for pid, p in procs.items() if p["dp"] == 0 and p["tp"] == 0}
+    stage_pid = {p["pp"]: pid for pid, p in procs.items() if p["dp"] == p["cp"] == p["tp"] == 0}
     all_steps = steps(trace)
     if not all_steps:
         raise ValueError("the trace has no training steps (was it written by minipar.train --trace?)")

@@ -4,11 +4,14 @@ precision matrix through the CLI, each run with --verify.
     python scripts/verify_matrix.py                  # 4 ranks, then 8 (dp2 x tp2 x pp2): 256 runs,
                                                      # about 15 min on 2 cores
     python scripts/verify_matrix.py --ranks 4 --precisions fp32
+    python scripts/verify_matrix.py --match=--cp     # the context-parallel runs only
 
 For 4 ranks every factorisation dp*tp*pp = 4, for 8 ranks dp2 x tp2 x pp2; with each ZeRO
 stage the layout allows (0-3 without a pipeline, 0-2 with one), each schedule when pp > 1,
 each precision, and --recompute full or selective beside each float64 1F1B (or pipeline-free)
-layout. Sequence parallelism: beside each float64 layout with tp > 1, the same with --sp
+layout. Context parallelism (context_parallel): cp 2 and 4, zig-zag and contiguous, alone
+and with dp (each ZeRO stage), tp, pp (four schedules), micro-batches, recomputation and
+fp16/bf16, and on 8 ranks dp x cp x tp, cp x tp x pp, dp x cp x pp. Sequence parallelism: beside each float64 layout with tp > 1, the same with --sp
 (block size 16 divides over tp 2 and 4), with --recompute by ZeRO stage (SP_RECOMPUTE: none,
 selective, full, selective) so that TP+SP and TP+SP+recompute are both covered; and one fp16
 and one bf16 --sp run with pp > 1. The schedules past 1F1B (past_1f1b): beside each
@@ -69,6 +72,35 @@ def cases(ranks, precisions):
                     yield n, flags + ["--sp"]
                 if pp > 1 and schedule == "1f1b" and (precision == "fp32" or zero == 0):
                     yield from past_1f1b(n, dp, tp, pp, zero, precision)
+        yield from context_parallel(n, precisions)
+
+
+def context_parallel(n, precisions):
+    """--cp at the block size (16 tokens: 2 per chunk at cp 4), zig-zag and contiguous: alone,
+    with dp (every ZeRO stage), tp (heads split), pp (1F1B, GPipe, ZB-H1, interleaved),
+    micro-batches and recomputation; on 8 ranks with two other axes at once."""
+    f64 = ["--dtype", "float64"]
+    if n == 4:
+        runs = [["--cp", "4"], ["--cp", "4", "--cp-layout", "contiguous"],
+                ["--cp", "2", "--tp", "2"], ["--cp", "2", "--tp", "2", "--cp-layout", "contiguous"],
+                ["--cp", "2", "--tp", "2", "--recompute", "full"],
+                ["--cp", "2", "--dp", "2", "--micro-batches", "2", "--recompute", "selective"]]
+        runs += [["--cp", "2", "--dp", "2", "--zero", str(z)] + (["--cp-layout", "contiguous"] if z % 2 else [])
+                 for z in (0, 1, 2, 3)]
+        runs += [["--cp", "2", "--pp", "2", "--schedule", s, "--micro-batches", "2"] for s in ("1f1b", "gpipe", "zb-h1")]
+        runs += [["--cp", "2", "--pp", "2", "--n-layer", "4", "--schedule", "interleaved", "--virtual-stages", "2",
+                  "--micro-batches", "2"]]
+        for run in runs:
+            yield n, run + f64
+        for precision in set(precisions) - {"fp32"}:
+            yield n, ["--cp", "2", "--dp", "2", "--zero", "1", "--precision", precision]
+            yield n, ["--cp", "2", "--tp", "2", "--precision", precision]
+    else:
+        for run in (["--dp", "2", "--cp", "2", "--tp", "2", "--zero", "1"],
+                    ["--cp", "2", "--tp", "2", "--pp", "2", "--micro-batches", "2"],
+                    ["--dp", "2", "--cp", "2", "--pp", "2", "--schedule", "zb-h1", "--micro-batches", "2"],
+                    ["--cp", "4", "--tp", "2", "--cp-layout", "contiguous"]):
+            yield n, run + f64
 
 
 def past_1f1b(n, dp, tp, pp, zero, precision):
@@ -94,11 +126,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[4, 8], choices=(4, 8))
     ap.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "bf16"])
+    ap.add_argument("--match", metavar="FLAG", help="only the runs whose flags include FLAG, e.g. --match=--cp")
     args = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MINIPAR_COMM_TIMEOUT="60")
     failed, total, t0, worst = [], 0, time.time(), {}
     trace_file = os.path.join(tempfile.mkdtemp(), "trace.json")
     for n, flags in cases(args.ranks, args.precisions):
+        if args.match and args.match not in flags:
+            continue
         total += 1
         cmd = [MPIRUN, "-n", str(n), sys.executable, "-m", "minipar.train", *TINY, *flags, "--verify",
                "--trace", trace_file]
@@ -118,7 +153,8 @@ def main():
         if not ok:
             failed.append((n, flags, code))
         else:
-            key = ("fp32" if "float64" in flags else "fp16/bf16") + (" --sp" if "--sp" in flags else "")
+            key = ("fp32" if "float64" in flags else "fp16/bf16") + (" --sp" if "--sp" in flags else "") \
+                + (" --cp" if "--cp" in flags else "")
             for k, v in figures.items():
                 worst.setdefault(key, {})[k] = max(v, worst.get(key, {}).get(k, 0.0))
     print(f"{total - len(failed)} of {total} layouts pass --verify ({time.time() - t0:.0f} s); largest relative "
