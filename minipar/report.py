@@ -15,7 +15,8 @@ import numpy as np
 
 from minipar import comm, data, draw, plan, precision
 from minipar.optim import AdamW
-from minipar.parallel import context_parallel, data_parallel, pipeline, schedules, sequence_parallel, tensor_parallel, zero, zero_bubble
+from minipar.parallel import (context_parallel, data_parallel, pipeline, schedules, sequence_parallel,
+                              tensor_parallel, zero, zero_bubble)
 from minipar.perf import human_bytes
 
 
