@@ -80,13 +80,18 @@ def hosts_line(h: dict) -> str:
 
 def placement_warning(g) -> str | None:
     """The tp group should sit inside one host: Megatron's all-reduces are on every layer's
-    critical path. A layout that puts it across hosts runs, with this warning."""
-    if g.tp_size == 1 or g.tp_group.n_nodes == 1:
-        return None
-    return (f"  warning: the tp group of rank {g.rank} spans hosts "
-            f"{', '.join(g.tp_group.hosts)}: every layer's all-reduces cross the link (the "
-            f"summary measures it); place tp inside a host (e.g. mpirun -ppn a multiple of --tp "
-            f"{g.tp_size}, docs/cluster.md)")
+    critical path; so should the cp group, whose ring passes K and V on every layer. A layout
+    that puts either across hosts runs, with this warning."""
+    if g.tp_size > 1 and g.tp_group.n_nodes > 1:
+        return (f"  warning: the tp group of rank {g.rank} spans hosts "
+                f"{', '.join(g.tp_group.hosts)}: every layer's all-reduces cross the link (the "
+                f"summary measures it); place tp inside a host (e.g. mpirun -ppn a multiple of --tp "
+                f"{g.tp_size}, docs/cluster.md)")
+    if g.cp_size > 1 and g.cp_group.n_nodes > 1:
+        return (f"  warning: the cp group of rank {g.rank} spans hosts {', '.join(g.cp_group.hosts)}: "
+                f"every layer's ring messages cross the link; place tp x cp inside a host (mpirun -ppn "
+                f"a multiple of tp x cp = {g.tp_size * g.cp_size})")
+    return None
 
 
 def n_buckets(s) -> int:

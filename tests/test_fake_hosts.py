@@ -46,3 +46,15 @@ def test_tp_across_hosts_warns_and_is_measured(tmp_path):
     assert "warning: the tp group of rank 0 spans hosts h0, h1" in out
     assert summary["hosts"]["tp_spans_hosts"]
     assert rows[-1]["inter_host_bytes_by_axis"]["tp"] == rows[-1]["bytes_by_axis"]["tp"] > 0
+
+
+def test_cp_sits_inside_a_host_and_dp_across(tmp_path):
+    """The grid's order puts cp next to tp: with 2 ranks per host, dp 2 x cp 2 keeps each cp
+    ring inside a host (no ring byte crosses the link, no warning) and only the gradient sum
+    over dp x cp crosses it; --verify holds."""
+    out, (rows, summary), t = run(tmp_path, "--dp", "2", "--cp", "2", "--verify")
+    assert "warning" not in out and summary["verify"]["ok"], out
+    row = rows[-1]
+    assert row["bytes_by_axis"]["cp"] > 0 and "cp" not in row["inter_host_bytes_by_axis"], row
+    assert row["inter_host_bytes_by_axis"]["dp"] > 0
+    assert traceview.audit(t) == []
