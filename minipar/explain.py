@@ -10,6 +10,7 @@ trace on, and draw what the trace recorded, message by message (explain_draw.py 
     reduce               tree.reduce, root 0                    4
     megatron-mlp         f -> c_fc -> gelu -> c_proj -> g, and its backward      tp 2
     1f1b                 python -m minipar.train --pp P, its measured timeline   4 stages
+    ring-attention       RingAttention forward and backward (context parallelism)  cp 4 (2..8)
 
 What runs. The launcher starts `mpirun -n P python -m minipar.explain --worker WHAT` (under
 a timeout, MINIPAR_EXPLAIN_TIMEOUT seconds, 120 by default). Each rank calls the algorithm
@@ -17,6 +18,14 @@ module itself, not the dispatcher of minipar.comm, so the algorithm drawn is the
 whatever the size. The trace records with peek=True: each float64 message sent keeps its
 first and last value (trace.py; Call.note in comm/group.py). Rank 0 writes the trace,
 DIR/explain-WHAT-pP.json, which the launcher reads back and draws.
+
+ring-attention runs ring_attention.RingAttention on P ranks (zig-zag, RING_SHAPE) inside a
+layer span "ring attention", so the trace tells its forward's messages from its backward's;
+its inputs mark each token's position in its first key and last value element
+(explain_read.ring_inputs), and rank 0 adds every rank's counted sub-blocks (BLOCKS) to the
+trace's metadata, gathered outside the trace. Reading it takes ring_attention's formulas,
+whose module imports minipar.comm (and so starts MPI): the launcher imports it only to draw,
+after its mpirun has ended.
 
 How a trace becomes a drawing (decoding the values on the wire, matching and replaying
 the messages): explain_read.py.
@@ -33,12 +42,16 @@ import sys
 import numpy as np
 
 from minipar.explain_read import (COLLECTIVES, ROOT, WHATS, ExplainError, UsageError, collective_picture,
-                                  inputs, mlp_picture, piece_offsets, pipeline_picture)
+                                  RING_MARK, inputs, mlp_picture, piece_offsets, pipeline_picture, ring_inputs,
+                                  ring_picture)
 
 MAX_P = 16
 MAX_BYTES = 1 << 20
 ENCODING = "x_r[j] = (j+1)*M + 2**r, M = 2**p"
+RING_ENCODING = f"k[0,0,i,0] = v[B-1,H-1,i,hs-1] = (i+1)/{RING_MARK} at global position i, else N(0,1) seed 0"
 MLP_SHAPE = (2, 3, 4)           # megatron-mlp: B, T, C (the hidden width is 4C)
+RING_SHAPE = (2, 2, 4, 2)       # ring-attention: B, H, hs, and c tokens per chunk (T = 2 C c)
+RING_MAX_P = 8
 
 
 # --- the workers (under mpirun) -------------------------------------------------------------------
@@ -49,6 +62,8 @@ def work(what: str, n: int, path: str):
     from minipar import comm, trace                                     # noqa: PLC0415
     if what == "megatron-mlp":
         return work_mlp(comm.Group(MPI.COMM_WORLD, axis="tp"), path)
+    if what == "ring-attention":
+        return work_ring(comm.Group(MPI.COMM_WORLD, axis="cp"), path)
     from minipar.comm import doubling, ring, tree                       # noqa: PLC0415
     world = comm.Group(MPI.COMM_WORLD, axis="world")
     p, r = world.size, world.rank
@@ -121,6 +136,40 @@ def work_mlp(group, path: str):
                                f"{np.abs(got - w).max():.3g}")
 
 
+def work_ring(group, path: str):
+    """RingAttention forward and backward of a scalar loss on this rank's zig-zag tokens, one
+    layer span; checked against the single-process attention (ops.CausalSelfAttentionReference)."""
+    from minipar import comm, ops, trace                                # noqa: PLC0415
+    from minipar.parallel import ring_attention as ra                   # noqa: PLC0415
+    from minipar.tensor import Tensor                                   # noqa: PLC0415
+    C, r = group.size, group.rank
+    B, H, hs, c = RING_SHAPE
+    T, layout = 2 * C * c, "zigzag"
+    q, k, v, probe = ring_inputs(B, H, T, hs)                           # (B, H, T, hs) each, on every rank
+    mine = ra.positions(r, C, T, layout)
+    local = [Tensor(a[..., mine, :].copy(), requires_grad=True) for a in (q, k, v)]
+    ra.BLOCKS.update(forward=0, backward=0)
+    trace.start(group, f"rank {r} cp{r}", peek=True)
+    with trace.layer("ring attention"):
+        o = ra.ring_attention(*local, group, layout)
+    loss = ops.sum(ops.mul(o, Tensor(probe[..., mine, :])))
+    loss.backward()
+    with comm.untracked():                                              # not part of the picture
+        counted = comm.all_gather(group, np.array([ra.BLOCKS["forward"], ra.BLOCKS["backward"]], np.int64))
+    trace.finish(group, path, {"what": "ring-attention", "B": B, "H": H, "T": T, "hs": hs, "layout": layout,
+                               "blocks": counted.reshape(C, 2).tolist(), "encoding": RING_ENCODING})
+    # the single-process attention of the whole sequence, on packed qkv (B, T, 3 H hs)
+    qkv = np.concatenate([a.transpose(0, 2, 1, 3).reshape(B, T, H * hs) for a in (q, k, v)], axis=-1)
+    y, cache = ops.CausalSelfAttentionReference.forward(qkv, H)
+    dy = probe.transpose(0, 2, 1, 3).reshape(B, T, H * hs)
+    grads = np.split(ops.CausalSelfAttentionReference.backward(dy, cache), 3, axis=-1)
+    heads = [a.reshape(B, T, H, hs).transpose(0, 2, 1, 3)[..., mine, :] for a in [y] + grads]
+    for name, got, want in zip(("o", "dq", "dk", "dv"), [o.data] + [t.grad for t in local], heads):
+        if not np.allclose(got, want, rtol=1e-12, atol=1e-12):
+            raise ExplainError(f"rank {r}: ring attention's {name} differs from the single-process "
+                               f"attention's by {np.abs(got - want).max():.3g}")
+
+
 # --- 1F1B: the trainer's own trace ------------------------------------------------------------------
 
 def pipeline_argv(p: int, path: str) -> list[str]:
@@ -141,13 +190,14 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m minipar.explain", allow_abbrev=False,
-                 description="Run a collective, Megatron's MLP or a 1F1B pipeline on P ranks (mpirun) with the "
-                             "trace on, and draw each message it sent: in the terminal, as DIR/explain-WHAT-pP.svg "
-                             "and, with resvg_py, .png.",
+                 description="Run a collective, Megatron's MLP, a 1F1B pipeline or ring attention on P ranks "
+                             "(mpirun) with the trace on, and draw each message it sent: in the terminal, as "
+                             "DIR/explain-WHAT-pP.svg and, with resvg_py, .png.",
                  epilog=f"WHAT: {', '.join(WHATS)}")
     ap.add_argument("what", metavar="WHAT", help="what to run and draw (below)")
     ap.add_argument("--p", type=int, metavar="P",
-                    help="ranks [4; 5 for recursive-doubling, to show its fix-up; 2 for megatron-mlp]")
+                    help="ranks [4; 5 for recursive-doubling, to show its fix-up; 2 for megatron-mlp; "
+                         f"ring-attention 2..{RING_MAX_P}]")
     ap.add_argument("--out", default=".", metavar="DIR", help="where the drawings and the trace go [.]")
     ap.add_argument("--bytes", type=int, metavar="N",
                     help="the collectives' message size, a multiple of 8 [64*P: 8 float64 per rank]")
@@ -164,6 +214,8 @@ def settle(args) -> tuple[str, int, int]:
     p = WHATS[what].default_p if args.p is None else args.p
     if not 2 <= p <= MAX_P:
         raise UsageError(f"--p {p}: need 2 <= P <= {MAX_P}")
+    if what == "ring-attention" and p > RING_MAX_P:
+        raise UsageError(f"--p {p}: ring-attention draws 2 <= P <= {RING_MAX_P} ranks")
     hidden = 4 * MLP_SHAPE[2]
     if what == "megatron-mlp" and hidden % p:
         raise UsageError(f"--p {p}: megatron-mlp splits the hidden width 4C = {hidden}; P must divide it")
@@ -243,6 +295,9 @@ def draw(path: str, out: str) -> list[str]:
     if what == "1f1b":
         pic, problems = pipeline_picture(trace), []
         text, svg = explain_draw.pipeline_text(pic), explain_draw.pipeline_svg(pic)
+    elif what == "ring-attention":
+        pic = ring_picture(trace)
+        problems, text, svg = pic.problems, explain_draw.ring_text(pic), explain_draw.ring_svg(pic)
     elif what == "megatron-mlp":
         pic = mlp_picture(trace)
         problems, text, svg = pic.problems, explain_draw.mlp_text(pic), explain_draw.mlp_svg(pic)

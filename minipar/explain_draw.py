@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from minipar.draw import _esc, ascii_gantt, timeline_svg
-from minipar.explain_read import piece_of, ranks_text
+from minipar.explain_read import RING_MARK, piece_of, ranks_text
 
 PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#ff9da6",
            "#9d755d", "#bab0ac"]
@@ -254,6 +254,252 @@ def pipeline_text(tl) -> str:
 
 def pipeline_svg(tl) -> str:
     return timeline_svg(tl["timeline"], tl["n_stages"], title=tl["title"])
+
+
+# --- ring attention ------------------------------------------------------------------------------
+# Three panels from one RingPicture (explain_read.ring_picture): (a) which chunks each rank keeps,
+# zig-zag beside contiguous; (b) the causal score matrix in c x c sub-blocks, each labelled with
+# the rank that computes it and the ring step; (c) the ring per step, one arrow per message.
+
+SKIPPED, MASKED = "#eeeeee", "#d0d0d0"
+NODE_R = 13
+
+
+def block_name(m) -> str:
+    """"K,V[3]": what a ring message carries, and whose block ("*": derived, not read)."""
+    return f"{m.carries}[{'?' if m.owner is None else m.owner}]{'' if m.read else '*'}"
+
+
+def ring_caption(pic) -> list[str]:
+    """What the picture reads from the trace and what it derives."""
+    return [
+        "Read from the trace: each message's sender, receiver, bytes (payload + the 128 B header) and order; "
+        "the pass, from the layer span that holds it.",
+        f"K,V[o]: rank o's keys and values, decoded from the message's first and last values "
+        f"(k[0,0,i,0] = v[B-1,H-1,i,hs-1] = (i+1)/{RING_MARK} marks position i); K,V,dK,dV[o]: from its first value "
+        f"(its last is a dV).",
+        "* derived, not read: a dK,dV message carries gradients only; the block it takes home is the one its "
+        "sender held at the last step (step order), and its receiver must own it (checked).",
+        "(b) is derived: the block in hand at each step (read as above) against the rank's own two chunks, the "
+        "sub-blocks whose keys all follow their queries skipped (ring_attention.sub_blocks);",
+        "its counts are checked against ring_attention.blocks() and each rank's BLOCKS counter. Backward "
+        "computes the same sub-blocks at the same steps.",
+    ]
+
+
+def _split_lines(pic) -> list[str]:
+    from minipar.explain_read import chunks_of                         # noqa: PLC0415
+    C, T = pic.C, pic.T
+    out = []
+    for layout in ("zigzag", "contiguous"):
+        owner = {ch: r for r in range(C) for ch in chunks_of(r, C, T, layout)}
+        pairs, blocks = pic.balance[layout]
+        out.append(f"  {layout:<11}" + " ".join(f"r{owner[ch]}" for ch in range(2 * C))
+                   + f"   pairs {' '.join(map(str, pairs))}, sub-blocks {' '.join(map(str, blocks))}")
+    return out
+
+
+def ring_text(pic) -> str:
+    """The terminal version: the split, the score matrix, each step's messages."""
+    C = pic.C
+    out = [pic.title, "", f"(a) the sequence in {2 * C} chunks: the rank that keeps each", *_split_lines(pic), "",
+           "(b) sub-block (query chunk, key chunk): rNsJ computed by rank N at ring step J; . skipped"]
+    out.append("      " + " ".join(f"k{b:<4}" for b in range(2 * C)))
+    for a in range(2 * C):
+        cells = [f"r{pic.cells[(a, b)][0]}s{pic.cells[(a, b)][1]}" if (a, b) in pic.cells else "."
+                 for b in range(2 * C)]
+        out.append(f"  q{a:<3}" + " ".join(f"{c:<5}" for c in cells))
+    for name, counts in pic.blocks.items():
+        out.append(f"  sub-blocks per rank, {name}: {' '.join(map(str, counts))}")
+    out += ["", "(c) the ring: at step j rank r sends the block of rank r-j to rank r+1"]
+    for m in pic.messages:
+        out.append(f"  {m.pas:<8} step {m.step}: {m.src} -> {m.dst} {block_name(m):<16} {m.nbytes} B")
+    out += ["", *ring_caption(pic)]
+    out += [f"PROBLEM: {line}" for line in pic.problems]
+    return "\n".join(out)
+
+
+def _text(x, y, text, extra=""):
+    return f'<text x="{x:.1f}" y="{y:.1f}"{extra}>{_esc(text)}</text>'
+
+
+def _split_svg(pic, x0, y0):
+    """(a): two bars of 2C chunks, coloured by the rank that keeps each. -> (svg, bottom y)."""
+    from minipar.explain_read import chunks_of                         # noqa: PLC0415
+    C, T = pic.C, pic.T
+    cw, h = (44 if C <= 4 else 34), 24
+    out = [_text(10, y0, f"(a) the split: T = {T} tokens in 2C = {2 * C} chunks of c = {T // (2 * C)}; "
+                         f"rank i keeps chunks i and 2C-1-i (zig-zag), or 2i and 2i+1 (contiguous)", BOLD)]
+    y = y0 + 26
+    out += [_text(x0 + ch * cw + cw / 2, y, str(ch), ' text-anchor="middle" fill="#555555"') for ch in range(2 * C)]
+    for i, layout in enumerate(("zigzag", "contiguous")):
+        top = y + 8 + i * (h + 10)
+        owner = {ch: r for r in range(C) for ch in chunks_of(r, C, T, layout)}
+        out.append(_text(10, top + 16, "zig-zag" if layout == "zigzag" else layout,
+                         BOLD if layout == pic.layout else ""))
+        for ch in range(2 * C):
+            fill = colour(owner[ch], C)
+            out += [f'<rect x="{x0 + ch * cw:.1f}" y="{top}" width="{cw - 2}" height="{h}" fill="{fill}" '
+                    f'fill-opacity="0.55" stroke="{fill}"/>',
+                    _text(x0 + ch * cw + cw / 2 - 1, top + 16, f"r{owner[ch]}", ' text-anchor="middle"')]
+        pairs, blocks = pic.balance[layout]
+        out.append(_text(x0 + 2 * C * cw + 14, top + 16, f"(query, key) pairs per rank {' '.join(map(str, pairs))}; "
+                                                         f"sub-blocks {' '.join(map(str, blocks))}"))
+    return out, y + 8 + 2 * (h + 10)
+
+
+def _matrix_svg(pic, x0, y0):
+    """(b): the 2C x 2C causal score matrix in sub-blocks, rank and step in each. -> (svg, width, bottom)."""
+    from minipar.explain_read import chunks_of                         # noqa: PLC0415
+    C = pic.C
+    s = 40 if C <= 4 else 32
+    owner = {ch: r for r in range(C) for ch in chunks_of(r, C, pic.T, pic.layout)}
+    out = [_text(10, y0, "(b) the causal scores in c x c sub-blocks: the rank that computes each (colour, rN) "
+                         "and the ring step (sJ)", BOLD)]
+    top, left = y0 + 34, x0 + 36
+    out.append(_text(left, top - 20, "key chunk", ' fill="#555555"'))
+    for b in range(2 * C):
+        out.append(_text(left + b * s + s / 2, top - 5, f"k{b}", ' text-anchor="middle" font-size="11"'))
+    for a in range(2 * C):
+        y = top + a * s
+        out.append(_text(left - 6, y + s / 2 + 4, f"q{a} r{owner[a]}",
+                         f' text-anchor="end" font-size="11" fill="{colour(owner[a], C)}"' + BOLD))
+        for b in range(2 * C):
+            out += _cell_svg(pic, left + b * s, y, s, a, b)
+    width = left + 2 * C * s - x0
+    return out, width, top + 2 * C * s
+
+
+def _cell_svg(pic, x, y, s, a, b):
+    if (a, b) not in pic.cells:
+        return [f'<rect x="{x:.1f}" y="{y:.1f}" width="{s - 1}" height="{s - 1}" fill="{SKIPPED}">'
+                f'<title>q{a} x k{b}: skipped (every key after every query)</title></rect>']
+    r, j = pic.cells[(a, b)]
+    fill = colour(r, pic.C)
+    out = [f'<rect x="{x:.1f}" y="{y:.1f}" width="{s - 1}" height="{s - 1}" fill="{fill}" fill-opacity="0.45">'
+           f'<title>q{a} x k{b}: rank {r}, step {j}</title></rect>']
+    if (a, b) in pic.masked:                    # a chunk against itself: the upper triangle masked
+        out.append(f'<polygon points="{x + 1:.1f},{y:.1f} {x + s - 1:.1f},{y:.1f} {x + s - 1:.1f},{y + s - 2:.1f}" '
+                   f'fill="{MASKED}"/>')
+    out += [_text(x + 3, y + s / 2, f"r{r}", ' font-size="11" font-weight="bold"'),
+            _text(x + 3, y + s / 2 + 12, f"s{j}", ' font-size="11"')]
+    return out
+
+
+def _tally_svg(pic, x, y):
+    """Beside (b): each rank's sub-blocks per step, and the three counts that must agree.
+    -> (svg, bottom y)."""
+    C = pic.C
+    out = [_text(x, y - 20, "at step j rank r holds the K, V of rank r-j mod C"),
+           _text(x, y, "sub-blocks each rank computes, by step", BOLD)]
+    for r in range(C):
+        per = [sum(1 for cell in pic.cells.values() if cell == (r, j)) for j in range(C)]
+        out.append(_text(x, y + 20 * (r + 1), f"rank {r}: " + " + ".join(f"{k} (s{j})" for j, k in enumerate(per))
+                         + f" = {sum(per)}", f' fill="{colour(r, C)}"' + BOLD))
+    y += 20 * (C + 1) + 8
+    for i, (name, counts) in enumerate(pic.blocks.items()):
+        what = {"picture": "in this picture", "formula": "ring_attention.blocks()",
+                "measured forward": "counted in forward (BLOCKS)",
+                "measured backward": "counted in backward (BLOCKS)"}[name]
+        out.append(_text(x, y + 18 * i, f"{what}: {' '.join(map(str, counts))}"))
+    y += 18 * len(pic.blocks) + 10
+    out += [f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{SKIPPED}" stroke="#bbbbbb"/>',
+            _text(x + 18, y, "skipped: every key comes after every query"),
+            f'<polygon points="{x},{y + 8} {x + 12},{y + 8} {x + 12},{y + 20}" fill="{MASKED}"/>',
+            _text(x + 18, y + 20, "masked half of a chunk against itself")]
+    return out, y + 24
+
+
+def _arrow(cx, cy, R, t0, t1, fill, label, anchor_out=16):
+    """An arc of the ring from angle t0 to t1 (radians, clockwise on screen), an arrowhead at
+    its end, and a two-line label outside its middle."""
+    import math                                                         # noqa: PLC0415
+    x0, y0 = cx + R * math.cos(t0), cy + R * math.sin(t0)
+    x1, y1 = cx + R * math.cos(t1), cy + R * math.sin(t1)
+    large = 1 if (t1 - t0) % (2 * math.pi) > math.pi else 0
+    tx, ty = -math.sin(t1), math.cos(t1)                              # the tangent, clockwise
+    nx, ny = math.cos(t1), math.sin(t1)
+    head = [(x1 + 1.5 * tx, y1 + 1.5 * ty), (x1 - 9 * tx + 4.5 * nx, y1 - 9 * ty + 4.5 * ny),
+            (x1 - 9 * tx - 4.5 * nx, y1 - 9 * ty - 4.5 * ny)]
+    out = [f'<path d="M {x0:.1f} {y0:.1f} A {R} {R} 0 {large} 1 {x1:.1f} {y1:.1f}" fill="none" stroke="{fill}" '
+           f'stroke-width="2.5"/>',
+           '<polygon points="' + " ".join(f"{px:.1f},{py:.1f}" for px, py in head) + f'" fill="{fill}"/>']
+    mid = (t0 + t1) / 2 if t1 > t0 else (t0 + t1 + 2 * math.pi) / 2
+    lx, ly = cx + (R + anchor_out) * math.cos(mid), cy + (R + anchor_out) * math.sin(mid)
+    anchor = "start" if math.cos(mid) > 0.3 else "end" if math.cos(mid) < -0.3 else "middle"
+    dy = -6 if math.sin(mid) < -0.3 else 10 if math.sin(mid) > 0.3 else 2
+    for k, line in enumerate(label):
+        out.append(_text(lx, ly + dy + 12 * k - 6, line, f' text-anchor="{anchor}" font-size="11"'
+                         + (BOLD if k == 0 else "")))
+    return out
+
+
+def _ring_step_svg(pic, pas, j, cx, cy, R):
+    """One step of one pass: the C ranks on a circle, one arrow per message sent."""
+    import math                                                         # noqa: PLC0415
+    C = pic.C
+    angle = [-math.pi / 2 + 2 * math.pi * r / C for r in range(C)]
+    gap = (NODE_R + 5) / R
+    out = [f'<circle cx="{cx}" cy="{cy}" r="{R}" fill="none" stroke="#e4e4e4"/>',
+           _text(cx, cy + 5, f"step {j}", ' text-anchor="middle" fill="#555555" font-size="13"')]
+    for m in (m for m in pic.messages if m.pas == pas and m.step == j):
+        t0, t1 = angle[m.src] + gap, angle[m.dst] - gap
+        if m.dst != (m.src + 1) % C:                                    # off the ring: a straight line
+            t1 = t0 + 0.5
+        fill = colour(m.owner, C) if m.owner is not None else RANGE
+        out += _arrow(cx, cy, R, t0, t1 if t1 > t0 else t1 + 2 * math.pi, fill, [block_name(m), f"{m.nbytes} B"])
+    for r in range(C):
+        x, y = cx + R * math.cos(angle[r]), cy + R * math.sin(angle[r])
+        out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{NODE_R}" fill="white" stroke="{colour(r, C)}" '
+                f'stroke-width="3"/>',
+                _text(x, y + 4, f"{r}", ' text-anchor="middle" font-weight="bold"')]
+    return out
+
+
+def _ring_svg(pic, y0, per_row, cell_w, R):
+    """(c): every step of forward, then of backward, a ring each, per_row to a row. -> (svg, bottom)."""
+    out = [_text(10, y0, "(c) the ring as the trace recorded it: at step j rank r sends the block of rank r-j "
+                         "to rank r+1 (arrow colour: whose block; ranks 0..C-1 clockwise from the top)", BOLD)]
+    y = y0 + 20
+    for pas in ("forward", "backward"):
+        steps = sorted({m.step for m in pic.messages if m.pas == pas})
+        rows = [steps[i:i + per_row] for i in range(0, len(steps), per_row)] or [[]]
+        what = ("K,V of rank r-j (C-1 steps; the last step computes with what step C-2 brought)"
+                if pas == "forward" else "K,V,dK,dV of rank r-j, then at step C-1 dK,dV home")
+        out.append(_text(10, y + 16, f"{pas}: {what}"))
+        y += 24
+        for row in rows:
+            for i, j in enumerate(row):
+                out += _ring_step_svg(pic, pas, j, 10 + cell_w * i + cell_w / 2, y + R + 34, R)
+            y += 2 * R + 76
+    return out, y
+
+
+def ring_svg(pic) -> str:
+    """The three panels, the caption, and any problem in red."""
+    C = pic.C
+    R = 58 if C <= 4 else 84
+    cell_w = 2 * R + 190
+    per_row = min(C, 4)
+    out, y = _split_svg(pic, 110, 52)
+    matrix, mw, bottom = _matrix_svg(pic, 40, y + 24)
+    tally, tally_bottom = _tally_svg(pic, 40 + mw + 50, y + 70)
+    out += matrix + tally
+    tally_w = 40 + mw + 50 + 62 * CHAR_W
+    rings, y = _ring_svg(pic, max(bottom, tally_bottom) + 34, per_row, cell_w, R)
+    out += rings
+    caption = ring_caption(pic)
+    width = max(20 + per_row * cell_w, tally_w, 20 + len(pic.title) * CHAR_W * 14 / 12,
+                20 + max(map(len, caption)) * CHAR_W)
+    out += [_text(10, y + 18 * i, line) for i, line in enumerate(caption)]
+    y += 18 * len(caption) + 8
+    out += [_text(10, y + 18 * i, f"PROBLEM: {line}", ' fill="#c00000"') for i, line in enumerate(pic.problems)]
+    height = y + 18 * len(pic.problems) + 10
+    head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+            f'font-family="DejaVu Sans Mono, monospace" font-size="12">',
+            f'<rect width="{width:.0f}" height="{height:.0f}" fill="white"/>',
+            f'<text x="10" y="22" font-size="14" font-weight="bold">{_esc(pic.title)}</text>']
+    return "\n".join(head + out + ["</svg>"]) + "\n"
 
 
 # --- PNG ------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ WHATS = {
     "reduce": Spec(f"binomial-tree reduce to rank {ROOT}", 4, "binomial tree", {"+=": "reduce"}),
     "megatron-mlp": Spec("Megatron MLP", 2),
     "1f1b": Spec("1F1B pipeline", 4),
+    "ring-attention": Spec("ring attention", 4),
 }
 COLLECTIVES = [w for w, s in WHATS.items() if s.algorithm]
 
@@ -391,3 +392,246 @@ def pipeline_picture(trace: dict) -> dict:
     tl["title"] = (f"{name} pipeline, p={p} stages, m={m} micro-batches, step {tl['step']} as measured: "
                    f"bubble {tl['bubble']:.3f} (theory (p-1)/(m+p-1) = {tl['theory']:.3f})")
     return tl
+
+
+# --- ring attention: which K, V block each message carries, and who computes which sub-block -----
+#
+# The inputs name their positions: at global position i, the first element of the key and the
+# last element of the value are (i + 1) / RING_MARK (exact in float64), the rest N(0, 1). A
+# K, V message is np.stack([k, v]) of one rank's tokens, so its first value names the sender's
+# block's first position and its last value the block's last: together, the rank whose block it
+# is (ring_attention.positions). In backward the message is K, V, dK, dV: its first value still
+# names the block, its last is a dV (a gradient, no marker); the closing dK, dV message carries
+# gradients only, so the block it takes home is derived, not read (the caption says so).
+
+RING_MARK = 16
+RING_PASSES = ("forward", "backward")
+
+
+def ring_inputs(B: int, H: int, T: int, hs: int):
+    """q, k, v (B, H, T, hs) of the whole sequence and the loss's probe (B, H, T, hs): N(0, 1),
+    seed 0 (the same on every rank), with k[0, 0, i, 0] = v[B-1, H-1, i, hs-1] = (i+1)/RING_MARK."""
+    q, k, v, probe = np.random.default_rng(0).standard_normal((4, B, H, T, hs))
+    mark = (np.arange(T) + 1.0) / RING_MARK
+    k[0, 0, :, 0] = mark
+    v[-1, -1, :, -1] = mark
+    return q, k, v, probe
+
+
+def ring_position(value: float, T: int) -> int:
+    """The global position a marker names; ValueError if the value is no marker."""
+    i = value * RING_MARK - 1
+    if not float(i).is_integer() or not 0 <= i < T:
+        raise ValueError(f"{value!r} is no position marker (i+1)/{RING_MARK}, i in 0..{T - 1}")
+    return int(i)
+
+
+def ring_owner(values: list, C: int, T: int, layout: str) -> int:
+    """The rank whose K, V block a message carries, from its first value (and its last, when
+    given): the rank whose first (and last) position it names. ValueError if none is."""
+    from minipar.parallel.ring_attention import positions               # noqa: PLC0415
+    first = ring_position(values[0], T)
+    last = ring_position(values[1], T) if len(values) > 1 else None
+    for o in range(C):
+        mine = positions(o, C, T, layout)
+        if mine[0] == first and last in (None, mine[-1]):
+            return o
+    ends = f"positions {first} and {last}" if last is not None else f"position {first}"
+    raise ValueError(f"no rank's block starts and ends at {ends}")
+
+
+def chunks_of(rank: int, C: int, T: int, layout: str) -> list[int]:
+    """The two chunks (of 2C, c = T/2C tokens each) rank `rank` keeps, in its order."""
+    from minipar.parallel.ring_attention import positions               # noqa: PLC0415
+    mine = positions(rank, C, T, layout)
+    c = T // (2 * C)
+    return [int(mine[0]) // c, int(mine[c]) // c]
+
+
+@dataclass
+class RingMessage:
+    pas: str                    # "forward" or "backward"
+    step: int                   # the ring step j = 0, 1, ... of its pass on the sender
+    src: int
+    dst: int
+    nbytes: int                 # header and payload, as the trace counted them
+    values: list                # the payload's first and last value (the trace's peek)
+    carries: str = ""           # "K,V", "K,V,dK,dV" or "dK,dV"
+    owner: int | None = None    # the rank whose block it is
+    read: bool = False          # owner decoded from the values (False: derived from the step order)
+
+
+@dataclass
+class RingPicture:
+    C: int
+    T: int
+    layout: str
+    shape: tuple                # (B, H, t, hs) on each rank
+    messages: list              # RingMessage, sends only, by pass, step, sender
+    in_hand: dict               # (pass, rank, step) -> the rank whose K, V block it computes with
+    cells: dict                 # (query chunk, key chunk) -> (rank, step) computing it; absent: skipped
+    masked: set                 # the cells computed with a mask (a chunk against itself)
+    blocks: dict                # "picture", "formula", "measured forward", "measured backward" -> per rank
+    balance: dict               # layout -> ((query, key) pairs, sub-blocks) per rank, by formula
+    title: str
+    problems: list
+
+    @property
+    def n(self) -> int:
+        """B H t hs: the elements of one rank's q (and of its K, of its V)."""
+        B, H, t, hs = self.shape
+        return B * H * t * hs
+
+
+def _ring_calls(trace: dict, C: int, problems: list) -> dict:
+    """(pass, rank) -> {"send": [args], "recv": [args]} in time order: each rank's point-to-point
+    calls, put in the pass whose "ring attention" layer span holds them."""
+    from minipar import traceview                                       # noqa: PLC0415
+    out = {(pas, r): {"send": [], "recv": []} for pas in RING_PASSES for r in range(C)}
+    for r in range(C):
+        spans = {e["args"]["pass"]: e for e in traceview.spans(trace, "layer", r)
+                 if e["args"]["layer"] == "ring attention"}
+        for c in sorted(traceview.spans(trace, "comm", r), key=lambda e: e["ts"]):
+            inside = [p for p, s in spans.items() if s["ts"] - 0.01 <= c["ts"] and c["end"] <= s["end"] + 0.01]
+            if len(inside) != 1 or c["args"]["op"] not in ("send", "recv"):
+                problems.append(f"rank {r}: a {c['args']['op']} at {c['ts']:.1f} us outside the ring attention's "
+                                f"forward and backward")
+                continue
+            out[(inside[0], r)][c["args"]["op"]].append(c["args"])
+    return out
+
+
+def _ring_messages(calls: dict, C: int, problems: list) -> list:
+    """Every send as a RingMessage: its step is its place in its pass on the sender; each receive
+    is matched with the send it takes (between two ranks, in the order posted)."""
+    sent, pending = [], defaultdict(deque)
+    for (pas, r), kinds in calls.items():
+        for j, a in enumerate(kinds["send"]):
+            payload = [m for m in a["messages"] if m[0] == 2]
+            values = payload[0][4:] if payload else []
+            (dst,) = a["peers"]
+            m = RingMessage(pas, j, r, dst, a["bytes_sent"], values)
+            sent.append(m)
+            pending[(pas, r, dst)].append(m)
+    for (pas, r), kinds in sorted(calls.items()):
+        for j, a in enumerate(kinds["recv"]):
+            (src,) = a["peers"]
+            q = pending[(pas, src, r)]
+            if not q:
+                problems.append(f"{pas} step {j}: rank {r} receives from rank {src}, which sent it nothing")
+                continue
+            m = q.popleft()
+            if (m.step, m.nbytes) != (j, a["bytes_recv"]):
+                problems.append(f"{pas}: rank {src} sends {m.nbytes} B to rank {r} at its step {m.step}; "
+                                f"rank {r} receives {a['bytes_recv']} B at its step {j}")
+    problems += [f"{m.pas} step {m.step}: rank {m.src} sends to rank {m.dst}, which never receives it"
+                 for q in pending.values() for m in q]
+    return sorted(sent, key=lambda m: (RING_PASSES.index(m.pas), m.step, m.src))
+
+
+def _read_owners(pic: RingPicture, problems: list):
+    """Each message's block (decoded, or for dK, dV home derived) and each rank's block in hand
+    per step; checked against the ring's order (step j: the block of rank r - j) and the sizes."""
+    from minipar.comm.group import HEADER_BYTES                         # noqa: PLC0415
+    C, T, n = pic.C, pic.T, pic.n
+    by = {(m.pas, m.src, m.step): m for m in pic.messages}
+    for pas in RING_PASSES:
+        pic.in_hand.update({(pas, r, 0): r for r in range(C)})            # step 0: its own K, V
+        for j in range(C - 1 if pas == "forward" else C):               # a step after the step before it
+            for r in range(C):
+                m = by.get((pas, r, j))
+                if m is None:
+                    problems.append(f"{pas} step {j}: rank {r} sends nothing")
+                    continue
+                home = pas == "backward" and j == C - 1
+                m.carries = "dK,dV" if home else "K,V" if pas == "forward" else "K,V,dK,dV"
+                want_bytes = 8 * n * (2 if m.carries != "K,V,dK,dV" else 4) + HEADER_BYTES
+                if m.nbytes != want_bytes:
+                    problems.append(f"{pas} step {j}: rank {r} sends {m.nbytes} B, not {want_bytes} B "
+                                    f"({m.carries} of n = {n} float64 each, and the header)")
+                if home:
+                    m.owner = pic.in_hand.get((pas, r, j))
+                    if m.owner is not None and m.dst != m.owner:
+                        problems.append(f"backward step {j}: rank {r} sends dK, dV of rank {m.owner}'s block "
+                                        f"to rank {m.dst}, not home")
+                    continue
+                try:
+                    m.owner = ring_owner(m.values[:2] if pas == "forward" else m.values[:1], C, T, pic.layout)
+                    m.read = True
+                except (ValueError, IndexError) as err:
+                    problems.append(f"{pas} step {j}: rank {r} -> {m.dst}: {err or 'no values'}")
+                    continue
+                if m.owner != pic.in_hand.get((pas, r, j), m.owner):
+                    problems.append(f"{pas} step {j}: rank {r} passes on the block of rank {m.owner} but "
+                                    f"holds rank {pic.in_hand[(pas, r, j)]}'s")
+                if m.owner != (r - j) % C:
+                    problems.append(f"{pas} step {j}: rank {r} sends the block of rank {m.owner}; the ring's "
+                                    f"step j holds rank r - j = {(r - j) % C}'s")
+                if m.dst != (r + 1) % C:
+                    problems.append(f"{pas} step {j}: rank {r} sends to rank {m.dst}, not to rank {(r + 1) % C}")
+                pic.in_hand[(pas, m.dst, j + 1)] = m.owner
+
+
+def _ring_cells(pic: RingPicture, problems: list):
+    """Which rank computes each (query chunk, key chunk) sub-block, at which step: rank r with the
+    block of rank o in hand computes ring_attention.sub_blocks of its chunks against o's (the
+    fully masked ones skipped). Every causal sub-block must be computed exactly once."""
+    from minipar.parallel.ring_attention import positions, sub_blocks   # noqa: PLC0415
+    C, T, layout = pic.C, pic.T, pic.layout
+    c = T // (2 * C)
+    counts = [0] * C
+    for r in range(C):
+        mine = positions(r, C, T, layout)
+        for j in range(C):
+            o = pic.in_hand.get(("forward", r, j))
+            if o is None:
+                continue
+            theirs = positions(o, C, T, layout)
+            for a, b, mask in sub_blocks(mine, theirs):
+                cell = (int(mine[a][0]) // c, int(theirs[b][0]) // c)
+                if cell in pic.cells:
+                    problems.append(f"sub-block q{cell[0]} x k{cell[1]} computed twice: by rank "
+                                    f"{pic.cells[cell][0]} at step {pic.cells[cell][1]} and rank {r} at step {j}")
+                pic.cells[cell] = (r, j)
+                if mask is not None:
+                    pic.masked.add(cell)
+                counts[r] += 1
+    missing = [(a, b) for a in range(2 * C) for b in range(a + 1) if (a, b) not in pic.cells]
+    if missing:
+        problems.append(f"{len(missing)} causal sub-block(s) computed by no rank, first q{missing[0][0]} x "
+                        f"k{missing[0][1]}")
+    pic.blocks["picture"] = counts
+
+
+def ring_picture(trace: dict) -> RingPicture:
+    """The ring attention worker's trace, read (the comment above): the messages, the block each
+    carries, who computes which sub-block when; and the checks that every count adds up."""
+    from minipar.parallel.ring_attention import LAYOUTS, blocks, pairs, ring_traffic   # noqa: PLC0415
+    meta = trace["otherData"]["minipar"]
+    C, T, layout = meta["world"], meta["T"], meta["layout"]
+    B, H, hs = meta["B"], meta["H"], meta["hs"]
+    problems = []
+    calls = _ring_calls(trace, C, problems)
+    pic = RingPicture(C, T, layout, (B, H, T // C, hs), _ring_messages(calls, C, problems), {}, {}, set(),
+                      {}, {lay: ([pairs(r, C, T, lay) for r in range(C)], [blocks(r, C, T, lay) for r in range(C)])
+                           for lay in LAYOUTS}, "", problems)
+    _read_owners(pic, problems)
+    _ring_cells(pic, problems)
+    pic.blocks["formula"] = pic.balance[layout][1]
+    pic.blocks["measured forward"] = [f for f, _ in meta["blocks"]]
+    pic.blocks["measured backward"] = [b for _, b in meta["blocks"]]
+    for name in ("formula", "measured forward", "measured backward"):
+        if pic.blocks[name] != pic.blocks["picture"]:
+            problems.append(f"sub-blocks per rank: {pic.blocks['picture']} in the picture, "
+                            f"{pic.blocks[name]} by {'ring_attention.blocks' if name == 'formula' else name}")
+    want = ring_traffic(pic.n, C, 8)
+    for r in range(C):
+        mine = [m for m in pic.messages if m.src == r]
+        have = (len(mine), sum(m.nbytes for m in mine))
+        if have != want:
+            problems.append(f"rank {r} sends {have[0]} messages, {have[1]} B; ring_traffic(n={pic.n}, C={C}) "
+                            f"says {want[0]}, {want[1]} B")
+    pic.title = (f"ring attention ({layout}), cp={C}, T={T} in {2 * C} chunks of {T // (2 * C)}, "
+                 f"q k v ({B},{H},{T // C},{hs}) float64 per rank: {C - 1} forward + {C} backward messages "
+                 f"= {want[0]}, {want[1]} B per rank")
+    return pic

@@ -106,6 +106,8 @@ def mechanisms(s) -> str:
     if g.dp_size > 1:
         out.append(f"data parallelism over {g.dp_size} ranks"
                    + (f" with ZeRO stage {a.zero}" if a.zero else f" ({a.dp_mode} all-reduce)"))
+    elif a.zero and g.grad_group.size > 1:
+        out.append(f"ZeRO stage {a.zero} over the {g.grad_group.size} cp ranks")
     elif a.zero:
         out.append(f"ZeRO stage {a.zero} (over a single dp rank: nothing to shard)")
     if g.tp_size > 1:

@@ -7,7 +7,8 @@
    bf16, with --log, --eval-every and --trace; `python -m minipar.plot` overlays their logs
    and draws the fp32 run's pipeline timeline from its trace: docs/img/{loss, throughput,
    comm, memory, timeline}.{png,svg}.
-2. `python -m minipar.explain` for each algorithm it draws: docs/img/explain-*.{svg,png}.
+2. `python -m minipar.explain` for each algorithm it draws, and ring attention on 4 cp ranks:
+   docs/img/explain-*.{svg,png}.
 3. One 4-stage training run per pipeline schedule (8 layers, 8 micro-batches; interleaved
    with 2 virtual stages), its last step drawn by --timeline: docs/img/schedule-*.svg
    (docs/pipeline.md shows them one above the other).
@@ -28,7 +29,7 @@ TRAIN = ["--dp", "2", "--pp", "2", "--zero", "1", "--micro-batches", "4", "--ste
          "--eval-every", "20", "--sample", "0"]
 EXPLAIN = [("ring-all-reduce", 4), ("reduce-scatter", 4), ("all-gather", 4),
            ("recursive-doubling", 5), ("broadcast", 4), ("reduce", 4), ("megatron-mlp", 2),
-           ("1f1b", 4)]
+           ("1f1b", 4), ("ring-attention", 4)]
 SCHEDULE_RUN = ["--pp", "4", "--n-layer", "8", "--micro-batches", "8", "--steps", "6", "--sample", "0"]
 SCHEDULES = [("gpipe", []), ("1f1b", []), ("interleaved", ["--virtual-stages", "2"]), ("zb-h1", []),
              ("zb-h2", [])]

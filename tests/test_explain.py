@@ -230,6 +230,116 @@ def test_1f1b_measured_timeline_theory_and_instructions(tmp_path_factory):
     assert open(os.path.join(out, "explain-1f1b-p3.svg")).read().startswith("<svg")
 
 
+# --- ring attention ----------------------------------------------------------------------------------
+
+def _sends(trace, rank, op="send"):
+    """A rank's point-to-point calls of one kind, in time order, straight from the trace."""
+    return sorted((e for e in traceview.spans(trace, "comm", rank) if e["args"]["op"] == op), key=lambda e: e["ts"])
+
+
+def test_ring_attention_messages_and_blocks_are_the_rings(tmp_path_factory):
+    """ring_attention.py: forward step j = 0..C-2 sends the K, V of rank r-j to rank r+1; backward
+    sends K, V, dK, dV of rank r-j, then dK, dV home: (C-1) + C messages a rank, ring_traffic's bytes.
+    Every causal sub-block is computed once, 2C+1 of them on every rank under zig-zag."""
+    from minipar.comm.group import HEADER_BYTES
+    from minipar.parallel import ring_attention as ra
+    proc, trace, _ = explained("ring-attention", 4, tmp_path_factory)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    C, n = 4, 2 * 2 * 4 * 4                                             # RING_SHAPE: B H t hs, t = T/C = 4
+    for r in range(C):                                                  # the trace itself, before any reading
+        sends = _sends(trace, r)
+        assert len(sends) == (C - 1) + C, (r, len(sends))
+        assert [e["args"]["bytes_sent"] for e in sends] == [8 * 2 * n + HEADER_BYTES] * (C - 1) + \
+            [8 * 4 * n + HEADER_BYTES] * (C - 1) + [8 * 2 * n + HEADER_BYTES], r
+        assert {p for e in sends for p in e["args"]["peers"]} == {(r + 1) % C}
+        assert len(_sends(trace, r, "recv")) == (C - 1) + C
+    pic = explain_read.ring_picture(trace)
+    assert pic.problems == [], pic.problems
+    for r in range(C):
+        mine = [m for m in pic.messages if m.src == r]
+        assert (len(mine), sum(m.nbytes for m in mine)) == ra.ring_traffic(n, C, 8)
+        got = [(m.pas, m.step, m.carries, m.owner, m.read) for m in mine]
+        want = [("forward", j, "K,V", (r - j) % C, True) for j in range(C - 1)] + \
+               [("backward", j, "K,V,dK,dV", (r - j) % C, True) for j in range(C - 1)] + \
+               [("backward", C - 1, "dK,dV", (r + 1) % C, False)]         # derived: home is the next rank
+        assert got == want, f"rank {r}: {got} != {want}"
+    c = pic.T // (2 * C)
+    assert sorted(pic.cells) == [(a, b) for a in range(2 * C) for b in range(a + 1)]
+    for (a, b), (r, j) in pic.cells.items():
+        assert a in (r, 2 * C - 1 - r), (a, b, r)                      # zig-zag: rank r's queries
+        assert b in ((r - j) % C, 2 * C - 1 - (r - j) % C), (a, b, r, j)  # the K, V of rank r - j
+    assert pic.masked == {(a, a) for a in range(2 * C)} and c == 2
+    assert pic.blocks["picture"] == [2 * C + 1] * C == pic.blocks["measured forward"]
+    assert pic.balance["contiguous"][1] == [4 * r + 3 for r in range(C)]
+    T = pic.T
+    assert pic.balance["zigzag"][0] == [T * (T + 1) // (2 * C)] * C   # the same causal pairs on every rank
+    assert pic.balance["contiguous"][0] == [4 * r * c * c + c * (2 * c + 1) for r in range(C)]
+
+
+def test_ring_attention_svg_names_each_rank_and_step(tmp_path_factory):
+    proc, _, out = explained("ring-attention", 4, tmp_path_factory)
+    root = ET.parse(os.path.join(out, "explain-ring-attention-p4.svg")).getroot()
+    texts = ["".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert texts[0] == proc.stdout.splitlines()[0]
+    assert sorted(t.split(":")[0] for t in texts if t.startswith("rank ")) == [f"rank {r}" for r in range(4)], texts
+    assert [texts.count(f"step {j}") for j in range(4)] == [2, 2, 2, 1], texts      # forward 0..2, backward 0..3
+    assert texts.count("K,V[0]") == 3 and texts.count("dK,dV[0]*") == 1, texts     # every message, labelled
+    # "rN": the 2 x 2C chunks of (a), and the 2C(2C+1)/2 computed sub-blocks of (b)
+    assert sum(t.startswith("r") and t[1:].isdigit() for t in texts) == 2 * 8 + 8 * 9 // 2, texts
+    assert not any(t.startswith("PROBLEM") for t in texts)
+    zigzag, contiguous = texts.index("zig-zag"), texts.index("contiguous")       # (a): the two splits
+    assert texts[zigzag + 1:zigzag + 9] == ["r0", "r1", "r2", "r3", "r3", "r2", "r1", "r0"], texts[zigzag:]
+    assert texts[contiguous + 1:contiguous + 9] == ["r0", "r0", "r1", "r1", "r2", "r2", "r3", "r3"], texts
+
+
+def _ring_send(trace, rank, step, pas="forward"):
+    """The args of rank's send at ring step `step` of pass `pas` (forward: its first C-1 sends)."""
+    C = trace["otherData"]["minipar"]["world"]
+    sends = [e for e in trace["traceEvents"] if e.get("cat") == "comm" and e["pid"] == rank and e["ph"] in ("X", "b")
+             and e["args"]["op"] == "send"]
+    return sends[step if pas == "forward" else C - 1 + step]["args"]
+
+
+def test_ring_attention_planted_mistakes_are_reported(tmp_path_factory, tmp_path, monkeypatch):
+    """A K, V message that claims another rank's block, a dK, dV message that never went home,
+    a rank's counted sub-blocks off by one, and a reader whose split gives chunk 1 to rank 0:
+    each is named; the drawing says PROBLEM and the command would exit 1."""
+    from minipar.parallel import ring_attention as ra
+    _, trace, _ = explained("ring-attention", 4, tmp_path_factory)
+    wrong = copy.deepcopy(trace)                    # rank 1, forward step 0: its own K, V (positions 2..13)
+    payload = _ring_send(wrong, 1, 0)["messages"][1]
+    payload[4:6] = [5 / 16, 12 / 16]                # now claims rank 2's block (positions 4..11)
+    problems = explain_read.ring_picture(wrong).problems
+    assert "forward step 0: rank 1 passes on the block of rank 2 but holds rank 1's" in problems, problems
+    assert "forward step 1: rank 2 passes on the block of rank 1 but holds rank 2's" in problems, problems
+    assert any("computed twice" in p for p in problems) and any("computed by no rank" in p for p in problems)
+    lost = copy.deepcopy(trace)
+    args = _ring_send(lost, 2, 3, "backward")        # rank 2's dK, dV home
+    args["peers"], args["messages"] = [0], [[s, k, 0, *rest] for s, k, _, *rest in args["messages"]]
+    problems = explain_read.ring_picture(lost).problems
+    assert "backward step 3: rank 2 sends dK, dV of rank 3's block to rank 0, not home" in problems, problems
+    assert "backward step 3: rank 2 sends to rank 0, which never receives it" in problems, problems
+    counted = copy.deepcopy(trace)
+    counted["otherData"]["minipar"]["blocks"][3][1] += 1
+    problems = explain_read.ring_picture(counted).problems
+    assert problems == ["sub-blocks per rank: [9, 9, 9, 9] in the picture, [9, 9, 9, 10] by measured backward"]
+    split = ra.positions
+
+    def wrong_split(rank, C, T, layout="zigzag"):    # chunk 1 to rank 0, chunk 0 to rank 1
+        mine = split(rank, C, T, layout)
+        return mine + (2 if rank == 0 else -2 if rank == 1 else 0) * (mine < 2 * 2)
+    monkeypatch.setattr(ra, "positions", wrong_split)
+    problems = explain_read.ring_picture(trace).problems
+    assert any(p.startswith("forward step 0: rank 0 -> 1: no rank's block starts and ends at positions 0 and 15")
+               for p in problems), problems
+    monkeypatch.undo()
+    path = str(tmp_path / "planted.json")
+    with open(path, "w") as f:
+        json.dump(wrong, f)
+    assert explain.draw(path, str(tmp_path)) != []
+    assert "PROBLEM: forward step 0: rank 1 passes on" in open(tmp_path / "explain-ring-attention-p4.svg").read()
+
+
 # --- the files ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("what,p", [("ring-all-reduce", 4), ("megatron-mlp", 2), ("1f1b", 3)])
@@ -242,7 +352,7 @@ def test_svg_parses_with_a_row_per_rank_and_the_title(what, p, tmp_path_factory)
     assert texts[0] == proc.stdout.splitlines()[0], (texts[0], proc.stdout.splitlines()[0])
 
 
-@pytest.mark.parametrize("what,p", [("ring-all-reduce", 4), ("megatron-mlp", 2)])
+@pytest.mark.parametrize("what,p", [("ring-all-reduce", 4), ("megatron-mlp", 2), ("ring-attention", 4)])
 def test_png_has_the_svgs_size_and_is_not_blank(what, p, tmp_path_factory):
     pytest.importorskip("resvg_py")
     Image = pytest.importorskip("PIL.Image")
@@ -260,6 +370,8 @@ def test_png_has_the_svgs_size_and_is_not_blank(what, p, tmp_path_factory):
                                          (["ring-all-reduce", "--p", "1"], "--p 1: need 2 <= P <= 16"),
                                          (["reduce", "--p", "17"], "--p 17"),
                                          (["megatron-mlp", "--p", "3"], "--p 3"),
+                                         (["ring-attention", "--p", "9"], "--p 9: ring-attention draws 2 <= P <= 8"),
+                                         (["ring-attention", "--bytes", "64"], "--bytes 64"),
                                          (["ring-all-reduce", "--bytes", "12"], "--bytes 12")])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert explain.main(argv) == 2
