@@ -37,6 +37,27 @@ dropped copy). Sequence parallelism divides
 the first by t, selective recomputation removes the last, full keeps the block's input.
 With fp16/bf16 (storage 2 bytes, compute 4) the ops keep some arrays in each width:
 layer_bytes says which.
+
+Context parallelism (--cp c: context_parallel.py, ring_attention.py) gives each rank
+s/c tokens of every sequence; every per-token term above is divided by c. Attention is the
+ring's: it keeps q, k, v (one array, views of the projection it computes on), its output o
+(sbh/t) and the log-sum-exp (a s b/t), never the s x s softmax, whatever --recompute says
+(full: the block input alone, as always). Per layer, tp ranks t, no sp:
+
+    kept by                       elements                 with cp c
+    ln_1, ln_2  xhat, 1/std       2 (sbh + sb)             / c
+    c_attn, c_fc  their input     2 sbh                    / c
+    ring attention q, k, v        3 sbh/t                  / c
+                   o              sbh/t                    / c   (the ring's, not the softmax)
+                   lse            a s b/t                  / c
+    c_proj, GELU, mlp c_proj      (1 + 8 + 4) sbh/t        / c
+    sum                           d sbh/c (4 + 2/h + 17/t + a/ht)
+
+against d sbh (4 + 2/h + 16/t + as/ht) without cp: the per-token part falls by c, and the
+softmax's as/ht, quadratic in s, becomes a/ht, linear (o adds 1/t). Stage 0 keeps its
+s/c positions (int64) instead of s. (One trap: with a/t = 1 head, or s/c = 1, and no
+fp16/bf16, c_proj's input is a reshaped view of o, not a copy, and is counted once with it.)
+tests/mpi/test_cp_activations.py holds it to Tensor.saved_bytes, with tp and without.
 """
 from __future__ import annotations
 
@@ -48,30 +69,39 @@ SETTINGS = ("none", "tp", "tp+sp", "tp+selective", "tp+sp+selective", "full")
 
 
 def layer_bytes(rows: int, T: int, C: int, H: int, tp: int = 1, store: int = 4, comp: int | None = None,
-                sp: bool = False, recompute: str = "none") -> int:
+                sp: bool = False, recompute: str = "none", cp: int = 1) -> int:
     """Bytes one transformer layer keeps for backward, one micro-batch of `rows` sequences
     of T tokens, exactly as Tensor.saved_bytes counts them. store: bytes per stored element
     (activations between ops), comp: of the computed ones the ops keep (4 for fp16/bf16,
-    else store)."""
+    else store). cp: context-parallel ranks, each with Tc = T/cp tokens of every sequence
+    and ring attention (the module's second table)."""
     comp = store if comp is None else comp
-    N = rows * T
+    Tc = T // cp                                              # this rank's tokens of a sequence
+    N = rows * Tc
     Ns = N // tp if sp else N                                 # tokens in the LayerNorm regions
     Ct, Ht = C // tp, H // tp
     if recompute == "full":
         return Ns * C * store                                 # the block's input alone
     low = 4 * C if comp != store else 0                       # fp16/bf16: LayerNorm keeps w in fp32
     ln = Ns * C * comp + Ns * comp + low                      # xhat (Ns, C), 1/std (Ns, 1)
-    attention = 3 * N * Ct * comp + (0 if recompute == "selective" else rows * Ht * T * T * comp)
+    proj_in = N * Ct * store                                  # attention c_proj's input (N, C/t)
+    if cp > 1:                                                # the ring: q, k, v, o (N, C/t), lse (b, H/t, T/cp)
+        attention = 4 * N * Ct * comp + rows * Ht * Tc * comp
+        if comp == store and (Ht == 1 or Tc == 1):            # c_proj's input is a view of o
+            proj_in = 0
+    else:                                                     # q, k, v; the softmax P (b, H/t, T, T)
+        attention = 3 * N * Ct * comp + (0 if recompute == "selective" else rows * Ht * T * T * comp)
     return (2 * ln
             + 2 * Ns * C * store                              # c_attn's and c_fc's input (or shard)
-            + attention                                       # q, k, v; the softmax P (b, H/t, T, T)
-            + N * Ct * store                                  # attention c_proj's input (N, C/t)
+            + attention
+            + proj_in
             + 2 * N * 4 * Ct * comp                           # GELU: x and sigmoid (N, 4C/t)
             + N * 4 * Ct * store)                             # mlp c_proj's input (N, 4C/t)
 
 
 def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsize: int,
-                compute_itemsize: int, sp: bool = False, recompute: str = "none", owned=None) -> int:
+                compute_itemsize: int, sp: bool = False, recompute: str = "none", owned=None,
+                cp: int = 1) -> int:
     """Bytes one micro-batch of `rows` sequences leaves saved for backward on a device of
     `stage` (Tensor.saved_bytes: parameters and the stage's received input excluded, views
     once): its layers (layer_bytes) and its ends. A virtual stage v of p*V (interleaved.py)
@@ -84,20 +114,23 @@ def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsiz
     is off by 8 bytes per id from that assumption.
     With full recomputation a stage after the first keeps no copy of its first block's
     input: it is the activation the pipeline received, held whether or not anything is
-    saved (a leaf of the graph, like a parameter)."""
+    saved (a leaf of the graph, like a parameter).
+    cp: each rank keeps Tc = T/cp tokens of every sequence (N = rows*Tc) and, on stage 0,
+    their Tc positions."""
     T, C, V = cfg.block_size, cfg.n_embd, cfg.vocab_size
     sp = sp and tp > 1
-    N = rows * T
+    Tc = T // cp
+    N = rows * Tc
     Ns = N // tp if sp else N
     store, comp = itemsize, compute_itemsize
     layers = len(schedules.partition(cfg.n_layer, pp)[stage])
     if recompute == "full" and stage > 0:
         layers -= 1
-    total = layers * layer_bytes(rows, T, C, cfg.n_head, tp, store, comp, sp, recompute)
+    total = layers * layer_bytes(rows, T, C, cfg.n_head, tp, store, comp, sp, recompute, cp)
     ids, targets = (-(-N // tp),) * 2 if owned is None else owned
-    if stage == 0:                                            # token ids (N,), positions (T,)
+    if stage == 0:                                            # token ids (N,), positions (Tc,)
         total += N * INT64 if tp == 1 else ids * INT64 + N    # the masked lookup: owned ids, the mask
-        total += 0 if sp else T * INT64                       # sp: each rank slices wpe, keeps nothing
+        total += 0 if sp else Tc * INT64                      # sp: each rank slices wpe, keeps nothing
     if stage == pp - 1:                                       # ln_f, the head's input, the loss
         low = 4 * C if comp != store else 0
         Vl = V if tp == 1 else -(-V // tp)
@@ -108,7 +141,7 @@ def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsiz
 
 def peak_in_flight_bytes(cfg: GPTConfig, schedule: str, stage: int, pp: int, virtual: int, micro_batches: int,
                          tp: int, rows: int, itemsize: int, compute_itemsize: int, sp: bool = False,
-                         recompute: str = "none", owned=None) -> tuple[int, int]:
+                         recompute: str = "none", owned=None, cp: int = 1) -> tuple[int, int]:
     """(bytes, graphs): the saved activations a device of pipeline `stage` holds at its peak,
     and the most (chunk, micro-batch) graphs it holds at once, from its own instruction list
     (schedules.schedule(schedule, stage, p, m, V)): the order on a stage is fixed by its list.
@@ -118,9 +151,9 @@ def peak_in_flight_bytes(cfg: GPTConfig, schedule: str, stage: int, pp: int, vir
     pipeline.StepObserver counts the trainer's; the peak is the largest sum on the way. The
     graphs are whole micro-batches for V = 1 (1 naive, m GPipe, min(m, p - stage) 1F1B) and
     chunk-micro-batches for V > 1, schedule_check's peak_in_flight either way. Without a
-    pipeline (pp = 1) one micro-batch at a time. owned: as stage_bytes."""
+    pipeline (pp = 1) one micro-batch at a time. owned, cp: as stage_bytes."""
     def size(v, n):
-        return stage_bytes(cfg, v, n, tp, rows, itemsize, compute_itemsize, sp, recompute, owned)
+        return stage_bytes(cfg, v, n, tp, rows, itemsize, compute_itemsize, sp, recompute, owned, cp)
     if pp == 1:
         return size(0, 1), 1
     instructions = schedules.schedule(schedule, stage, pp, micro_batches, virtual)
@@ -164,6 +197,11 @@ FORMULAS = {   # setting: (minipar's, the paper's), as the docstring writes them
     "tp+sp+selective": ("d sbh/t (20 + 2/h)", "34 sbh/t"),
     "full": ("d sbh", "2 sbh"),
 }
+
+
+def cp_formula(recompute: str) -> str:
+    """The per-layer formula with --cp c (tp t, no sp), as the docstring derives it."""
+    return "d sbh/c" if recompute == "full" else "d sbh/c (4 + 2/h + 17/t + a/ht)"
 
 
 def setting_of(tp: int, sp: bool, recompute: str) -> str | None:

@@ -3,13 +3,28 @@
     python -m minipar.plan --model gpt2-large --dp 2 --tp 4 --pp 4 --precision fp16
     python -m minipar.plan --n-layer 2 --n-embd 64 --dp 2 --tp 2      # the trainer's flags
     python -m minipar.plan --params 7.5e9 --dp 64 --zero 3 --precision fp16   # model states only
+    python -m minipar.plan --model gpt2 --cp 4 --memory-budget 16GiB          # the longest T that fits
 
 Layout flags are the trainer's (same names, same defaults), so one set of flags describes
 one run; tests/test_plan*.py hold every figure to what minipar measures on such runs.
 Where a mechanism has a formula of its own, the planner calls it rather than restating it:
 pipeline.local_tensors (what a device holds), zero.formula and zero.collectives_per_step
 (ZeRO's memory and collectives), tensor_parallel.megatron_calls, schedules.bubble_theory,
-activations.peak_in_flight_bytes, the schedule's instructions (schedules.schedule).
+activations.peak_in_flight_bytes, the schedule's instructions (schedules.schedule),
+ring_attention.ring_traffic (context parallelism's bytes).
+
+Context parallelism (--cp, docs/design.md §6): world = dp*cp*tp*pp; each rank keeps T/cp
+tokens of every sequence (zig-zag or contiguous, the same bytes either way), so
+    activations  per token on T/cp tokens, ring attention's q, k, v, o, lse instead of the
+                 T x T softmax (activations.py's second table: d sbh/c (4 + 2/h + 17/t + a/ht))
+    dp           gradients are summed, and ZeRO shards, over dp*cp ranks (ProcessGrid.grad_group):
+                 the dp formulas below with p = dp*cp
+    tp, pp       their messages carry b*(T/cp)*C instead of b*T*C
+    cp           per micro-batch and layer of the device, one ring attention call:
+                 ring_traffic(n, cp, compute itemsize, forwards)[1], n = b*(T/cp)*C/tp,
+                 forwards 2 with --recompute full (the forward runs again in backward)
+    FLOPs        T/cp of the T rows of every product (the ring computes all cp key blocks of
+                 a query block, masked afterwards: T/cp x T, as minipar's T x T products are)
 
 Memory per device (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054, section 3):
     s   bytes per stored parameter and gradient (`itemsize`): 4 (fp32), 8 (float64),
@@ -21,7 +36,7 @@ Memory per device (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054, section 3):
              of a tied wte), split ones / tp, vocabulary ones padded to Vp = tp*ceil(V/tp)
              rows first
     P_pad    ZeRO's layout: P_local cut into units (zero.unit_names), each padded to a
-             multiple of N = dp (zero.padded)
+             multiple of N = dp*cp (zero.padded)
                    params        grads         optimizer        (zero.formula)
         zero 0     s P_local     s P_local     K P_local
         zero 1     s P_pad       s P_pad       K P_pad / N
@@ -46,7 +61,7 @@ model.train_flops_per_token. Per device: the stage's layers (all its chunks' wit
 --virtual-stages: schedules.rank_layers; embeddings on the first, logits on the last), / tp
 (heads, MLP columns, Vp/tp vocabulary rows), B/dp sequences.
 
-Communication: bytes one device sends per step (dp rank 0, tp rank 0 of each stage), as
+Communication: bytes one device sends per step (dp, cp and tp rank 0 of each stage), as
 minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm/):
     dp     zero 0: the gradient buckets, each all-reduced once per step (2(p-1)/p n, or
            recursive doubling's log2(p) n up to 64 KiB); with ZeRO, unit by unit of its
@@ -65,6 +80,7 @@ minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm
     other  8-byte all-reduces: the loss over dp, the gradient norm over pp and over dp
            (ZeRO: each rank squares its shard; bucketed dp: its piece of each bucket;
            not with --dp-mode naive), the fp16/bf16 overflow flag over the world
+    cp     context parallelism's ring attention (above)
 bubble: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/p for the naive schedule, (p-1)/(Vm+p-1)
 interleaved, (p-1)/(3m+p-1) for zb-h1 and zb-h2 (schedules.bubble_theory, every op of one length).
 
@@ -72,20 +88,33 @@ Across hosts (--ranks-per-host K: rank r on host r // K): the same calls, walked
 message on the device's real groups with the algorithm comm's dispatcher picks there (the
 hierarchical one for large messages on a group with several ranks on some host), split into
 bytes inside the host and across hosts, and timed with --inter-node-gbps, --intra-node-gbps
-and --inter-node-latency-us: minipar/plan_hosts.py.
+and --inter-node-latency-us: minipar/plan_hosts.py (not with --cp yet: it places no cp group).
+
+The sequence-length ceiling (--memory-budget M): the longest T, a multiple of 2*cp (and of
+tp with --sp), whose per-device peak (model states + activations at the schedule's peak,
+the largest stage's) fits in M, for cp = 1 and for the given cp, each with the same dp, tp,
+pp (the learned positions' table grows with T: the planner takes the block size to be T).
+The peak only grows with T (activations per token times T, the softmax's T^2, wpe's T*C
+parameters, ZeRO's padding of them), so the search is a bisection: double T from 2*cp
+while it fits, then halve the interval between the last T that fits and the first that does not.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import re
 import sys
 
 from minipar import activations, comm, config, plan_hosts, precision, recompute
 from minipar.comm import direct, tree
 from minipar.comm.group import HEADER_BYTES, split_offsets
 from minipar.model import GPTConfig, param_specs
-from minipar.parallel import data_parallel, pipeline, schedules, sequence_parallel, tensor_parallel, zero
+from minipar.parallel import (context_parallel, data_parallel, pipeline, schedules, sequence_parallel,
+                              tensor_parallel, zero)
+from minipar.parallel.grid import LayoutError, check_layout
+from minipar.parallel.ring_attention import LAYOUTS
 from minipar.perf import human_bytes
 
 PRESETS = {   # name: (n_layer, n_head, n_embd, vocab_size, block_size)
@@ -139,22 +168,25 @@ def rank_layer_count(cfg: GPTConfig, stage: int, pp: int, n_chunks: int = 1) -> 
 
 # --- FLOPs ------------------------------------------------------------------------------------
 
-def flop_components(cfg: GPTConfig, tp: int = 1, stage: int = 0, pp: int = 1, n_chunks: int = 1) -> dict:
+def flop_components(cfg: GPTConfig, tp: int = 1, stage: int = 0, pp: int = 1, n_chunks: int = 1,
+                    cp: int = 1) -> dict:
     """The Chinchilla appendix F forward FLOPs of one sequence, by component, on one device of
-    `stage` (with n_chunks: its chunks' blocks; rank 0 holds virtual stage 0, rank pp-1 pV-1)."""
+    `stage` (with n_chunks: its chunks' blocks; rank 0 holds virtual stage 0, rank pp-1 pV-1).
+    cp: the device's Tq = T/cp query rows of each product, against all T keys."""
     T, C, H, V = cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size
+    Tq = T // cp                                          # this device's tokens (queries)
     Vl = V if tp == 1 else -(-V // tp)                    # vocabulary rows on this device
     L = rank_layer_count(cfg, stage, pp, n_chunks)
     first, last = stage == 0, stage == pp - 1
     return {
-        "embeddings": 2 * T * Vl * C if first else 0,
-        "kqv_projections": L * 2 * 3 * T * C * C // tp,
-        "key_query_logits": L * 2 * T * T * C // tp,
-        "softmax": L * 3 * (H // tp) * T * T,
-        "softmax_value": L * 2 * T * T * C // tp,
-        "final_linear": L * 2 * T * C * C // tp,
-        "dense": L * 2 * T * (C * 4 * C + 4 * C * C) // tp,
-        "logits": 2 * T * C * Vl if last else 0,
+        "embeddings": 2 * Tq * Vl * C if first else 0,
+        "kqv_projections": L * 2 * 3 * Tq * C * C // tp,
+        "key_query_logits": L * 2 * Tq * T * C // tp,
+        "softmax": L * 3 * (H // tp) * Tq * T,
+        "softmax_value": L * 2 * Tq * T * C // tp,
+        "final_linear": L * 2 * Tq * C * C // tp,
+        "dense": L * 2 * Tq * (C * 4 * C + 4 * C * C) // tp,
+        "logits": 2 * Tq * C * Vl if last else 0,
     }
 
 
@@ -243,14 +275,16 @@ class Flat:
 
 
 def flat_groups(lay, stage: int) -> dict:
-    """The groups of dp rank 0, tp rank 0 of `stage`, all on one host."""
-    return {"dp": Flat(lay.dp), "tp": Flat(lay.tp), "pp": Flat(lay.pp, stage),
-            "world": Flat(lay.dp * lay.tp * lay.pp, stage * lay.dp * lay.tp)}
+    """The groups of dp, cp and tp rank 0 of `stage`, all on one host; "dp" is the gradient
+    group, dp*cp ranks (ProcessGrid.grad_group)."""
+    return {"dp": Flat(lay.grad_ranks), "tp": Flat(lay.tp), "pp": Flat(lay.pp, stage),
+            "world": Flat(lay.world, stage * lay.grad_ranks * lay.tp)}
 
 
 def dp_bytes(tensors: list, units: list, lay, itemsize: int, g=None):
-    """Gradient synchronisation over the dp group g (data_parallel.py, or ZeRO's units)."""
-    N, M = lay.dp, lay.micro_batches
+    """Gradient synchronisation over the dp group g (data_parallel.py, or ZeRO's units): the
+    dp*cp ranks of ProcessGrid.grad_group."""
+    N, M = lay.grad_ranks, lay.micro_batches
     if N == 1:
         return 0
     g = Flat(N) if g is None else g
@@ -273,7 +307,7 @@ def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: i
     if tp == 1:
         return 0
     g = Flat(tp) if g is None else g
-    rows, T, C = lay.rows, cfg.block_size, cfg.n_embd
+    rows, T, C = lay.rows, cfg.block_size // lay.cp, cfg.n_embd          # --cp: the rank's T/cp tokens
     n_layers = rank_layer_count(cfg, stage, pp, chunks(lay))
     first, last = stage == 0, stage == pp - 1
     if lay.sp:                                            # sequence_parallel.sp_count, by kind
@@ -300,40 +334,84 @@ def pp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, g=None):
     if pp == 1:
         return 0
     g = Flat(pp, stage) if g is None else g
-    act = lay.rows * cfg.block_size * cfg.n_embd * itemsize                # (b, T, C), + a header
+    act = lay.rows * cfg.block_size // lay.cp * cfg.n_embd * itemsize     # (b, T/cp, C), + a header
     act //= lay.tp if lay.sp else 1                                        # --sp: (b, T/tp, C)
     sent = sum(g.send(act, schedules.neighbour(stage, ins.chunk, ins.peer, pp, V)[0])
                for ins in schedules.schedule(lay.schedule, stage, pp, M, V) if isinstance(ins, schedules.SENDS))
     if cfg.tie_embeddings and stage in (0, pp - 1):       # wte's gradient to the other end (ZeRO: its shard)
         n = tensor_parallel.local_size("wte.weight", (cfg.vocab_size, cfg.n_embd), lay.tp)
-        sent += g.send((zero.padded(n, lay.dp) // lay.dp if lay.zero else n) * itemsize, pp - 1 - stage)
+        N = lay.grad_ranks
+        sent += g.send((zero.padded(n, N) // N if lay.zero else n) * itemsize, pp - 1 - stage)
     return sent + g.broadcast(1, INT64, pp - 1)
 
 
 def other_parts(stage: int, lay, groups: dict) -> dict:
     """The step's 8-byte all-reduces outside the three mechanisms (train.train_step), by the
     group they run on: {"dp", "pp", "world"}."""
-    dp = groups["dp"].all_reduce(1, INT64)                # the loss, summed over dp
+    dp = groups["dp"].all_reduce(1, INT64)                # the loss, summed over dp (x cp)
     if lay.zero or lay.dp_mode != "naive":                # the gradient norm over dp: each rank
         dp = 2 * dp                                       # squares its ZeRO shard / bucket pieces
     world = groups["world"].all_reduce(1, INT64) if lay.precision != "fp32" else 0   # the overflow flag
     return {"dp": dp, "pp": groups["pp"].all_reduce(1, INT64), "world": world}       # pp: the gradient norm
 
 
+def cp_bytes(cfg: GPTConfig, stage: int, lay, compute_itemsize: int) -> int:
+    """Ring attention's messages of one step: context_parallel.step_traffic (one
+    ring_traffic per layer of the device and micro-batch, n = b*(T/cp)*C/tp elements of its q,
+    the forward twice with --recompute full), the trainer summary's formula too."""
+    if lay.cp == 1:
+        return 0
+    return context_parallel.step_traffic(rank_layer_count(cfg, stage, lay.pp, chunks(lay)), lay.micro_batches,
+                                         lay.rows, cfg.block_size, cfg.n_embd // lay.tp, lay.cp,
+                                         compute_itemsize, lay.recompute)[1]
+
+
+def with_cp(row: dict, sent: int) -> dict:
+    """plan_hosts.comm_row's row with the cp axis added (on one host: plan_hosts places no
+    cp group), as the trainer's ledger tags ring attention's messages: "cp"."""
+    row["cp"] = sent
+    row["bytes_per_step"] += sent
+    row["inter_host"]["cp"] = row["inter_host_messages"]["cp"] = 0
+    if sent:
+        row["bytes_by_axis"]["cp"] = sent
+    return row
+
+
 # --- the plan ---------------------------------------------------------------------------------
 
 class Layout(argparse.Namespace):
-    """The layout flags (dp, tp, pp, zero, micro_batches, batch_size, precision, dtype,
-    schedule, virtual_stages, dp_mode, bucket_mb, sp, recompute); rows = B/(dp*M), the
-    micro-batch of one device."""
+    """The layout flags (dp, cp, cp_layout, tp, pp, zero, micro_batches, batch_size,
+    precision, dtype, schedule, virtual_stages, dp_mode, bucket_mb, sp, recompute);
+    rows = B/(dp*M), the micro-batch of one device (of T/cp tokens each with --cp)."""
 
     sp = False                # the defaults of the flags a caller may leave out
     recompute = "none"
     virtual_stages = 1
+    cp = 1
+    cp_layout = "zigzag"
 
     @property
     def rows(self) -> int:
         return self.batch_size // (self.dp * self.micro_batches)
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks that sum each gradient (and ZeRO shards over): dp*cp."""
+        return self.dp * self.cp
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    def but(self, **changes) -> Layout:
+        """A copy with some flags changed."""
+        return Layout(**{**vars(self), **changes})
+
+
+def placed(lay) -> Layout:
+    """The layout as plan_hosts places it (dp x tp x pp): the grid's rank
+    ((pp*dp + d)*cp + c)*tp + t is that of dp*cp replicas, d*cp + c the replica."""
+    return lay.but(dp=lay.grad_ranks, cp=1)
 
 
 def itemsizes(lay) -> tuple[int, int, int]:
@@ -345,22 +423,73 @@ def itemsizes(lay) -> tuple[int, int, int]:
     return itemsize, itemsize, precision.optimizer_bytes_per_param(False, itemsize)
 
 
+def device_memory(cfg: GPTConfig, lay, stage: int) -> dict:
+    """What a device of `stage` holds at its peak: model states (ZeRO over dp*cp ranks) and
+    the saved activations of the micro-batches its schedule holds at once."""
+    itemsize, compute_itemsize, K = itemsizes(lay)
+    N, V = lay.grad_ranks, chunks(lay)
+    tensors = pipeline.local_tensors(cfg, stage, lay.pp, lay.tp, V)
+    units = zero_units(tensors, N)
+    P_local, P_pad = sum(n for _, n in tensors), sum(units)
+    act, held = activations.peak_in_flight_bytes(cfg, lay.schedule, stage, lay.pp, V, lay.micro_batches, lay.tp,
+                                                 lay.rows, itemsize, compute_itemsize, lay.sp, lay.recompute,
+                                                 cp=lay.cp)
+    states = model_states(P_local, P_pad, itemsize, K, lay.zero, N)
+    return {**states, "activations": act, "total": states["model_states"] + act, "stage": stage,
+            "micro_batches_in_flight": held, "params_local": P_local, "params_padded": P_pad}
+
+
+def peak_memory(cfg: GPTConfig, lay) -> int:
+    """The largest device's total: the budget a layout needs per device."""
+    return max(device_memory(cfg, lay, stage)["total"] for stage in range(lay.pp))
+
+
+def seq_ceiling(cfg: GPTConfig, lay, budget: int) -> dict:
+    """The longest sequence T (a multiple of `step` = 2*cp, and of tp with --sp) whose peak
+    per device fits in `budget` bytes, the model's block size taken to be T; None if not
+    even T = step fits. peak_memory only grows with T, so: double k (T = k*step) while it
+    fits, then bisect between the last k that fits and the first that does not."""
+    step = math.lcm(2 * lay.cp, lay.tp if lay.sp else 1)
+
+    def peak(k: int) -> int:
+        return peak_memory(dataclasses.replace(cfg, block_size=k * step), lay)
+
+    out = {"cp": lay.cp, "step": step, "T": None, "bytes_at_T": None, "bytes_at_next": peak(1)}
+    if out["bytes_at_next"] > budget:
+        return out
+    lo = 1
+    while peak(2 * lo) <= budget:
+        lo *= 2
+    hi = 2 * lo                                           # peak(lo) fits, peak(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid)
+    return {**out, "T": lo * step, "bytes_at_T": peak(lo), "bytes_at_next": peak(lo + 1)}
+
+
+def ceilings(cfg: GPTConfig, lay, budget: int) -> dict:
+    """seq_ceiling without cp (cp = 1, the same dp, tp, pp) and with the layout's cp."""
+    return {"memory_budget": budget, "without_cp": seq_ceiling(cfg, lay.but(cp=1), budget),
+            "with_cp": seq_ceiling(cfg, lay, budget)}
+
+
 def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: float | None = None,
-         hosts: plan_hosts.Hosts | None = None) -> dict:
+         hosts: plan_hosts.Hosts | None = None, memory_budget: int | None = None) -> dict:
     """The whole estimate as a dict (what --json prints). cfg None: `params` alone, model
     states only (no shapes: P/(tp*pp) per device, one ZeRO unit). hosts: where the ranks
-    run and their links (None: every rank on one host)."""
+    run and their links (None: every rank on one host). memory_budget: bytes per device,
+    for the sequence-length ceiling (seq_ceiling)."""
     hosts = hosts or plan_hosts.Hosts()
-    spread = hosts.n_hosts(lay.dp * lay.tp * lay.pp) > 1
+    spread = hosts.n_hosts(lay.world) > 1
     itemsize, compute_itemsize, K = itemsizes(lay)
-    N, pp, M, V = lay.dp, lay.pp, lay.micro_batches, chunks(lay)
+    N, pp, M, V = lay.grad_ranks, lay.pp, lay.micro_batches, chunks(lay)
     bubble = schedules.bubble_theory(lay.schedule, pp, M, V)
     out = {"model": None, "layout": {**vars(lay), "sp": lay.sp, "recompute": lay.recompute,
-                                     "virtual_stages": lay.virtual_stages,
-                                     "world": lay.dp * lay.tp * lay.pp,
+                                     "virtual_stages": lay.virtual_stages, "cp": lay.cp,
+                                     "cp_layout": lay.cp_layout, "world": lay.world,
                                      "micro_batch_rows": lay.rows if cfg else None, "bytes_per_param": itemsize,
                                      "optimizer_bytes_per_param": K},
-           "params": params, "notes": []}
+           "params": params, "notes": [], "seq_ceiling": None}
     if cfg is None:
         P_local = -(-params // (lay.tp * pp))
         mem = {**model_states(P_local, zero.padded(P_local, N), itemsize, K, lay.zero, N),
@@ -368,7 +497,7 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
                "params_local": P_local, "params_padded": zero.padded(P_local, N)}
         out.update(memory=mem, memory_per_stage=[mem], flops=None, flops_per_stage=None, comm=None,
                    comm_per_stage=None, bubble=bubble, step_time_s=None,
-                   hosts=plan_hosts.summary(lay, hosts, None, None))
+                   hosts=plan_hosts.summary(placed(lay), hosts, None, None))
         out["notes"].append("--params alone: model states only, spread evenly over tp*pp "
                             "(no shapes: FLOPs, activations and communication unavailable)")
         return out
@@ -378,19 +507,15 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
     for stage in range(pp):
         tensors = pipeline.local_tensors(cfg, stage, pp, lay.tp, V)
         units = zero_units(tensors, N)
-        P_local, P_pad = sum(n for _, n in tensors), sum(units)
-        act, held = activations.peak_in_flight_bytes(cfg, lay.schedule, stage, pp, V, M, lay.tp, lay.rows,
-                                                     itemsize, compute_itemsize, lay.sp, lay.recompute)
-        states = model_states(P_local, P_pad, itemsize, K, lay.zero, N)
-        mem_st.append({**states, "activations": act, "total": states["model_states"] + act, "stage": stage,
-                       "micro_batches_in_flight": held, "params_local": P_local, "params_padded": P_pad})
-        stage_flops = flops(flop_components(cfg, lay.tp, stage, pp, V), lay.batch_size // N)
+        mem_st.append(device_memory(cfg, lay, stage))
+        stage_flops = flops(flop_components(cfg, lay.tp, stage, pp, V, lay.cp), lay.batch_size // lay.dp)
         flops_st.append({"stage": stage, **stage_flops})
-        groups = plan_hosts.device_groups(lay, hosts, stage) if spread else flat_groups(lay, stage)
+        groups = plan_hosts.device_groups(placed(lay), hosts, stage) if spread else flat_groups(lay, stage)
         axes = {"dp": dp_bytes(tensors, units, lay, itemsize, groups["dp"]),
                 "tp": tp_bytes(cfg, stage, lay, itemsize, compute_itemsize, groups["tp"]),
                 "pp": pp_bytes(cfg, stage, lay, itemsize, groups["pp"])}
-        comm_st.append(plan_hosts.comm_row(stage, axes, other_parts(stage, lay, groups), bool(lay.zero), hosts))
+        row = plan_hosts.comm_row(stage, axes, other_parts(stage, lay, groups), bool(lay.zero), hosts)
+        comm_st.append(with_cp(row, cp_bytes(cfg, stage, lay, compute_itemsize)))
     whole = flop_components(cfg)
     out["flops"] = {**flops(whole, lay.batch_size), "six_nd": 6 * out["params"] * lay.batch_size * cfg.block_size,
                     "per_device": max(flops_st, key=lambda r: r["total"]),
@@ -398,15 +523,17 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
                                                              cfg.n_embd, lay.recompute)}
     out["activations_per_layer"] = {
         "this_run": activations.layer_bytes(lay.rows, cfg.block_size, cfg.n_embd, cfg.n_head, lay.tp, itemsize,
-                                            compute_itemsize, lay.sp and lay.tp > 1, lay.recompute),
-        "setting": activations.setting_of(lay.tp, lay.sp, lay.recompute),
+                                            compute_itemsize, lay.sp and lay.tp > 1, lay.recompute, lay.cp),
+        "setting": activations.setting_of(lay.tp, lay.sp, lay.recompute) if lay.cp == 1 else None,
+        "cp": lay.cp, "cp_formula": activations.cp_formula(lay.recompute) if lay.cp > 1 else None,
         "table": activations.table(cfg.block_size, lay.rows, cfg.n_embd, cfg.n_head, lay.tp, itemsize,
                                    compute_itemsize)}
     out.update(memory=max(mem_st, key=lambda r: r["total"]), memory_per_stage=mem_st,
                flops_per_stage=flops_st, comm=max(comm_st, key=lambda r: r["bytes_per_step"]),
                comm_per_stage=comm_st, bubble=bubble, step_time_s=None)
-    tp_note = plan_hosts.tp_note(lay, hosts, lambda stage, g: tp_bytes(cfg, stage, lay, itemsize, compute_itemsize, g))
-    out["hosts"] = plan_hosts.summary(lay, hosts, comm_st, tp_note)
+    tp_note = plan_hosts.tp_note(placed(lay), hosts,
+                                 lambda stage, g: tp_bytes(cfg, stage, lay, itemsize, compute_itemsize, g))
+    out["hosts"] = plan_hosts.summary(placed(lay), hosts, comm_st, tp_note)
     if tp_note:
         out["notes"].append(plan_hosts.tp_note_line(tp_note, human_bytes))
     if device_tflops:
@@ -420,6 +547,8 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
     if lay.tp > 1:
         out["notes"].append("activations with tp > 1: the token ids a vocabulary slice keeps "
                             "depend on the data; 1/tp of them assumed")
+    if memory_budget is not None:
+        out["seq_ceiling"] = ceilings(cfg, lay, memory_budget)
     return out
 
 
@@ -433,10 +562,10 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     trainer = config.build_parser()                       # the trainer's defaults
     default = {k: trainer.get_default(k) for k in ("batch_size", "micro_batches", "schedule", "virtual_stages",
-                                                    "dtype", "precision", "tp", "pp", "zero")}
+                                                    "dtype", "precision", "tp", "pp", "zero", "cp")}
     parser = Parser(prog="python -m minipar.plan",
                     description="Memory, FLOPs and communication per device of training a GPT-2 shaped "
-                                "model on a dp x tp x pp layout, as minipar would run it.")
+                                "model on a dp x cp x tp x pp layout, as minipar would run it.")
     model = parser.add_argument_group("model: --model, or the trainer's shape flags, or --params alone")
     model.add_argument("--model", choices=tuple(PRESETS), help="a standard shape (shape flags override it)")
     model.add_argument("--params", type=float, metavar="N",
@@ -448,8 +577,16 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"{what} [{config.MODEL_DEFAULTS[key]}]")
     model.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
     layout = parser.add_argument_group("layout (the trainer's flags and defaults)")
-    layout.add_argument("--dp", type=int, default=1, metavar="D",
-                        help="data-parallel replicas (the trainer's world/(tp*pp)) [%(default)s]")
+    layout.add_argument("--dp", type=int, metavar="D",
+                        help="data-parallel replicas [1, or world/(cp*tp*pp) with --world]")
+    layout.add_argument("--world", type=int, metavar="W",
+                        help="ranks, as mpirun -n W gives the trainer: --dp defaults to W/(cp*tp*pp), and "
+                             "dp*cp*tp*pp must be W")
+    layout.add_argument("--cp", type=int, default=default["cp"], metavar="C",
+                        help="context parallelism: each sequence split over C ranks, attention by ring "
+                             "attention; the block size must divide by 2C [%(default)s]")
+    layout.add_argument("--cp-layout", choices=LAYOUTS, default=None,
+                        help="--cp: which tokens each rank keeps (the same bytes either way) [zigzag]")
     layout.add_argument("--tp", type=int, default=default["tp"], metavar="T",
                         help="tensor-parallel ranks [%(default)s]")
     layout.add_argument("--pp", type=int, default=default["pp"], metavar="P", help="pipeline stages [%(default)s]")
@@ -481,6 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     output = parser.add_argument_group("output")
     output.add_argument("--device-tflops", type=float, metavar="X",
                         help="sustained TFLOP/s of one device: adds a step-time estimate")
+    output.add_argument("--memory-budget", metavar="BYTES",
+                        help="bytes per device (16GiB, 512MiB, 8e9): the longest sequence whose peak fits, "
+                             "without cp and with --cp")
     output.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
@@ -489,12 +629,18 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     """Flags -> (cfg or None, layout, params or None); PlanError for what cannot run,
     with the trainer's messages (config.validate, config.prepare) where they exist."""
     given = [k for k in SHAPE_FLAGS if getattr(args, k) is not None]
-    lay = Layout(**{k: getattr(args, k) for k in ("dp", "tp", "pp", "zero", "micro_batches", "batch_size",
-                                                  "precision", "dtype", "schedule", "virtual_stages",
+    lay = Layout(**{k: getattr(args, k) for k in ("dp", "cp", "cp_layout", "tp", "pp", "zero", "micro_batches",
+                                                  "batch_size", "precision", "dtype", "schedule", "virtual_stages",
                                                   "dp_mode", "bucket_mb", "sp", "recompute")})
-    for flag in ("dp", "tp", "pp"):
-        if getattr(lay, flag) < 1:
+    for flag in ("dp", "cp", "tp", "pp"):
+        if getattr(lay, flag) is not None and getattr(lay, flag) < 1:
             raise PlanError(f"--{flag} must be >= 1, got {getattr(lay, flag)}")
+    if args.world is not None:                               # the trainer's check and default
+        try:
+            lay.dp = check_layout(args.world, lay.dp, lay.tp, lay.pp, lay.cp)[0]
+        except LayoutError as e:
+            raise PlanError(str(e)) from None
+    lay.dp = 1 if lay.dp is None else lay.dp
     for flag in ("batch_size", "micro_batches"):
         if getattr(lay, flag) <= 0:
             raise PlanError(f"--{flag.replace('_', '-')} must be positive, got {getattr(lay, flag)}")
@@ -515,6 +661,7 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
         if not (math.isfinite(args.params) and args.params >= 1):
             raise PlanError(f"--params must be a count >= 1, got {args.params:g}")
         config.check_schedule(None, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batches)
+        config.check_context_split(None, lay)
         return None, lay, int(round(args.params))
     base = dict(zip(("n_layer", "n_head", "n_embd", "vocab_size", "block_size"), PRESETS[args.model])) \
         if args.model else {"vocab_size": 256, **config.MODEL_DEFAULTS}
@@ -527,8 +674,35 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
         raise PlanError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     config.check_split(cfg, lay.dp, lay.tp, lay.pp, lay.batch_size, lay.micro_batches)
     config.check_sequence_split(cfg, lay.tp, lay.sp)
+    config.check_context_split(cfg, lay)
     config.check_schedule(cfg, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batches)
     return cfg, lay, None
+
+
+UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+         "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def memory_budget(args, cfg: GPTConfig | None) -> int | None:
+    """--memory-budget as bytes (16GiB, 512MiB, 8e9, 8GB), or None; PlanError if it is no
+    size or there is no model shape to search over."""
+    text = args.memory_budget
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([kmgt]i?b|b)?\s*", text.lower())
+    if not m or not math.isfinite(float(m.group(1))) or float(m.group(1)) <= 0:
+        raise PlanError(f"--memory-budget wants a size such as 16GiB, 512MiB or 8e9 (bytes), got {text!r}")
+    if cfg is None:
+        raise PlanError("--memory-budget searches over the sequence length: it needs the model's shape, "
+                        "not --params")
+    return int(float(m.group(1)) * UNITS[m.group(2) or ""])
+
+
+def check_hosts(lay, hosts: plan_hosts.Hosts):
+    """plan_hosts places dp x tp x pp grids: no cp group yet."""
+    if lay.cp > 1 and (hosts.ranks_per_host is not None or hosts.timed):
+        raise PlanError(f"--cp {lay.cp} does not combine with the host flags yet (--ranks-per-host, "
+                        f"--inter-node-gbps, --intra-node-gbps): plan_hosts.py places no cp group")
 
 
 # --- the table --------------------------------------------------------------------------------
@@ -559,7 +733,8 @@ def table(r: dict, name: str | None = None) -> str:
                    f"({'tied' if shape['tie_embeddings'] else 'untied'}), {r['params']:,} parameters")
     prec = lay["precision"] if lay["precision"] != "fp32" else lay["dtype"]
     devices = f"{lay['world']} device{'s' if lay['world'] > 1 else ''}"
-    out.append(f"  layout: dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} ({devices}), ZeRO {lay['zero']}, {prec}: "
+    cp = f" cp={lay['cp']} ({lay['cp_layout']})" if lay["cp"] > 1 else ""
+    out.append(f"  layout: dp={lay['dp']}{cp} tp={lay['tp']} pp={lay['pp']} ({devices}), ZeRO {lay['zero']}, {prec}: "
                f"{lay['bytes_per_param']} B per parameter and gradient, {lay['optimizer_bytes_per_param']} B "
                f"optimizer state")
     if r["model"] is not None:
@@ -601,9 +776,11 @@ def table(r: dict, name: str | None = None) -> str:
         out.append("")
         out.append(_row("comm sent per step", heads))
         sent = [r["comm_per_stage"][stage] for stage in cols]
-        for key, label in (("dp", "dp (grads; ZeRO's)"), ("tp", "tp (Megatron)"), ("pp", "pp (point-to-point)"),
-                           ("other", "other (8-byte scalars)"), ("bytes_per_step", "total")):
-            out.append(_row(label, [human_bytes(st[key]) for st in sent]))
+        axes = (("dp", "dp (grads; ZeRO's)"), ("cp", "cp (ring attention)"), ("tp", "tp (Megatron)"),
+                ("pp", "pp (point-to-point)"), ("other", "other (8-byte scalars)"), ("bytes_per_step", "total"))
+        for key, label in axes:
+            if key != "cp" or lay["cp"] > 1:
+                out.append(_row(label, [human_bytes(st[key]) for st in sent]))
         if show_hosts:
             out += plan_hosts.table_lines(r, cols, _row, human_bytes)
     if lay["pp"] > 4 and r["model"] is not None:
@@ -612,8 +789,25 @@ def table(r: dict, name: str | None = None) -> str:
         out.append(f"  step time at {r['layout']['device_tflops']:g} TFLOP/s per device: "
                    f"{r['step_time_s']:.3g} s of compute on the busiest stage"
                    + (f", {r['step_time_with_bubble_s']:.3g} s with the bubble" if lay["pp"] > 1 else ""))
+    if r["seq_ceiling"] is not None:
+        out += ceiling_lines(r["seq_ceiling"])
     out += [f"  note: {n}" for n in r["notes"]]
     return "\n".join(out)
+
+
+def ceiling_lines(c: dict) -> list[str]:
+    """The longest sequence that fits the budget, without cp and with it (seq_ceiling)."""
+    out = ["", f"  longest sequence T in {human_bytes(c['memory_budget'])} per device (peak of model states "
+               f"+ activations, the largest stage; block size = T)"]
+    for key in ("without_cp", "with_cp"):
+        s = c[key]
+        label = "without cp" if key == "without_cp" else f"with cp={s['cp']}"
+        if s["T"] is None:
+            out.append(f"    {label:<14}none: T = {s['step']} already needs {human_bytes(s['bytes_at_next'])}")
+            continue
+        out.append(f"    {label:<14}T = {s['T']:>9,} ({human_bytes(s['bytes_at_T'])}; T + {s['step']} needs "
+                   f"{human_bytes(s['bytes_at_next'])})")
+    return out
 
 
 def activation_lines(r: dict) -> list[str]:
@@ -628,6 +822,9 @@ def activation_lines(r: dict) -> list[str]:
         mark = " <" if row["setting"] == a["setting"] else ""
         out.append(f"    {row['setting']:<17}{human_bytes(row['minipar']):>12}  {row['minipar_formula']:<32}"
                    f"{human_bytes(row['korthikanti']):>12}  {row['korthikanti_formula']}{mark}")
+    if a["cp"] > 1:                                       # no row of Table 2: the ring's own
+        out.append(f"    {'cp=' + str(a['cp']):<17}{human_bytes(a['this_run']):>12}  {a['cp_formula']:<32}"
+                   f"{'':>12}  (c = {a['cp']}: s/c tokens a rank, ring attention, no softmax) <")
     return out
 
 
@@ -636,10 +833,12 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         cfg, lay, params = resolve(args)
         hosts = plan_hosts.Hosts.from_args(args)
+        check_hosts(lay, hosts)
+        budget = memory_budget(args, cfg)
     except config.ConfigError as e:
         print(f"minipar.plan: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    r = plan(cfg, lay, params, args.device_tflops, hosts)
+    r = plan(cfg, lay, params, args.device_tflops, hosts, budget)
     print(json.dumps(r) if args.json else table(r, args.model))
 
 

@@ -222,7 +222,7 @@ def plan_lines(s) -> list[str]:
     lay = plan.Layout(dp=g.dp_size, tp=g.tp_size, pp=g.pp_size, zero=a.zero, micro_batches=a.micro_batches,
                       batch_size=a.batch_size, precision=a.precision, dtype=a.dtype, schedule=a.schedule,
                       dp_mode=a.dp_mode, bucket_mb=a.bucket_mb, sp=a.sp, recompute=a.recompute,
-                      virtual_stages=a.virtual_stages)
+                      virtual_stages=a.virtual_stages, cp=g.cp_size, cp_layout=a.cp_layout)
     r = plan.plan(s.cfg, lay)
     lines = []
     for mem, sent in zip(r["memory_per_stage"], r["comm_per_stage"]):
@@ -230,7 +230,8 @@ def plan_lines(s) -> list[str]:
         lines.append(f"  plan: {where} holds {human_bytes(mem['model_states'])} of model states + "
                      f"{human_bytes(mem['activations'])} of activations at peak, sends "
                      f"{human_bytes(sent['bytes_per_step'])}/step (dp {human_bytes(sent['dp'])}, "
-                     f"tp {human_bytes(sent['tp'])}, pp {human_bytes(sent['pp'])})")
+                     f"tp {human_bytes(sent['tp'])}, pp {human_bytes(sent['pp'])}"
+                     + (f", cp {human_bytes(sent['cp'])}" if g.cp_size > 1 else "") + ")")
     return lines
 
 

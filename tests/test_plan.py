@@ -10,6 +10,10 @@
 - FLOPs: Chinchilla's per-component count (arXiv:2203.15556, appendix F), 6ND, and the matmul part equal to a count taken
   by instrumenting minipar's ops (Linear, MatMul, attention) on the whole model and on one
   device of tp and pp layouts;
+- context parallelism (--cp): the ring's bytes summed by hand, per-token activations / cp and
+  attention linear in T, per-device FLOPs and ZeRO over dp*cp, the sequence-length ceiling of
+  --memory-budget (fits, the next multiple of 2cp does not, with cp >= without); the exact
+  saved bytes with cp are tests/mpi/test_cp_activations.py's;
 - the command line: JSON keys, --params mode, the activations-per-layer table, one-line errors
   with exit code 2.
 The cross-checks against trainer runs (bytes held, ledger bytes) are in test_plan_trainer.py.
@@ -24,7 +28,7 @@ import pytest
 from minipar import activations, ops, plan
 from minipar.model import GPT, GPTConfig, param_specs, train_flops_per_token
 from minipar.comm.group import HEADER_BYTES
-from minipar.parallel import pipeline, schedules, tensor_parallel, zero
+from minipar.parallel import pipeline, ring_attention, schedules, tensor_parallel, zero
 from minipar.parallel.pipeline import PipelineStage
 from minipar.parallel.tensor_parallel import TensorParallelGPT
 from minipar.tensor import Tensor
@@ -428,6 +432,128 @@ def test_pp_messages_follow_the_instruction_lists(name):
     assert [c["pp"] for c in r["comm_per_stage"]] == want, name
 
 
+# ---------------------------------------------------------------- context parallelism (--cp)
+
+CP_SMALL = ["--n-layer", "3", "--n-head", "4", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
+            "--micro-batches", "2", "--tp", "2"]
+
+
+@pytest.mark.parametrize("cp,recompute", [(2, "none"), (4, "none"), (2, "full")])
+def test_cp_bytes_are_ring_traffic_summed_by_hand(cp, recompute):
+    """L = 3 layers, M = 2 micro-batches of b = 4, T = 16, C = 32, tp = 2, fp32: each layer's
+    ring sends, per micro-batch, with n = b (T/cp) C/tp elements of q, forward cp - 1
+    messages of K and V (2n), backward cp - 1 of K, V, dK, dV (4n) and one of dK, dV home
+    (2n); --recompute full runs the forward again. Each message has its 128-byte header."""
+    r = run_plan(*CP_SMALL, "--cp", str(cp), "--recompute", recompute)
+    n = 4 * (16 // cp) * 32 // 2
+    forwards = 2 if recompute == "full" else 1
+    messages = forwards * (cp - 1) + (cp - 1) + 1
+    elements = forwards * (cp - 1) * 2 * n + (cp - 1) * 4 * n + 2 * n
+    per_call = elements * 4 + messages * HEADER_BYTES
+    assert per_call == ring_attention.ring_traffic(n, cp, 4, forwards)[1]
+    row = r["comm"]
+    assert row["cp"] == 3 * 2 * per_call, (row["cp"], per_call)
+    assert row["bytes_by_axis"]["cp"] == row["cp"]
+    assert row["bytes_per_step"] == sum(row[k] for k in ("dp", "cp", "tp", "pp", "other"))
+
+
+def test_cp_bytes_follow_the_stage_and_the_layers():
+    """With a pipeline each stage's ring carries its own layers (5 layers over 2 stages,
+    schedules.partition: 2 and 3); without --cp there is no cp traffic and no "cp" in the
+    ledger's axes."""
+    flags = ["--n-layer", "5", "--pp", "2", "--micro-batches", "2", "--batch-size", "4"]
+    sent = [c["cp"] for c in run_plan(*flags, "--cp", "2")["comm_per_stage"]]
+    layers = [len(stage) for stage in schedules.partition(5, 2)]
+    assert sent[0] * layers[1] == sent[1] * layers[0] and sent[0] > 0 and layers[0] != layers[1]
+    r = run_plan(*flags)
+    assert all(c["cp"] == 0 and "cp" not in c["bytes_by_axis"] for c in r["comm_per_stage"])
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_cp_divides_per_token_activations_and_makes_attention_linear(cp):
+    """A layer with --cp c keeps what a layer of T/c tokens keeps without its softmax, plus
+    the ring's output o (N, C) and log-sum-exp (b, H, T/c): every per-token term falls by
+    c. Its bytes are linear in T (the same per token at T and 2T) where the plain layer's
+    grow by the softmax's b H T^2 d. Stage 0 keeps T/c positions. Full: the block input / c."""
+    b, T, C, H, d = 2, 64, 48, 6, 4
+    t = T // cp
+
+    def layer(T, **kw):
+        return activations.layer_bytes(b, T, C, H, store=d, **kw)
+    assert layer(T, cp=cp) == layer(t, recompute="selective") + (b * t * C + b * H * t) * d
+    assert layer(T, cp=cp, recompute="selective") == layer(T, cp=cp)       # the ring keeps no softmax
+    assert layer(2 * T, cp=cp) == 2 * layer(T, cp=cp)                       # linear in T
+    assert layer(2 * T) - 2 * layer(T) == b * H * (2 * T) ** 2 * d - 2 * b * H * T * T * d   # quadratic
+    assert layer(T, cp=cp, recompute="full") * cp == layer(T, recompute="full")
+    cfg = GPTConfig(vocab_size=97, block_size=T, n_layer=2, n_head=H, n_embd=C)
+    first_only = activations.stage_bytes(cfg, 0, 2, 1, b, d, d, cp=cp) - layer(T, cp=cp)    # 1 layer of 2
+    assert first_only == (b * t + t) * 8                                    # ids (b, T/c), positions (T/c,)
+
+
+def test_cp_per_device_flops_memory_and_layout():
+    """--cp 2: every device computes T/2 of the rows of every product (the same total), ZeRO
+    shards over dp*cp (--cp 2 --zero 3 holds what --dp 2 --zero 3 does), world dp*cp*tp*pp."""
+    base = ["--n-layer", "2", "--batch-size", "8", "--pp", "2"]
+    one, two = run_plan(*base), run_plan(*base, "--cp", "2")
+    assert [2 * f["total"] for f in two["flops_per_stage"]] == [f["total"] for f in one["flops_per_stage"]]
+    assert two["flops"]["total"] == one["flops"]["total"]
+    zero3 = run_plan(*base[:4], "--cp", "2", "--zero", "3")["memory"]
+    assert {k: zero3[k] for k in ("params", "grads", "optimizer")} == \
+        {k: v for k, v in run_plan(*base[:4], "--dp", "2", "--zero", "3")["memory"].items()
+         if k in ("params", "grads", "optimizer")}
+    lay = two["layout"]
+    assert (lay["cp"], lay["cp_layout"], lay["world"]) == (2, "zigzag", 4)
+
+
+BUDGET_MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--batch-size", "4", "--dp", "2"]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_seq_ceiling_fits_and_the_next_does_not(cp):
+    """The ceiling T (a multiple of 2cp) fits the budget and T + 2cp does not, the block size
+    taken to be T; with cp it is at least the ceiling without; and the bisection finds what
+    a scan over every multiple of 2cp finds."""
+    cfg, lay, _ = plan.resolve(plan.build_parser().parse_args([*BUDGET_MODEL, "--cp", str(cp)]))
+    budget = 64 * MiB
+    c = plan.ceilings(cfg, lay, budget)
+    with_cp, without = c["with_cp"], c["without_cp"]
+    assert with_cp["T"] >= without["T"] > 0 and (with_cp["step"], without["step"]) == (2 * cp, 2)
+
+    def peak(T, cp):
+        return plan.peak_memory(GPTConfig(**{**vars(cfg), "block_size": T}), lay.but(cp=cp))
+    for s, step, cp_ in ((with_cp, 2 * cp, cp), (without, 2, 1)):
+        T = s["T"]
+        assert T % step == 0 and peak(T, cp_) == s["bytes_at_T"] <= budget < peak(T + step, cp_) == s["bytes_at_next"]
+    scan = next(T for T in range(2 * cp, 10 ** 6, 2 * cp) if peak(T + 2 * cp, cp) > budget)
+    assert scan == with_cp["T"]
+
+
+def test_seq_ceiling_none_when_the_shortest_does_not_fit(capsys):
+    """A budget below the model states: no T fits, with or without cp, said so."""
+    code, out, _ = cli(capsys, *BUDGET_MODEL, "--cp", "2", "--memory-budget", "1MiB", "--json")
+    c = json.loads(out)["seq_ceiling"]
+    assert code == 0 and c["memory_budget"] == MiB
+    assert c["without_cp"]["T"] is None and c["with_cp"]["T"] is None and c["with_cp"]["bytes_at_next"] > MiB
+    code, out, _ = cli(capsys, *BUDGET_MODEL, "--cp", "2", "--memory-budget", "1MiB")
+    assert code == 0 and "none: T = 4 already needs" in out
+
+
+def test_cp_in_the_table_and_the_json(capsys):
+    code, out, _ = cli(capsys, "--model", "gpt2", "--cp", "4", "--dp", "2", "--memory-budget", "16GiB")
+    assert code == 0
+    for text in ("dp=2 cp=4 (zigzag) tp=1 pp=1 (8 devices)", "cp (ring attention)",
+                 "d sbh/c (4 + 2/h + 17/t + a/ht)", "longest sequence T in 16.00 GiB per device",
+                 "without cp", "with cp=4"):
+        assert text in out, text
+    code, out, _ = cli(capsys, "--model", "gpt2", "--cp", "4", "--dp", "2", "--memory-budget", "16GiB", "--json")
+    r = json.loads(out)
+    assert r["seq_ceiling"]["memory_budget"] == 16 * 2 ** 30 and r["seq_ceiling"]["with_cp"]["cp"] == 4
+    assert r["comm"]["cp"] > 0 and r["activations_per_layer"]["setting"] is None
+    assert r["activations_per_layer"]["this_run"] == activations.layer_bytes(8, 1024, 768, 12, 1, 4, 4, cp=4)
+    code, out, _ = cli(capsys, "--n-layer", "2")
+    assert code == 0 and "cp (ring attention)" not in out and "longest sequence" not in out
+
+
 # ---------------------------------------------------------------- the command line
 
 def test_json_has_every_key(capsys):
@@ -491,7 +617,7 @@ def test_defaults_are_the_trainers():
     from minipar import config
     t, p = config.build_parser(), plan.build_parser()
     for key in ("batch_size", "micro_batches", "schedule", "virtual_stages", "dtype", "precision", "tp", "pp",
-                "zero"):
+                "zero", "cp"):
         assert p.get_default(key) == t.get_default(key), key
     r = run_plan()
     assert {k: r["model"][k] for k in config.MODEL_DEFAULTS} == config.MODEL_DEFAULTS
@@ -524,6 +650,16 @@ def test_defaults_are_the_trainers():
      "= 2 x 3 = 6 chunks: --n-layer 4 is too few"),
     (["--schedule", "zb-h3"], "argument --schedule: invalid choice"),
     (["--model", "gpt5"], "argument --model: invalid choice"),
+    (["--cp", "3"], "--cp 3 cuts each sequence into 2 x cp = 6 chunks: --block-size 64 is not divisible by 6"),
+    (["--cp", "2", "--block-size", "18"], "--block-size 18 is not divisible by 4"),
+    (["--world", "8", "--dp", "2", "--cp", "2"], "world size 8 != dp*cp*tp*pp = 2*2*1*1 = 4"),
+    (["--world", "6", "--cp", "4"], "world size 6 is not divisible by cp*tp*pp = 4*1*1 = 4"),
+    (["--cp", "0"], "--cp must be >= 1, got 0"),
+    (["--cp", "2", "--tp", "2", "--sp"], "--sp does not combine with --cp 2"),
+    (["--cp-layout", "contiguous"], "--cp-layout contiguous places the tokens of a cp group: it needs --cp > 1"),
+    (["--cp", "2", "--ranks-per-host", "2"], "--cp 2 does not combine with the host flags yet"),
+    (["--memory-budget", "16XB"], "--memory-budget wants a size such as 16GiB, 512MiB or 8e9 (bytes), got '16XB'"),
+    (["--params", "1e9", "--memory-budget", "1GiB"], "--memory-budget searches over the sequence length"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, flags, message):
     code, out, err = cli(capsys, *flags)

@@ -6,7 +6,8 @@ rank that writes the log) must equal what the run measured:
 - model states: the summary's `memory` (nbytes of the parameters, gradients and optimizer
   state rank 0 holds);
 - bytes sent per step, per axis, from the ledger: `grad_sync_bytes` (dp; `zero_bytes`
-  with --zero), `tp_bytes`, `pp_bytes`, and the whole `comm_bytes`, on every step;
+  with --zero), `tp_bytes`, `pp_bytes`, `bytes_by_axis["cp"]` (ring attention) and the
+  whole `comm_bytes`, on every step;
 - with --pp, the saved activations at peak of every stage (`peak_activation_bytes`):
   equal for tp = 1 (the planner counts what each op saves, walking each stage's
   instruction list: activations.peak_in_flight_bytes), whatever the schedule. With tp > 1 the
@@ -14,7 +15,8 @@ rank that writes the log) must equal what the run measured:
   depends on the data: the planner assumes ceil(N/tp) of N, within 5% here; given the
   count (tp rank 0 owns every token of the built-in corpus, which is ASCII, below
   ceil(256/tp) for tp = 2) activations.stage_bytes equals the measured peak exactly.
---sp, --recompute, --schedule and --virtual-stages go to the planner as they go to the trainer.
+--sp, --recompute, --schedule, --virtual-stages, --cp and --cp-layout go to the planner as they go
+to the trainer.
 Adding a layout is one line in LAYOUTS: (ranks, trainer flags). `make test` runs LAYOUTS;
 scripts/plan_matrix.py also the MORE below (each a variant that LAYOUTS covers in kind).
 """
@@ -44,6 +46,7 @@ LAYOUTS = [
          "--schedule", "zb-h2", "--zero", "1"]),
     (4, ["--dtype", "float64", "--tp", "2", "--pp", "2", "--n-layer", "4", "--micro-batches", "2",
          "--schedule", "interleaved", "--virtual-stages", "2"]),
+    (4, ["--dtype", "float64", "--cp", "2", "--dp", "2", "--micro-batches", "2"]),   # the ring; grads over dp x cp
 ]
 # The rest of the matrix: `python scripts/plan_matrix.py` (MINIPAR_PLAN_MATRIX=all) runs them too.
 MORE = [
@@ -59,6 +62,10 @@ MORE = [
     (2, ["--dtype", "float64", "--pp", "2", "--n-layer", "2", "--micro-batches", "4", "--schedule", "zb-h1"]),
     (2, ["--dtype", "float64", "--pp", "2", "--n-layer", "4", "--micro-batches", "4", "--schedule", "interleaved",
          "--virtual-stages", "2"]),
+    (4, ["--dtype", "float64", "--cp", "2", "--tp", "2"]),                 # tp's messages of b*T/cp*C; n/tp
+    (4, ["--dtype", "float64", "--cp", "2", "--pp", "2", "--n-layer", "2", "--micro-batches", "2",
+         "--recompute", "full", "--zero", "1"]),          # peak activations with cp; the ring twice; ZeRO over cp
+    (4, ["--precision", "bf16", "--cp", "4", "--cp-layout", "contiguous"]),   # the ring in fp32
 ]
 if os.environ.get("MINIPAR_PLAN_MATRIX") == "all":
     LAYOUTS = LAYOUTS + MORE
@@ -75,7 +82,7 @@ def planner_flags(n: int, flags: list) -> list:
         else:
             out.append(f)
     args = plan.build_parser().parse_args(out)
-    return out if "--dp" in out else out + ["--dp", str(n // (args.tp * args.pp))]
+    return out if "--dp" in out else out + ["--dp", str(n // (args.cp * args.tp * args.pp))]
 
 
 @pytest.mark.parametrize("n,flags", LAYOUTS, ids=[" ".join(f) for _, f in LAYOUTS])
@@ -94,7 +101,7 @@ def test_planner_equals_what_the_trainer_measures(n, flags, tmp_path):
     dp_key = "zero_bytes" if lay.zero else "grad_sync_bytes"
     for row in rows:
         got = {"dp": row[dp_key], "tp": row["tp_bytes"], "pp": row["pp_bytes"],
-               "bytes_per_step": row["comm_bytes"]}
+               "cp": row["bytes_by_axis"].get("cp", 0), "bytes_per_step": row["comm_bytes"]}
         assert got == {k: c[k] for k in got}, (row["step"], got, c)
     if lay.pp > 1:
         measured = summary["pipeline"]["peak_activation_bytes"]
