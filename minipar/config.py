@@ -24,7 +24,8 @@ from minipar.parallel import schedules
 from minipar.parallel.grid import LayoutError, check_layout
 from minipar.parallel.ring_attention import LAYOUTS
 
-MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
+MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64,
+                      moe_experts=0, moe_top_k=2, moe_every=1, moe_capacity_factor=0.0)
 DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
@@ -92,7 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--block-size", type=int, metavar="T",
                    help=f"context length [{d['block_size']}]")
     m.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
+    m.add_argument("--moe-experts", type=int, metavar="E",
+                   help=f"mixture of experts: E expert MLPs and a router in MoE blocks; 0: none "
+                        f"(docs/moe.md) [{d['moe_experts']}]")
+    m.add_argument("--moe-top-k", type=int, metavar="K", help=f"experts per token [{d['moe_top_k']}]")
+    m.add_argument("--moe-every", type=int, metavar="N",
+                   help=f"block i is a MoE block when (i + 1) %% N == 0 [{d['moe_every']}]")
+    m.add_argument("--moe-capacity-factor", type=float, metavar="F",
+                   help=f"slots per expert ceil(F x tokens x K / E) per routing group, later "
+                        f"assignments dropped; 0: no dropping [{d['moe_capacity_factor']}]")
     t = p.add_argument_group("training")
+    t.add_argument("--moe-aux-coef", type=float, default=0.01, metavar="A",
+                   help="MoE: weight of the load-balancing loss (Switch Transformer) [%(default)s]")
+    t.add_argument("--moe-z-coef", type=float, default=0.0, metavar="Z",
+                   help="MoE: weight of the router z-loss [%(default)s]")
     t.add_argument("--batch-size", type=int, metavar="B", default=16,
                    help="global batch B, in sequences [%(default)s]")
     t.add_argument("--micro-batches", type=int, metavar="M", default=1,
@@ -282,6 +296,29 @@ def check_context_split(cfg: GPTConfig | None, args):
                           f"has only one of them at a time (use --cp with --tp, or --sp without --cp)")
 
 
+def check_moe(cfg: GPTConfig, args, tp: int):
+    """The mixture-of-experts flags: consistent, and a layout MoE runs on (not yet --tp, --cp
+    or --sp)."""
+    E, K = cfg.moe_experts, cfg.moe_top_k
+    if E == 0:
+        given = [f for f in ("moe_top_k", "moe_every", "moe_capacity_factor") if getattr(args, f) is not None]
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} is for a mixture of experts: it needs --moe-experts > 0")
+        return
+    if E < 0 or not 1 <= K <= E:
+        raise ConfigError(f"--moe-top-k {K} must be between 1 and --moe-experts {E}")
+    if cfg.moe_every < 1 or cfg.moe_every > cfg.n_layer:
+        raise ConfigError(f"--moe-every {cfg.moe_every} must be between 1 and --n-layer {cfg.n_layer} "
+                          f"(block i is a MoE block when (i + 1) % N == 0)")
+    for flag, v in (("--moe-capacity-factor", cfg.moe_capacity_factor), ("--moe-aux-coef", args.moe_aux_coef),
+                    ("--moe-z-coef", args.moe_z_coef)):
+        if not (math.isfinite(v) and v >= 0):
+            raise ConfigError(f"{flag} must be a finite number >= 0, got {v}")
+    for flag, n in (("--tp", tp), ("--cp", args.cp)):
+        if n > 1:
+            raise ConfigError(f"--moe-experts does not combine with {flag} {n} yet (docs/moe.md)")
+
+
 def resolve_dp_flags(args):
     """--dp-mode and --bucket-mb belong to plain data parallelism: refused with --zero, else
     set to their defaults (bucketed, 1 MiB) when not given."""
@@ -340,6 +377,7 @@ def prepare(args, world: int) -> RunSpec:
     check_split(cfg, dp, tp, pp, args.batch_size, args.micro_batches)
     check_sequence_split(cfg, tp, args.sp)
     check_context_split(cfg, args)
+    check_moe(cfg, args, tp)
     check_schedule(cfg, pp, args.schedule, args.virtual_stages, args.micro_batches)
     resolve_dp_flags(args)
     if args.zero == 3 and pp > 1:

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
-from minipar import ops, recompute, trace
+from minipar import moe, ops, recompute, trace
 from minipar.optim import sum_of_squares
 
 
@@ -47,6 +47,7 @@ class Model:
     tp_rank: int = 0          # and this rank's place among them
     recompute: str = "none"   # --recompute: none, selective or full (recompute.py)
     context = None            # --cp: this rank's context_parallel.ContextSplit, or None
+    moe = None                # MoE blocks: the moe.MoESettings (default: no capacity, no aux loss)
 
     # --- forward -----------------------------------------------------------------------------
     def run_block(self, i: int, x):
@@ -69,6 +70,11 @@ class Model:
         if self.context is not None:
             return self.context.attention(qkv, n_head)
         return ops.causal_self_attention(qkv, n_head, self.recompute == "selective")
+
+    def moe_layer(self, i: int, x):
+        """Block i's mixture of experts on x (B, t, C) (moe.py)."""
+        s = self.moe or moe.MoESettings(self.cfg.moe_experts, self.cfg.moe_top_k, self.cfg.moe_capacity_factor)
+        return moe.moe_mlp(self.params, i, x, s)
 
     # --- parameters -------------------------------------------------------------------------
     def named_parameters(self) -> list:

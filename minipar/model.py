@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from minipar import ops, trace
+from minipar import moe, ops, trace
 from minipar.interfaces import Model
 from minipar.tensor import Tensor, no_grad
 
@@ -30,6 +30,10 @@ class GPTConfig:
     n_head: int = 4              # H: attention heads
     n_embd: int = 128            # C: channels; head size C/H
     tie_embeddings: bool = True  # logits use wte.T (GPT-2) or a separate lm_head.weight
+    moe_experts: int = 0         # E > 0: every moe_every-th block's MLP is E experts (moe.py)
+    moe_top_k: int = 2           # K experts per token
+    moe_every: int = 1           # block i is a MoE block when (i + 1) % moe_every == 0
+    moe_capacity_factor: float = 0.0   # F: slots per expert ceil(F N K / E); 0: no dropping
 
     def validate(self):
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -37,7 +41,16 @@ class GPTConfig:
                 raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+        if self.moe_experts < 0 or self.moe_every < 1 or self.moe_capacity_factor < 0:
+            raise ValueError(f"moe_experts {self.moe_experts} must be >= 0, moe_every {self.moe_every} >= 1, "
+                             f"moe_capacity_factor {self.moe_capacity_factor} >= 0")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"moe_top_k {self.moe_top_k} must be between 1 and moe_experts {self.moe_experts}")
         return self
+
+    def is_moe(self, i: int) -> bool:
+        """Is block i a mixture-of-experts block?"""
+        return self.moe_experts > 0 and moe.is_moe_block(i, self.moe_every)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,9 +68,13 @@ def param_specs(cfg: GPTConfig):
             (h + "attn.c_attn.weight", (C, 3 * C), 0.02), (h + "attn.c_attn.bias", (3 * C,), "zeros"),
             (h + "attn.c_proj.weight", (C, C), proj_std), (h + "attn.c_proj.bias", (C,), "zeros"),
             (h + "ln_2.weight", (C,), "ones"), (h + "ln_2.bias", (C,), "zeros"),
-            (h + "mlp.c_fc.weight", (C, 4 * C), 0.02), (h + "mlp.c_fc.bias", (4 * C,), "zeros"),
-            (h + "mlp.c_proj.weight", (4 * C, C), proj_std), (h + "mlp.c_proj.bias", (C,), "zeros"),
         ]
+        mlps = [h + "mlp."] if not cfg.is_moe(i) else [h + f"mlp.experts.{e}." for e in range(cfg.moe_experts)]
+        if cfg.is_moe(i):
+            specs.append((h + "mlp.router.weight", (C, cfg.moe_experts), 0.02))
+        for m in mlps:
+            specs += [(m + "c_fc.weight", (C, 4 * C), 0.02), (m + "c_fc.bias", (4 * C,), "zeros"),
+                      (m + "c_proj.weight", (4 * C, C), proj_std), (m + "c_proj.bias", (C,), "zeros")]
     specs += [("ln_f.weight", (C,), "ones"), ("ln_f.bias", (C,), "zeros")]
     if not cfg.tie_embeddings:
         specs.append(("lm_head.weight", (V, C), 0.02))
@@ -82,7 +99,9 @@ def train_flops_per_token(cfg: GPTConfig, t: int | None = None) -> float:
     t = cfg.block_size if t is None else t
     C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
     per_layer = 2 * (3 * C * C + C * C + 8 * C * C) + 2 * 2 * t * C
-    return 3.0 * (L * per_layer + 2 * C * V)
+    # a MoE block: each token through K experts' MLPs (the active ones) and the router
+    moe_extra = sum(2 * (8 * C * C * (cfg.moe_top_k - 1) + C * cfg.moe_experts) for i in range(L) if cfg.is_moe(i))
+    return 3.0 * (L * per_layer + moe_extra + 2 * C * V)
 
 
 class GPT(Model):
@@ -116,6 +135,8 @@ class GPT(Model):
         y = self.attend(qkv, self.cfg.n_head)                                         # (B, t, C)
         x = x + ops.linear(y, P[h + "attn.c_proj.weight"], P[h + "attn.c_proj.bias"])
         m = ops.layer_norm(x, P[h + "ln_2.weight"], P[h + "ln_2.bias"])
+        if self.cfg.is_moe(i):
+            return x + self.moe_layer(i, m)
         m = ops.gelu(ops.linear(m, P[h + "mlp.c_fc.weight"], P[h + "mlp.c_fc.bias"]))  # (B, t, 4C)
         return x + ops.linear(m, P[h + "mlp.c_proj.weight"], P[h + "mlp.c_proj.bias"])
 

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from minipar import comm, data, draw, plan, precision
+from minipar import comm, data, draw, moe, plan, precision
 from minipar.optim import AdamW
 from minipar.parallel import (context_parallel, data_parallel, pipeline, schedules, sequence_parallel,
                               tensor_parallel, zero, zero_bubble)
@@ -363,6 +363,9 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
     if g.cp_size > 1:
         summary["context_parallel"], line = context_parallel.summary(s, rows_log)
         lines.append(line)
+    if s.cfg.moe_experts:
+        summary["moe"], more = moe.summary_lines(rows_log)
+        lines += more
     if a.save:
         writers = s.world if a.zero else s.world // n_sum             # see checkpoint.save_run
         who = ("one process" if s.world == 1 else "every rank" if writers == s.world

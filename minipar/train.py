@@ -30,7 +30,7 @@ from typing import IO
 
 import numpy as np
 
-from minipar import checkpoint, comm, data, precision, report, trace, verify
+from minipar import checkpoint, comm, data, moe, precision, report, trace, verify
 from minipar.config import ConfigError, RunSpec, agree_on_errors, build_parser, prepare
 from minipar.interfaces import GradSync, Model
 from minipar.model import GPT, train_flops_per_token
@@ -121,6 +121,7 @@ def init_model(spec: RunSpec, args, grid: ProcessGrid | None = None):
     else:
         model = GPT(spec.cfg, seed=args.seed, dtype=spec.dtype)
     model.recompute = args.recompute                 # before a pipeline stage wraps it
+    model.moe = moe_settings(spec, args)
     if grid is not None and grid.cp_size > 1:
         model.context = context_parallel.ContextSplit(grid.cp_group, args.cp_layout)
     if grid is not None and grid.pp_size > 1:
@@ -134,6 +135,17 @@ def init_model(spec: RunSpec, args, grid: ProcessGrid | None = None):
         if "loss_scaler" in spec.meta:                   # the scale and its clean-step count go on
             opt.scaler.load_state_dict(spec.meta["loss_scaler"])
     return model, opt
+
+
+def moe_settings(spec: RunSpec, args) -> moe.MoESettings | None:
+    """A MoE model's routing settings. The routing group is one micro-batch of one dp rank,
+    B/(dp M) sequences, on every layout and in the --verify twin (spec.dp is the run's)."""
+    cfg = spec.cfg
+    if not cfg.moe_experts:
+        return None
+    rows = args.batch_size // (spec.dp * args.micro_batches)
+    return moe.MoESettings(cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor, args.moe_aux_coef,
+                           args.moe_z_coef, group_rows=rows, groups_total=args.batch_size // rows)
 
 
 # --- one step ----------------------------------------------------------------------------------
@@ -163,6 +175,8 @@ def train_step(s: Session, step: int) -> dict:
     opt.lr = lr
     sync.zero_grad()
     sync.start_step()
+    if model.moe is not None:                           # routing: this step's loss scale and stats
+        model.moe.loss_scale, model.moe.stats = scale, []
     # each micro-batch: (B/(dp*M), T), with --cp (B/(dp*M), T/cp)
     batches = [s.local(s.sampler.batch(step, lo + k * mb, lo + (k + 1) * mb)) for k in range(M)]
     if s.pipe is not None:                               # the stage's schedule, then dp's sync
@@ -209,7 +223,15 @@ def train_step(s: Session, step: int) -> dict:
             "inter_host_bytes_by_axis": {str(axis): n for axis, n in step_inter.items() if n},
             "exposed_comm_s": sync.exposed_seconds, "cp_wait_s": context_parallel.waited() - waited0,
             "step_time": dt, "loss_scale": scale,
-            "skipped": skipped}
+            "skipped": skipped, **moe_row(model)}
+
+
+def moe_row(model) -> dict:
+    """The step's routing statistics (moe.step_stats), then stop collecting."""
+    if model.moe is None:
+        return {}
+    stats, model.moe.stats = model.moe.stats, None
+    return {"moe": moe.step_stats(stats)}
 
 
 def train_steps(s: Session, start: int, stop: int):

@@ -83,6 +83,7 @@ class PipelineStage(Model):
         self.names = schedules.stage_param_names(self.cfg, stage, n_stages, n_chunks)
         self.tp_size, self.tp_rank = inner.tp_size, inner.tp_rank
         self.context = inner.context              # --cp: the stage's tokens are the rank's share
+        self.moe = inner.moe                      # MoE blocks: the routing settings, shared
         self.tp_group = inner.group if self.tp_size > 1 else None
         inner.params = {n: inner.params[n] for n in self.names}      # drop the other stages'
         if self.tp_size > 1:                                          # and their tp layers
