@@ -1,17 +1,22 @@
 """minipar.comm against MPI's own collectives, in the same run: all_reduce, reduce_scatter,
-all_gather for p = 2, 3, 4 and 4 KiB to 64 MiB of float32.
+all_gather for p = 2, 3, 4 and 4 KiB to 64 MiB of float32; all_to_all up to 16 MiB.
 
     python scripts/bench_collectives.py                 # the whole table (runs mpirun itself)
     python scripts/bench_collectives.py --procs 4 --max-size 4MiB
     mpirun -n 4 python scripts/bench_collectives.py     # only p = 4 (the world's size)
     python scripts/bench_collectives.py --crossover     # each algorithm alone: where does the
                                                         # ring overtake recursive doubling?
+    python scripts/bench_collectives.py --ops all_to_all --procs 4     # one op, one p
 
-Definitions (nccl-tests). S is the message size in bytes: x for all_reduce and
-reduce_scatter, the gathered result for all_gather. t is the time per call: the median over
+Definitions (nccl-tests). S is the message size in bytes: x for all_reduce, reduce_scatter
+and all_to_all, the gathered result for all_gather. t is the time per call: the median over
 rounds of K back-to-back calls, on the slowest rank. algbw = S / t; busbw = algbw * 2(p-1)/p
-for all_reduce and algbw * (p-1)/p for reduce_scatter and all_gather (the rate each rank's
-link runs at, comparable across p). ratio = t(MPI) / t(minipar): above 1, minipar is faster.
+for all_reduce and algbw * (p-1)/p for reduce_scatter, all_gather and all_to_all (the rate
+each rank's link runs at, comparable across p). ratio = t(MPI) / t(minipar): above 1,
+minipar is faster.
+
+all_to_all (equal split, against MPI's Alltoall in its buffer form) gets a table of its own:
+minipar's dispatcher (out=) and each of its algorithms alone, pairwise exchange and Bruck.
 
 Both sides get preallocated output buffers (minipar's out=, MPI's recvbuf), as in nccl-tests;
 the `new` column is minipar's default call, which returns a fresh array (for large sizes
@@ -37,10 +42,11 @@ import numpy as np
 
 FLOOR_MAX_BYTES = 64 << 10                      # the floor column of all_reduce (floor())
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-OPS = ["all_reduce", "reduce_scatter", "all_gather"]
+ALL_TO_ALL_MAX_BYTES = 16 << 20                 # all_to_all's default sizes stop here
+OPS = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all"]
 BUS = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
-       "all_gather": lambda p: (p - 1) / p, "broadcast": lambda p: 1.0,
-       "reduce": lambda p: 1.0}
+       "all_gather": lambda p: (p - 1) / p, "all_to_all": lambda p: (p - 1) / p,
+       "broadcast": lambda p: 1.0, "reduce": lambda p: 1.0}
 
 
 def parse_size(text):
@@ -116,9 +122,35 @@ def floor(world, op, x, mine, full, piece):
     return run
 
 
+def compare_all_to_all(world, g, size, budget, rounds):
+    """all_to_all: the dispatcher (out= and new array), pairwise and Bruck alone, and MPI's
+    Alltoall, on x of `size` bytes (p equal pieces)."""
+    import minipar.comm as comm
+    from minipar.comm import alltoall
+    p, r = g.size, g.rank
+    n = size // 4 // p * p
+    x = np.random.default_rng(r).standard_normal(n).astype(np.float32)
+    full, theirs = np.empty(n, np.float32), np.empty(n, np.float32)
+    variants = {"minipar": lambda: comm.all_to_all(g, x, out=full),
+                "new": lambda: comm.all_to_all(g, x),
+                "pairwise": lambda: alltoall.pairwise(g, x, out=full),
+                "bruck": lambda: alltoall.bruck(g, x, out=full),
+                "mpi": lambda: world.Alltoall(x, theirs)}
+    t = timed(world, variants, budget, rounds)
+    variants["mpi"]()
+    for name in ("new", "pairwise", "bruck"):       # a benchmark of wrong answers means nothing
+        if not np.array_equal(variants[name](), theirs):
+            raise SystemExit(f"rank {r}: minipar's all_to_all ({name}) of {n * 4} B differs "
+                             f"from MPI's")
+    return {"op": "all_to_all", "p": p, "bytes": n * 4,
+            "algorithm": comm.all_to_all_algorithm(g, x), **t}
+
+
 def compare(world, g, op, size, budget, rounds):
     """minipar (out= and new array) and MPI's built-in on one op and size."""
     import minipar.comm as comm
+    if op == "all_to_all":
+        return compare_all_to_all(world, g, size, budget, rounds)
     p, r = g.size, g.rank
     n = size // 4 // p * p                      # float32 elements, divisible by p
     x = np.random.default_rng(r).standard_normal(n).astype(np.float32)
@@ -155,12 +187,13 @@ def compare(world, g, op, size, budget, rounds):
 def crossover(world, g, op, size, budget, rounds):
     """Each of minipar's algorithms for op alone (and MPI's), at one size."""
     import minipar.comm as comm
-    from minipar.comm import direct, doubling, ring, tree
+    from minipar.comm import alltoall, direct, doubling, ring, tree
     p, r = g.size, g.rank
     n = size // 4 // p * p
     x = np.random.default_rng(r).standard_normal(n).astype(np.float32)
     full = np.empty(n, np.float32)
     piece = np.empty(n // p, np.float32)
+    piece_all = np.empty(n, np.float32)             # MPI's Alltoall result
     mine = x[:n // p].copy()
 
     def forced(f, limit):                       # tree.py's crossovers moved to `limit`
@@ -198,6 +231,9 @@ def crossover(world, g, op, size, budget, rounds):
         "reduce": {"binomial": binomial(lambda: comm.reduce(g, x, 0)),
                    "chain": chain(lambda: comm.reduce(g, x, 0)),
                    "mpi": lambda: world.Reduce(x, full, root=0)},
+        "all_to_all": {"bruck": lambda: alltoall.bruck(g, x, out=full),
+                       "pairwise": lambda: alltoall.pairwise(g, x, out=full),
+                       "mpi": lambda: world.Alltoall(x, piece_all)},
     }[op]
     t = timed(world, variants, budget, rounds)
     return {"op": op, "p": p, "bytes": n * 4, **t}
@@ -230,15 +266,35 @@ def sizes_for(args, op):
         sizes = [1 << k for k in (range(16, 27) if op in ("broadcast", "reduce")
                                   else range(10, 22))]
     else:
-        sizes = SIZES
+        sizes = [s for s in SIZES if op != "all_to_all" or s <= ALL_TO_ALL_MAX_BYTES]
     return [s for s in sizes if args.min_size <= s <= args.max_size]
 
 
 # ------------------------------------------------------------------------- the tables
 
+def all_to_all_table(rows):
+    head = ("| p | size | algorithm | minipar us | pairwise us | Bruck us | MPI us | ratio | "
+            "minipar algbw GB/s | busbw GB/s | MPI busbw GB/s | new us |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        s, p = r["bytes"], r["p"]
+        bus = BUS["all_to_all"](p)
+        lines.append(
+            f"| {p} | {human(s)} | {r['algorithm']} | {r['minipar'] * 1e6:.0f} | "
+            f"{r['pairwise'] * 1e6:.0f} | {r['bruck'] * 1e6:.0f} | {r['mpi'] * 1e6:.0f} | "
+            f"{r['mpi'] / r['minipar']:.2f} | {s / r['minipar'] / 1e9:.2f} | "
+            f"{s / r['minipar'] * bus / 1e9:.2f} | {s / r['mpi'] * bus / 1e9:.2f} | "
+            f"{r['new'] * 1e6:.0f} |")
+    return "\n".join(lines)
+
+
 def table(rows):
     if not rows:
         return ""
+    if "minipar" in rows[0] and any(r["op"] == "all_to_all" for r in rows):
+        others = [r for r in rows if r["op"] != "all_to_all"]
+        mine = [r for r in rows if r["op"] == "all_to_all"]
+        return "\n\n".join(t for t in (table(others), all_to_all_table(mine)) if t)
     if "minipar" in rows[0]:
         head = ("| p | op | size | algorithm | minipar us | MPI us | ratio | minipar algbw GB/s | "
                 "busbw GB/s | MPI busbw GB/s | new us | floor us | floor ratio |")

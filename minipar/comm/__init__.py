@@ -33,6 +33,8 @@ were measured with scripts/bench_collectives.py --crossover (docs/collectives.md
     broadcast, reduce  binomial tree (tree.py) up to tree.BROADCAST_TREE_MAX_BYTES and
                        tree.REDUCE_TREE_MAX_BYTES, then a pipelined chain (p > 2)
     scatter, gather    binomial tree
+    all_to_all      Bruck (alltoall.py)                p >= 7, up to ALL_TO_ALL_BRUCK_MAX_BYTES,
+                    then the pairwise exchange         (sizes=: always pairwise)
 A group whose ranks sit on several hosts, some of them on the same one (Group.nodes), takes
 the hierarchical algorithms (hierarchical.py) for all_reduce, reduce_scatter and all_gather
 above the small-message sizes: inside each host, then across hosts once per piece.
@@ -46,7 +48,7 @@ tests run each of them).
 """
 import os
 
-from . import direct, doubling, hierarchical, ring, straight_line, tree
+from . import alltoall, direct, doubling, hierarchical, ring, straight_line, tree
 from .group import (CollectiveMismatch, CommError, CommTimeout, Group, Handle, abort_on_error,
                     abort_world, array, recv, recv_async, reset_traffic, run, send, send_async,
                     traffic, traffic_by_axis, untracked)
@@ -63,11 +65,19 @@ ALL_GATHER_BRUCK_MAX_BYTES = 8 * 1024           # p >= 4
 # (Blocking direct reduce-scatters and all-gathers take it at every size: a single round,
 # measured 2-8% faster than the generator at 1 MiB on p = 2.)
 SMALL_MAX_BYTES = 64 * 1024
+# all_to_all: Bruck's ceil(log2 p) rounds against the pairwise exchange's p-1 (alltoall.py).
+# Measured (--crossover --ops all_to_all, p = 4..8 on 2 cores): Bruck won up to 8 KiB at
+# p = 8 and up to 15 KiB at p = 7 (3 rounds against 6 and 7), never at p = 4, 5, 6: its
+# rounds forward what the previous one brought, and pack and unpack blocks, where the
+# pairwise exchange's small sends leave at once from x.
+ALL_TO_ALL_BRUCK_MAX_BYTES = 8 * 1024
+ALL_TO_ALL_BRUCK_MIN_RANKS = 7
 
 __all__ = [
     "Group", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "scatter",
-    "gather", "send", "recv", "send_async", "recv_async", "traffic", "traffic_by_axis",
-    "reset_traffic", "all_reduce_async", "reduce_scatter_async", "all_gather_async", "Handle",
+    "gather", "all_to_all", "send", "recv", "send_async", "recv_async", "traffic",
+    "traffic_by_axis", "reset_traffic", "all_reduce_async", "reduce_scatter_async",
+    "all_gather_async", "all_to_all_async", "Handle",
     "CommError", "CommTimeout", "CollectiveMismatch", "abort_on_error", "abort_world", "untracked",
 ]
 
@@ -167,3 +177,36 @@ def all_gather(g, x, sizes=None, *, out=None):
 def all_gather_async(g, x, sizes=None, *, out=None):
     x = array(x)
     return Handle(*all_gather_algorithm(g, x, sizes).start_all_gather(g, x, sizes, out))
+
+
+def all_to_all_algorithm(g, x, sizes=None):
+    """What all_to_all runs for x on g: "bruck" or "pairwise" (the crossover above)."""
+    if sizes is None and g.size >= ALL_TO_ALL_BRUCK_MIN_RANKS and \
+            array(x).nbytes <= ALL_TO_ALL_BRUCK_MAX_BYTES:
+        return "bruck"
+    return "pairwise"
+
+
+def _start_all_to_all(g, x, sizes, out, return_sizes):
+    x = array(x)
+    if all_to_all_algorithm(g, x, sizes) == "bruck":
+        return alltoall.start_bruck(g, x, out, return_sizes)
+    return alltoall.start_pairwise(g, x, sizes, out, return_sizes)
+
+
+def all_to_all(g, x, *, sizes=None, out=None, return_sizes=False):
+    """Rank r's piece j of x (along the first axis) goes to rank j; returns the pieces every
+    rank sent to this one, concatenated in source-rank order (MPI_Alltoall).
+
+    sizes=None: p equal pieces (x.shape[0] divisible by p); the result has x's shape.
+    sizes: rows of x for each destination, in rank order (p counts adding up to x.shape[0]);
+    the counts are exchanged first, so the result has as many rows as the others sent.
+    return_sizes: also return the rows received from each rank (a list of p ints).
+    out: the result's array (equal split only; not overlapping x).
+    """
+    return run(*_start_all_to_all(g, x, sizes, out, return_sizes))
+
+
+def all_to_all_async(g, x, *, sizes=None, out=None, return_sizes=False):
+    """Start an all_to_all; a Handle whose wait() returns what all_to_all would."""
+    return Handle(*_start_all_to_all(g, x, sizes, out, return_sizes))
