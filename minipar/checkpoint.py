@@ -53,7 +53,7 @@ import numpy as np
 
 from minipar import data, precision
 from minipar.model import param_specs
-from minipar.parallel import zero
+from minipar.parallel import expert_parallel, zero
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (FORMAT_VERSION,)
@@ -373,7 +373,7 @@ def canonical_state(model, opt) -> dict:
     """The model as checkpoints and --verify see it: {canonical name: full array}. With
     --precision fp16/bf16 that is the fp32 master weights (the 2-byte parameters are their
     rounding). Collective over tp and pp (and dp with ZeRO), like model.state_dict()."""
-    return model.consolidate(local_state(model, opt, "params"))
+    return model.consolidate(expert_parallel.gather_experts(model, local_state(model, opt, "params")))
 
 
 def optimizer_shard(model, opt) -> dict:
@@ -413,7 +413,7 @@ def save_run(path: str, s, next_step: int):
     rank 0 commits."""
     model, opt, args, grid = s.model, s.opt, s.args, s.grid
     state = canonical_state(model, opt)
-    writes = isinstance(opt, zero.Zero) or (grid.dp_rank == 0 and grid.cp_rank == 0)
+    writes = isinstance(opt, zero.Zero) or (grid.dp_rank // grid.ep_size == 0 and grid.cp_rank == 0)
     shard = optimizer_shard(model, opt) if writes else None
     meta = None
     if grid.rank == 0:

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "embeddings split along the sequence, which --tp must divide "
                         "(docs/sequence-parallel.md)")
     g.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline stages [%(default)s]")
+    g.add_argument("--ep", type=int, default=1, metavar="P",
+                   help="expert parallelism: the MoE experts split over groups of P dp ranks, tokens "
+                        "sent to them by all-to-all; P divides dp and --moe-experts (docs/moe.md) [%(default)s]")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, metavar="{0,1,2,3}",
                    help="ZeRO stage over the dp group: shard the optimizer state (1), and the "
                         "gradients (2), and the parameters (3); 0: plain data parallelism "
@@ -296,10 +299,14 @@ def check_context_split(cfg: GPTConfig | None, args):
                           f"has only one of them at a time (use --cp with --tp, or --sp without --cp)")
 
 
-def check_moe(cfg: GPTConfig, args, tp: int):
-    """The mixture-of-experts flags: consistent, and a layout MoE runs on (not yet --tp, --cp
-    or --sp)."""
-    E, K = cfg.moe_experts, cfg.moe_top_k
+def check_moe(cfg: GPTConfig, args, dp: int):
+    """The mixture-of-experts flags: consistent, and a layout MoE runs on (not yet --cp or
+    --sp; --ep not yet with ZeRO)."""
+    E, K, ep = cfg.moe_experts, cfg.moe_top_k, args.ep
+    if ep < 1:
+        raise ConfigError(f"--ep must be >= 1, got {ep}")
+    if ep > 1 and E == 0:
+        raise ConfigError(f"--ep {ep} splits the experts of a mixture of experts: it needs --moe-experts > 0")
     if E == 0:
         given = [f for f in ("moe_top_k", "moe_every", "moe_capacity_factor") if getattr(args, f) is not None]
         if given:
@@ -314,9 +321,14 @@ def check_moe(cfg: GPTConfig, args, tp: int):
                     ("--moe-z-coef", args.moe_z_coef)):
         if not (math.isfinite(v) and v >= 0):
             raise ConfigError(f"{flag} must be a finite number >= 0, got {v}")
-    for flag, n in (("--tp", tp), ("--cp", args.cp)):
-        if n > 1:
-            raise ConfigError(f"--moe-experts does not combine with {flag} {n} yet (docs/moe.md)")
+    if args.cp > 1 or args.sp:
+        flag = f"--cp {args.cp}" if args.cp > 1 else "--sp"
+        raise ConfigError(f"--moe-experts does not combine with {flag} yet (docs/moe.md)")
+    if dp % ep or E % ep:
+        raise ConfigError(f"--ep {ep} must divide both dp = {dp} (its groups are carved out of the dp group) "
+                          f"and --moe-experts {E} (E/ep experts per rank)")
+    if ep > 1 and args.zero:
+        raise ConfigError(f"--ep {ep} does not combine with --zero {args.zero} yet (docs/moe.md)")
 
 
 def resolve_dp_flags(args):
@@ -377,7 +389,7 @@ def prepare(args, world: int) -> RunSpec:
     check_split(cfg, dp, tp, pp, args.batch_size, args.micro_batches)
     check_sequence_split(cfg, tp, args.sp)
     check_context_split(cfg, args)
-    check_moe(cfg, args, tp)
+    check_moe(cfg, args, dp)
     check_schedule(cfg, pp, args.schedule, args.virtual_stages, args.micro_batches)
     resolve_dp_flags(args)
     if args.zero == 3 and pp > 1:

@@ -122,7 +122,9 @@ class Model:
     def load_state_dict(self, state: dict):
         """Load this rank's slices from a full canonical state: every name, no other, each of
         its canonical shape (all checked before anything changes)."""
-        missing, extra = sorted(set(self.params) - set(state)), sorted(set(state) - set(self.params))
+        placement = getattr(self.moe, "placement", None)          # --ep: other ranks' experts are not here
+        missing = sorted(set(self.params) - set(state))
+        extra = sorted(n for n in set(state) - set(self.params) if placement is None or placement.owns(n))
         if missing or extra:
             raise ValueError(f"state_dict mismatch: missing {missing[:4]}, unexpected {extra[:4]}")
         self.check_shapes(state, self.params)

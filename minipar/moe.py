@@ -57,6 +57,7 @@ class MoESettings:
     groups_total: int = 1            # routing groups in the global batch: the mean's divisor
     loss_scale: float = 1.0          # fp16's loss scale, which the injected gradients carry
     stats: list | None = None        # collects (block, Decisions) of every training forward
+    placement: object = None         # --ep: expert_parallel.ExpertPlacement (this rank's experts)
 
     def per_token(self, coef: float, G: int) -> float:
         """d(objective) / d(a group's mean over its G tokens), times the loss scale."""
@@ -190,9 +191,14 @@ def moe_mlp(P: dict, i: int, x: Tensor, s: MoESettings) -> Tensor:
     if s.stats is not None and is_grad_enabled():        # training: once even with full recompute
         s.stats.append((i, decisions))
     tokens, slots, rows = assignments(decisions, s.experts)
-    xs = ops.embedding(tokens, x2)                                   # (M, C), expert-major
-    parts = ops.split(xs, list(np.cumsum(rows)[:-1]), axis=0) if s.experts > 1 else [xs]
-    out = ops.concat([expert_mlp(P, f"h.{i}.mlp.experts.{e}.", part) for e, part in enumerate(parts)], axis=0)
+    if s.placement is not None:                      # --ep: the experts on the ranks that hold them
+        cap = capacity(G, s.top_k, s.experts, s.capacity_factor)    # slots per expert, all groups
+        out = s.placement.run(P, i, x2, tokens, rows, None if cap is None else cap * (B * t // G), expert_mlp)
+    else:
+        xs = ops.embedding(tokens, x2)                               # (M, C), expert-major
+        parts = ops.split(xs, list(np.cumsum(rows)[:-1]), axis=0) if s.experts > 1 else [xs]
+        out = ops.concat([expert_mlp(P, f"h.{i}.mlp.experts.{e}.", part) for e, part in enumerate(parts)],
+                         axis=0)
     gates = ops.embedding(slots, ops.reshape(weights, (B * t * s.top_k, 1)))    # (M, 1)
     y = ScatterRows.apply(ops.mul(out, gates), tokens, B * t)
     return ops.reshape(y, (B, t, C))

@@ -15,7 +15,7 @@ import numpy as np
 
 from minipar import comm, data, draw, moe, plan, precision
 from minipar.optim import AdamW
-from minipar.parallel import (context_parallel, data_parallel, pipeline, schedules, sequence_parallel,
+from minipar.parallel import (context_parallel, data_parallel, expert_parallel, pipeline, schedules, sequence_parallel,
                               tensor_parallel, zero, zero_bubble)
 from minipar.perf import human_bytes
 
@@ -366,6 +366,9 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
     if s.cfg.moe_experts:
         summary["moe"], more = moe.summary_lines(rows_log)
         lines += more
+    if g.ep_size > 1:
+        summary["expert_parallel"], line = expert_parallel.summary(s, rows_log)
+        lines.append(line)
     if a.save:
         writers = s.world if a.zero else s.world // n_sum             # see checkpoint.save_run
         who = ("one process" if s.world == 1 else "every rank" if writers == s.world

@@ -35,7 +35,8 @@ from minipar.config import ConfigError, RunSpec, agree_on_errors, build_parser, 
 from minipar.interfaces import GradSync, Model
 from minipar.model import GPT, train_flops_per_token
 from minipar.optim import AdamW, clip_coef, lr_at
-from minipar.parallel import context_parallel, data_parallel, pipeline, sequence_parallel, tensor_parallel, zero
+from minipar.parallel import (context_parallel, data_parallel, expert_parallel, pipeline, sequence_parallel,
+                              tensor_parallel, zero)
 from minipar.parallel.grid import ProcessGrid
 from minipar.perf import keep_freed_memory, matmul_peak_flops
 from minipar.tensor import no_grad
@@ -122,6 +123,8 @@ def init_model(spec: RunSpec, args, grid: ProcessGrid | None = None):
         model = GPT(spec.cfg, seed=args.seed, dtype=spec.dtype)
     model.recompute = args.recompute                 # before a pipeline stage wraps it
     model.moe = moe_settings(spec, args)
+    if grid is not None and grid.ep_size > 1:       # this rank's experts only
+        expert_parallel.place(model, expert_parallel.ExpertPlacement(grid.ep_group, spec.cfg.moe_experts))
     if grid is not None and grid.cp_size > 1:
         model.context = context_parallel.ContextSplit(grid.cp_group, args.cp_layout)
     if grid is not None and grid.pp_size > 1:
@@ -177,6 +180,8 @@ def train_step(s: Session, step: int) -> dict:
     sync.start_step()
     if model.moe is not None:                           # routing: this step's loss scale and stats
         model.moe.loss_scale, model.moe.stats = scale, []
+        if model.moe.placement is not None:
+            model.moe.placement.theory_bytes = 0
     # each micro-batch: (B/(dp*M), T), with --cp (B/(dp*M), T/cp)
     batches = [s.local(s.sampler.batch(step, lo + k * mb, lo + (k + 1) * mb)) for k in range(M)]
     if s.pipe is not None:                               # the stage's schedule, then dp's sync
@@ -231,7 +236,10 @@ def moe_row(model) -> dict:
     if model.moe is None:
         return {}
     stats, model.moe.stats = model.moe.stats, None
-    return {"moe": moe.step_stats(stats)}
+    row = {"moe": moe.step_stats(stats)}
+    if model.moe.placement is not None:                 # --ep: what the all-to-alls should have sent
+        row["ep_theory_bytes"] = model.moe.placement.theory_bytes
+    return row
 
 
 def train_steps(s: Session, start: int, stop: int):
@@ -304,12 +312,14 @@ def set_up(args) -> Session:
         if err is not None:
             err.agreed = True      # main(): every rank learns of it below and exits 2
         agree_on_errors(world_comm, err)
-    grid = ProcessGrid(world_comm, spec.dp, spec.tp, spec.pp, spec.cp)
+    grid = ProcessGrid(world_comm, spec.dp, spec.tp, spec.pp, spec.cp, args.ep)
     model, opt = init_model(spec, args, grid)
     sync = None
     grads = grid.grad_group        # dp x cp: every rank of it has a partial gradient of the same weights
     if args.zero:                  # one object: the dp synchroniser and the sharded optimizer
         opt = sync = zero.Zero(model, opt, grads, args.zero)
+    elif grid.ep_size > 1:         # experts summed over their replicas, the rest over dp
+        sync = expert_parallel.ExpertParallelSync(model, grid, args.dp_mode, args.bucket_mb)
     elif grads.size > 1:
         sync = data_parallel.make(model.parameters(), grads, args.dp_mode, args.bucket_mb)
     B, T, dp, r = args.batch_size, spec.cfg.block_size, grid.dp_size, grid.dp_rank
@@ -361,12 +371,24 @@ def validation_loss(s: Session) -> float:
     return float(comm.all_reduce(s.context.group, np.array([loss]))[0]) / s.context.size
 
 
+def replica_digest(s: Session) -> str:
+    """Check that the replicas hold the same weights (raises if not) -> the weights' hash.
+    With --ep the experts are compared over their own replicas, the rest over dp."""
+    g, params = s.grid, s.model.named_parameters()
+    if g.ep_size == 1:
+        return data_parallel.check_replicas(s.model.parameters(), g.grad_group)
+    experts = [p for n, p in params if expert_parallel.expert_of(n) is not None]
+    if g.expert_group.size > 1:
+        data_parallel.check_replicas(experts, g.expert_group)
+    return data_parallel.check_replicas([p for n, p in params if expert_parallel.expert_of(n) is None], g.dp_group)
+
+
 def sample(s: Session):
     """--sample N: N bytes generated on rank 0 from the consolidated model."""
     a, model = s.args, s.model
     if a.sample <= 0:
         return
-    if s.grid.tp_size > 1 or s.grid.pp_size > 1 or s.grid.cp_size > 1 or a.zero == 3:
+    if s.grid.tp_size > 1 or s.grid.pp_size > 1 or s.grid.cp_size > 1 or s.grid.ep_size > 1 or a.zero == 3:
         # collective over tp, pp, dp; whole on rank 0
         full = checkpoint.canonical_state(model, s.opt)
         if s.rank == 0:
@@ -397,8 +419,7 @@ def run(args) -> dict:
     tp_ledger = tensor_parallel.traffic()
     # stage 3: every dp rank holds other shards
     replicated = s.grid.grad_group.size > 1 and args.zero != 3
-    digest = (data_parallel.check_replicas(s.model.parameters(), s.grid.grad_group)
-              if replicated else None)
+    digest = replica_digest(s) if replicated else None
     if args.save:
         with trace.span("save checkpoint", "checkpoint", step=args.steps):
             checkpoint.save_run(args.save, s, args.steps)

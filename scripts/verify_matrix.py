@@ -11,7 +11,9 @@ stage the layout allows (0-3 without a pipeline, 0-2 with one), each schedule wh
 each precision, and --recompute full or selective beside each float64 1F1B (or pipeline-free)
 layout. Context parallelism (context_parallel): cp 2 and 4, zig-zag and contiguous, alone
 and with dp (each ZeRO stage), tp, pp (four schedules), micro-batches, recomputation and
-fp16/bf16, and on 8 ranks dp x cp x tp, cp x tp x pp, dp x cp x pp. Sequence parallelism: beside each float64 layout with tp > 1, the same with --sp
+fp16/bf16, and on 8 ranks dp x cp x tp, cp x tp x pp, dp x cp x pp. A mixture of experts
+(experts): ep 1, 2, 4, with and without dropping, with pp, recomputation, ZeRO, fp16/bf16.
+Sequence parallelism: beside each float64 layout with tp > 1, the same with --sp
 (block size 16 divides over tp 2 and 4), with --recompute by ZeRO stage (SP_RECOMPUTE: none,
 selective, full, selective) so that TP+SP and TP+SP+recompute are both covered; and one fp16
 and one bf16 --sp run with pp > 1. The schedules past 1F1B (past_1f1b): beside each
@@ -73,6 +75,32 @@ def cases(ranks, precisions):
                 if pp > 1 and schedule == "1f1b" and (precision == "fp32" or zero == 0):
                     yield from past_1f1b(n, dp, tp, pp, zero, precision)
         yield from context_parallel(n, precisions)
+        yield from experts(n, precisions)
+
+
+def experts(n, precisions):
+    """A mixture of experts (E 4, top-2), with and without dropping (capacity factor 1.0):
+    ep 1, 2, 4 over dp 4; ep 2 with pp 2 (1F1B, ZB-H1), with tp 2 and with full recomputation; without
+    ep with ZeRO 1, 2, 3; fp16/bf16 at ep 2. 8 ranks: dp 4 x ep 2 x pp 2."""
+    moe = ["--moe-experts", "4", "--moe-top-k", "2"]
+    f64 = ["--dtype", "float64"]
+    drops = ([], ["--moe-capacity-factor", "1.0"])
+    if n == 4:
+        for drop in drops:
+            for ep in ("1", "2", "4"):
+                yield n, moe + drop + ["--dp", "4", "--ep", ep] + f64
+            for schedule in ("1f1b", "zb-h1"):
+                yield n, moe + drop + ["--dp", "2", "--ep", "2", "--pp", "2", "--micro-batches", "2",
+                                       "--schedule", schedule] + f64
+            yield n, moe + drop + ["--dp", "4", "--ep", "2", "--micro-batches", "2", "--recompute", "full"] + f64
+            yield n, moe + drop + ["--dp", "2", "--ep", "2", "--tp", "2"] + f64
+        for zero in ("1", "2", "3"):
+            yield n, moe + ["--dp", "4", "--zero", zero, "--moe-capacity-factor", "1.25"] + f64
+        for precision in set(precisions) - {"fp32"}:
+            yield n, moe + ["--dp", "4", "--ep", "2", "--precision", precision]
+    else:
+        for drop in drops:
+            yield n, moe + drop + ["--dp", "4", "--ep", "2", "--pp", "2", "--micro-batches", "2"] + f64
 
 
 def context_parallel(n, precisions):
@@ -154,7 +182,7 @@ def main():
             failed.append((n, flags, code))
         else:
             key = ("fp32" if "float64" in flags else "fp16/bf16") + (" --sp" if "--sp" in flags else "") \
-                + (" --cp" if "--cp" in flags else "")
+                + (" --cp" if "--cp" in flags else "") + (" --moe" if "--moe-experts" in flags else "")
             for k, v in figures.items():
                 worst.setdefault(key, {})[k] = max(v, worst.get(key, {}).get(k, 0.0))
     print(f"{total - len(failed)} of {total} layouts pass --verify ({time.time() - t0:.0f} s); largest relative "

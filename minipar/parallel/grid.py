@@ -20,6 +20,13 @@ Every rank of a cp group holds the same parameters and computes a partial gradie
 own tokens, so gradients are summed over dp x cp: grad_group, the dp group itself when
 cp = 1 (ZeRO shards over it too).
 
+Expert parallelism (ep, which divides dp) cuts each dp group into dp/ep ep groups of ep
+consecutive dp ranks: ep_group (axis "ep"), between whose ranks a MoE layer's experts are
+split and its tokens travel (all-to-all). An expert's weights are held by the dp ranks of the
+same ep rank, dp/ep of them: expert_group (axis "dp"), over which its gradients are summed;
+the other parameters' gradients are summed over the whole dp group. ep = 1: no ep_group,
+expert_group = grad_group.
+
 `check_layout` validates a layout without any communication, so that every rank can
 reject a bad one before the first message. `ProcessGrid` then builds the groups
 with Comm.Split (creating communicators is not a collective *operation* on data), each
@@ -67,9 +74,11 @@ class ProcessGrid:
     dp_group, pp_group, grad_group (dp x cp) and world, tagged with their axis for the
     traffic ledger."""
 
-    def __init__(self, comm, dp: int, tp: int = 1, pp: int = 1, cp: int = 1):
+    def __init__(self, comm, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1):
         world = comm.Get_size()
         check_layout(world, dp, tp, pp, cp)
+        if ep < 1 or dp % ep:
+            raise LayoutError(f"--ep {ep} must divide dp = {dp}: expert groups are carved out of the dp group")
         self.comm, self.rank, self.world_size = comm, comm.Get_rank(), world
         self.dp_size, self.tp_size, self.pp_size, self.cp_size = dp, tp, pp, cp
         r = self.rank
@@ -87,6 +96,15 @@ class ProcessGrid:
             self.cp_group = Group(comm.Split(color=(p * dp + d) * tp + t, key=c), axis="cp")
             self.grad_group = Group(comm.Split(color=p * tp + t, key=d * cp + c), axis="dp")
         self.world = Group(comm, axis="world")
+        # expert parallelism: the dp group cut into dp/ep groups of ep consecutive dp ranks, each
+        # holding all experts between them; an expert's replicas: the dp ranks of the same ep rank
+        self.ep_size, self.ep_rank = ep, d % ep
+        self.ep_group, self.expert_group = None, self.grad_group
+        if ep > 1:
+            self.ep_group = Group(comm.Split(color=((p * (dp // ep) + d // ep) * cp + c) * tp + t, key=d % ep),
+                                  axis="ep")
+            self.expert_group = Group(comm.Split(color=((p * ep + d % ep) * cp + c) * tp + t, key=d // ep),
+                                      axis="dp")
 
     def rank_of(self, dp_rank: int, tp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
         return ((pp_rank * self.dp_size + dp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank

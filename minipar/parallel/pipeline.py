@@ -85,7 +85,8 @@ class PipelineStage(Model):
         self.context = inner.context              # --cp: the stage's tokens are the rank's share
         self.moe = inner.moe                      # MoE blocks: the routing settings, shared
         self.tp_group = inner.group if self.tp_size > 1 else None
-        inner.params = {n: inner.params[n] for n in self.names}      # drop the other stages'
+        inner.params = {n: inner.params[n] for n in self.names if n in inner.params}   # drop the other
+        # stages' (and with --ep the experts other ranks hold)
         if self.tp_size > 1:                                          # and their tp layers
             for i in range(self.cfg.n_layer):
                 if i not in self.layers:

@@ -281,7 +281,11 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, group: comm.Group, voc
 # --- the model --------------------------------------------------------------------------------
 
 def layout_of(name: str) -> str:
-    """How canonical parameter `name` is split: vocab, qkv, column, row or replicated."""
+    """How canonical parameter `name` is split: vocab, qkv, column, row or replicated. A MoE
+    block's router and experts are replicated: every tp rank runs the whole MoE layer on the
+    (replicated) activations, so each computes their full gradient (docs/moe.md)."""
+    if ".mlp.experts." in name or name.endswith("mlp.router.weight"):
+        return "replicated"
     if name in ("wte.weight", "lm_head.weight"):
         return "vocab"
     if name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias"):
@@ -326,7 +330,7 @@ class TensorParallelGPT(Model):
                 ColumnParallelLinear(P[h + "attn.c_attn.weight"], P[h + "attn.c_attn.bias"], g),
                 RowParallelLinear(P[h + "attn.c_proj.weight"], P[h + "attn.c_proj.bias"], g),
                 cfg.n_head // tp))
-            self.mlp.append(ParallelMLP(
+            self.mlp.append(None if cfg.is_moe(i) else ParallelMLP(
                 ColumnParallelLinear(P[h + "mlp.c_fc.weight"], P[h + "mlp.c_fc.bias"], g),
                 RowParallelLinear(P[h + "mlp.c_proj.weight"], P[h + "mlp.c_proj.bias"], g)))
 
@@ -387,7 +391,7 @@ class TensorParallelGPT(Model):
         shaped like them (Adam's m and v). Collective over the tp group: one all_gather
         per split tensor, in name order, on every rank; the result is identical on all."""
         out = {}
-        for name in self.params:
+        for name in [n for n, _, _ in param_specs(self.cfg) if n in local]:    # (--ep: all experts)
             a = np.ascontiguousarray(local[name])
             if self.is_replicated(name) or self.tp_size == 1:
                 out[name] = self.unshard(name, [a] * self.tp_size)
@@ -424,7 +428,8 @@ class TensorParallelGPT(Model):
     def block(self, i: int, x: Tensor) -> Tensor:
         P, h = self.params, f"h.{i}."
         x = x + self.attn[i](ops.layer_norm(x, P[h + "ln_1.weight"], P[h + "ln_1.bias"]), self.attend)
-        return x + self.mlp[i](ops.layer_norm(x, P[h + "ln_2.weight"], P[h + "ln_2.bias"]))
+        m = ops.layer_norm(x, P[h + "ln_2.weight"], P[h + "ln_2.bias"])
+        return x + (self.moe_layer(i, m) if self.cfg.is_moe(i) else self.mlp[i](m))
 
     def head(self, x: Tensor) -> Tensor:
         """-> vocab-sharded logits (B, t, Vp/tp); padded columns are -inf."""
