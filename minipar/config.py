@@ -301,7 +301,7 @@ def check_context_split(cfg: GPTConfig | None, args):
 
 def check_moe(cfg: GPTConfig, args, dp: int):
     """The mixture-of-experts flags: consistent, and a layout MoE runs on (not yet --cp or
-    --sp; --ep not yet with ZeRO)."""
+    --sp)."""
     E, K, ep = cfg.moe_experts, cfg.moe_top_k, args.ep
     if ep < 1:
         raise ConfigError(f"--ep must be >= 1, got {ep}")
@@ -327,8 +327,6 @@ def check_moe(cfg: GPTConfig, args, dp: int):
     if dp % ep or E % ep:
         raise ConfigError(f"--ep {ep} must divide both dp = {dp} (its groups are carved out of the dp group) "
                           f"and --moe-experts {E} (E/ep experts per rank)")
-    if ep > 1 and args.zero:
-        raise ConfigError(f"--ep {ep} does not combine with --zero {args.zero} yet (docs/moe.md)")
 
 
 def resolve_dp_flags(args):

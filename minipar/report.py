@@ -199,7 +199,8 @@ def describe(s) -> list[str]:
                        f"{s.pipe.bubble_theory:.3f}")
     if a.zero:
         shards = g.grad_group.size
-        lines.append(f"  ZeRO stage {a.zero} over {shards} rank(s) (dp x cp): "
+        lines.append(f"  ZeRO stage {a.zero} over {shards} rank(s) (dp x cp"
+                     + (f"; experts over their {g.expert_group.size} replica(s)" if g.ep_size > 1 else "") + "): "
                      + {1: "optimizer state", 2: "optimizer state and gradients",
                         3: "optimizer state, gradients and parameters"}[a.zero]
                      + f" sharded in {len(s.sync.units)} units (wte, each block, the rest), "

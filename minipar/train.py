@@ -317,7 +317,8 @@ def set_up(args) -> Session:
     sync = None
     grads = grid.grad_group        # dp x cp: every rank of it has a partial gradient of the same weights
     if args.zero:                  # one object: the dp synchroniser and the sharded optimizer
-        opt = sync = zero.Zero(model, opt, grads, args.zero)
+        experts = (grid.expert_group, lambda n: expert_parallel.expert_of(n) is not None) if grid.ep_size > 1 else ()
+        opt = sync = zero.Zero(model, opt, grads, args.zero, *experts)
     elif grid.ep_size > 1:         # experts summed over their replicas, the rest over dp
         sync = expert_parallel.ExpertParallelSync(model, grid, args.dp_mode, args.bucket_mb)
     elif grads.size > 1:

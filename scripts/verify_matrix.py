@@ -80,8 +80,9 @@ def cases(ranks, precisions):
 
 def experts(n, precisions):
     """A mixture of experts (E 4, top-2), with and without dropping (capacity factor 1.0):
-    ep 1, 2, 4 over dp 4; ep 2 with pp 2 (1F1B, ZB-H1), with tp 2 and with full recomputation; without
-    ep with ZeRO 1, 2, 3; fp16/bf16 at ep 2. 8 ranks: dp 4 x ep 2 x pp 2."""
+    ep 1, 2, 4 over dp 4; ep 2 with pp 2 (1F1B, ZB-H1), with tp 2 and with full recomputation; ZeRO
+    1, 2, 3 with and without ep (experts sharded over their replicas); fp16/bf16 at ep 2. 8 ranks:
+    dp 4 x ep 2 x pp 2."""
     moe = ["--moe-experts", "4", "--moe-top-k", "2"]
     f64 = ["--dtype", "float64"]
     drops = ([], ["--moe-capacity-factor", "1.0"])
@@ -96,6 +97,8 @@ def experts(n, precisions):
             yield n, moe + drop + ["--dp", "2", "--ep", "2", "--tp", "2"] + f64
         for zero in ("1", "2", "3"):
             yield n, moe + ["--dp", "4", "--zero", zero, "--moe-capacity-factor", "1.25"] + f64
+            yield n, moe + ["--dp", "4", "--ep", "2", "--zero", zero] + f64
+        yield n, moe + ["--dp", "2", "--ep", "2", "--pp", "2", "--zero", "1", "--micro-batches", "2"] + f64
         for precision in set(precisions) - {"fp32"}:
             yield n, moe + ["--dp", "4", "--ep", "2", "--precision", precision]
     else:

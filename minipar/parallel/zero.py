@@ -125,8 +125,9 @@ def traffic_theory(stage: int, P_pad: int, N: int, itemsize: int, M: int) -> flo
 class Unit:
     """One flat, padded group of parameters and this rank's shard of it."""
 
-    def __init__(self, names, params, N: int, rank: int):
+    def __init__(self, names, params, N: int, rank: int, group=None):
         self.names, self.params = names, params
+        self.group, self.N = group, N           # the ranks its shards are spread over ("zero" axis)
         self.sizes = [p.size for p in params]
         self.offsets = np.cumsum([0] + self.sizes)[:-1].tolist()
         self.n = sum(self.sizes)
@@ -194,7 +195,11 @@ class Zero:
     checkpoint has been loaded into them: each rank keeps its shard of their state and the
     full optimizer is dropped."""
 
-    def __init__(self, model, opt, group: comm.Group, stage: int):
+    def __init__(self, model, opt, group: comm.Group, stage: int, expert_group: comm.Group | None = None,
+                 is_expert=None):
+        """expert_group, is_expert(name): with expert parallelism, each block's expert
+        parameters form units of their own, sharded over expert_group (an expert's dp/ep
+        replicas) instead of the whole dp group (docs/moe.md)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         self.model, self.group, self.stage = model, group.with_axis("zero"), stage
@@ -209,8 +214,8 @@ class Zero:
         masters = dict(zip(named, opt.master)) if self.mixed else {}
         ms, vs = dict(zip(named, opt.m)), dict(zip(named, opt.v))
         self.units, self.unit_of = [], {}
-        for names in unit_names(named):
-            u = Unit(names, [named[n] for n in names], self.N, self.rank)
+        for names, g in self._unit_groups(unit_names(named), expert_group, is_expert):
+            u = Unit(names, [named[n] for n in names], g.size, g.rank, g)
             self.units.append(u)
             for p in u.params:
                 self.unit_of[id(p)] = u
@@ -240,6 +245,18 @@ class Zero:
         if stage == 3:
             self._wrap_forward()
 
+    def _unit_groups(self, units, expert_group, is_expert):
+        """[(names, the unit's "zero" group)]: every unit over the dp group, or with experts
+        each unit cut into its non-expert names (over dp) and its experts' (over expert_group)."""
+        if expert_group is None:
+            return [(u, self.group) for u in units]
+        out = []
+        for u in units:
+            plain, experts = [n for n in u if not is_expert(n)], [n for n in u if is_expert(n)]
+            out += [(plain, self.group)] if plain else []
+            out += [(experts, expert_group.with_axis("zero"))] if experts else []
+        return out
+
     # --- sizes and the memory report -------------------------------------------------------
     @property
     def P(self) -> int:
@@ -267,12 +284,29 @@ class Zero:
         grads = sum((u.grad_flat if self.stage == 1 else u.grad_shard).nbytes for u in self.units)
         f = formula(self.stage, self.P, self.P_pad, self.N, itemsize, K)
         f["text"] = f"{f['text']} (P = {self.P:,} on this rank, N = {self.N}, padded to {self.P_pad:,})"
+        spread = [u for u in self.units if u.N != self.N]           # experts: over their replicas
+        if spread:
+            f = self._formula_with_experts(spread, itemsize, K)
         return {"params": params, "grads": grads, "optimizer": self.state_bytes(), "formula": f,
                 "zero": {"stage": self.stage, "N": self.N, "P": self.P, "P_padded": self.P_pad,
                          "padding": self.padding, "units": len(self.units)}}
 
+    def _formula_with_experts(self, spread, itemsize, K) -> dict:
+        """The formula, summed over the two kinds of unit: P over N dp ranks, and the experts'
+        P_e over their N_e replicas."""
+        ids = {id(u) for u in spread}
+        plain = [u for u in self.units if id(u) not in ids]
+        P, P_pad = sum(u.n for u in plain), sum(u.n_pad for u in plain)
+        Pe, Pe_pad, Ne = sum(u.n for u in spread), sum(u.n_pad for u in spread), spread[0].N
+        a = formula(self.stage, P, P_pad, self.N, itemsize, K)
+        b = formula(self.stage, Pe, Pe_pad, Ne, itemsize, K)
+        f = {k: a[k] + b[k] for k in ("params", "grads", "optimizer")}
+        f["text"] = (f"{a['text']} + experts' {b['text'].replace('P', 'P_e').replace('N', 'N_e')} (P = {P:,}, "
+                     f"N = {self.N}; P_e = {Pe:,}, N_e = {Ne}; padded)")
+        return f
+
     def traffic_theory(self, micro_batches: int) -> float:
-        return sum(traffic_theory(self.stage, u.n_pad, self.N, self.dtype.itemsize, micro_batches)
+        return sum(traffic_theory(self.stage, u.n_pad, u.N, self.dtype.itemsize, micro_batches)
                    for u in self.units)
 
     # --- the data-parallel interface (train.train_step, pipeline.PipelineEngine) ------------
@@ -309,9 +343,9 @@ class Zero:
         u.pending -= 1
         if u.pending == 0:
             if self.stage == 1:                  # the shard lands in its own place in grad_flat: no new array
-                u.handle = comm.reduce_scatter_async(self.group, u.grad_flat, out=u.grad_flat[u.lo:u.hi])
+                u.handle = comm.reduce_scatter_async(u.group, u.grad_flat, out=u.grad_flat[u.lo:u.hi])
             else:
-                u.handle = comm.reduce_scatter_async(self.group, u.flat_grad)
+                u.handle = comm.reduce_scatter_async(u.group, u.flat_grad)
             if self.stage == 3:
                 self.release(u, after_backward=True)
         for other in self.units:                 # push every reduce-scatter in flight along
@@ -352,9 +386,9 @@ class Zero:
         """All-gather the unit's parameters and point them at the result. again: backward's
         re-gather, into the buffer the forward's ops kept (see the module docstring)."""
         if not again or u.full is None:
-            u.full = comm.all_gather(self.group, u.param_shard)          # (n_pad,)
+            u.full = comm.all_gather(u.group, u.param_shard)          # (n_pad,)
         else:
-            comm.all_gather(self.group, u.param_shard, out=u.full)
+            comm.all_gather(u.group, u.param_shard, out=u.full)
         u.point(u.full)
 
     def release(self, u: Unit, after_backward: bool = False):
@@ -374,7 +408,10 @@ class Zero:
         embedding-side units are gathered before embed and released after head."""
         m = self.model
         embed, block, head = m.embed, m.block, m.head
-        blocks = {int(_BLOCK.match(u.names[0]).group(1)): u for u in self.units if _BLOCK.match(u.names[0])}
+        blocks = {}                                  # block i -> its units (with experts: two)
+        for u in self.units:
+            if _BLOCK.match(u.names[0]):
+                blocks.setdefault(int(_BLOCK.match(u.names[0]).group(1)), []).append(u)
         outer = [u for u in self.units if not _BLOCK.match(u.names[0])]
 
         def zero3_embed(idx):
@@ -383,8 +420,9 @@ class Zero:
             return embed(idx)
 
         def zero3_block(i, x):
-            self.gather(blocks[i])
-            return Regather.apply(block(i, x), self, [blocks[i]])
+            for u in blocks[i]:
+                self.gather(u)
+            return Regather.apply(block(i, x), self, blocks[i])
 
         def zero3_head(x):
             return Regather.apply(head(x), self, outer)
@@ -424,7 +462,7 @@ class Zero:
                 if self.mixed:
                     w_shard[sh] = target                                  # round into the model
             if self.stage != 3:
-                comm.all_gather(self.group, w_shard.copy(), out=u.param_flat)
+                comm.all_gather(u.group, w_shard.copy(), out=u.param_flat)
 
     # --- whole tensors again (checkpoints, --verify, the replica check) ---------------------
     def gather_local(self, kind: str) -> dict:
@@ -438,7 +476,7 @@ class Zero:
                 shard = u.param_shard if self.stage == 3 else u.param_flat[u.lo:u.hi]
             else:
                 shard = getattr(u, kind)
-            flat = comm.all_gather(self.group, np.ascontiguousarray(shard))
+            flat = comm.all_gather(u.group, np.ascontiguousarray(shard))
             for n, a in zip(u.names, u.unflatten(flat)):
                 out[n] = a.copy()
         return out
