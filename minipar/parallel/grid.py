@@ -123,7 +123,8 @@ class ProcessGrid:
 
     def describe(self) -> str:
         cp = f" cp={self.cp_size}" if self.cp_size > 1 else ""
-        return f"dp={self.dp_size}{cp} tp={self.tp_size} pp={self.pp_size}"
+        ep = f" ep={self.ep_size}" if self.ep_size > 1 else ""
+        return f"dp={self.dp_size}{ep}{cp} tp={self.tp_size} pp={self.pp_size}"
 
     def __repr__(self):
         cp = f" cp={self.cp_rank}" if self.cp_size > 1 else ""
