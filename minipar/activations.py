@@ -58,9 +58,46 @@ softmax's as/ht, quadratic in s, becomes a/ht, linear (o adds 1/t). Stage 0 keep
 s/c positions (int64) instead of s. (One trap: with a/t = 1 head, or s/c = 1, and no
 fp16/bf16, c_proj's input is a reshaped view of o, not a copy, and is counted once with it.)
 tests/mpi/test_cp_activations.py holds it to Tensor.saved_bytes, with tp and without.
+
+A mixture-of-experts layer (--moe-experts E --moe-top-k K, moe.py; not with sp or cp) keeps,
+in place of the MLP's last three rows (c_fc's input, GELU, mlp c_proj's input), what its
+router, its dispatch, its experts and its combine save. For the N = sb tokens of one
+micro-batch on one rank, M the assignments it keeps (K per token, less those dropped at a
+capacity) and R the rows its experts run on; d the bytes of a stored element, d' of a
+computed one the ops keep (4 with fp16/bf16, else d):
+
+    kept by                       bytes
+    router      x (N, h)          N h d'         (fp16/bf16: its fp32 copy; else ln_2's output)
+                p (N, E)          N E d'
+                lse, the sum      2 N d'
+                weights (N, K)    N K d'
+                choices (N, K)    8 N E          (int64: a view of the whole (N, E) argsort)
+                w_r in fp32       h E d'         (fp16/bf16 only)
+    experts     c_fc's input      R h d          (the gathered rows, one array for all experts)
+                GELU x, sigmoid   8 R h d'
+                c_proj's input    4 R h d
+    combine     the outputs       M h d          (weighted by their gates)
+                the gates (M, 1)  M d
+    row indices (int64)           8 (2M)         one process: the tokens' and the slots' ids
+                                  8 (2M + 2R)    --ep: + the order of the rows received, + its inverse
+                                  8 (2M + 3R)    --ep with a capacity: + the padded slots' index
+
+M and R depend on the routing. The formula takes them as given (the counts a run made) or
+assumes balanced routing, every expert chosen N K / E times: M = N K (min(N K, E cap) with a
+capacity of cap slots per expert), R = M, except with --ep and a capacity, where each rank's
+experts run on their capacity whatever the routing, R = E cap (E/ep experts x ep sources x
+cap rows, padding included). Without a capacity M = N K exactly (nothing is dropped), and on
+one process R = M: only --ep without a capacity (R) and a capacity that drops (M) depend on
+the data. With balanced routing and no capacity the experts keep K times the dense MLP's
+13 N h d, plus the router. Not counted, as Tensor.saved_bytes does not see them: what the
+router keeps outside save() (f (N, E), each token's group's load) and the drop decisions.
+tp ranks each run the whole MoE layer (the experts are replicated over tp): the same bytes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from minipar import moe
 from minipar.model import GPTConfig
 from minipar.parallel import schedules
 
@@ -68,13 +105,54 @@ INT64 = 8
 SETTINGS = ("none", "tp", "tp+sp", "tp+selective", "tp+sp+selective", "full")
 
 
+@dataclass(frozen=True)
+class MoELayer:
+    """One MoE layer's routing on one rank, as its saved bytes see it (the module's third
+    table): E experts, top-K, ep ranks, cap slots per expert (None: no capacity); kept (M) and
+    received (R) rows if known (a run's counts), else balanced routing's."""
+    experts: int
+    top_k: int
+    ep: int = 1
+    cap: int | None = None
+    kept: int | None = None
+    received: int | None = None
+
+    def rows(self, N: int) -> tuple[int, int]:
+        """(M, R) for N tokens: the given counts, or every expert chosen N K / E times:
+        M = N K, or min(N K, E cap) with a capacity; R = M, or E cap with --ep and a capacity."""
+        E, K, cap = self.experts, self.top_k, self.cap
+        M = N * K if cap is None else min(N * K, E * cap)
+        R = E * cap if self.ep > 1 and cap is not None else M
+        return (M if self.kept is None else self.kept), (R if self.received is None else self.received)
+
+
+def mlp_bytes(N: int, Ns: int, C: int, tp: int, store: int, comp: int) -> int:
+    """The dense MLP's part of layer_bytes: c_fc's input (Ns, C) (or its shard), GELU's x and
+    sigmoid (N, 4C/t), mlp c_proj's input (N, 4C/t)."""
+    Ct = C // tp
+    return Ns * C * store + 2 * N * 4 * Ct * comp + N * 4 * Ct * store
+
+
+def moe_mlp_bytes(N: int, C: int, m: MoELayer, store: int, comp: int) -> int:
+    """A MoE layer's part, in place of mlp_bytes (the module's third table), on N tokens."""
+    E, K = m.experts, m.top_k
+    M, R = m.rows(N)
+    router = N * C * comp + N * E * comp + 2 * N * comp + N * K * comp + INT64 * N * E
+    router += C * E * comp if comp != store else 0             # fp16/bf16: w_r computed on in fp32
+    experts = R * C * store + 2 * R * 4 * C * comp + R * 4 * C * store
+    combine = M * C * store + M * store
+    ids = 2 * M + (0 if m.ep == 1 else 2 * R + (R if m.cap is not None else 0))
+    return router + experts + combine + INT64 * ids
+
+
 def layer_bytes(rows: int, T: int, C: int, H: int, tp: int = 1, store: int = 4, comp: int | None = None,
-                sp: bool = False, recompute: str = "none", cp: int = 1) -> int:
+                sp: bool = False, recompute: str = "none", cp: int = 1, moe_layer: MoELayer | None = None) -> int:
     """Bytes one transformer layer keeps for backward, one micro-batch of `rows` sequences
     of T tokens, exactly as Tensor.saved_bytes counts them. store: bytes per stored element
     (activations between ops), comp: of the computed ones the ops keep (4 for fp16/bf16,
     else store). cp: context-parallel ranks, each with Tc = T/cp tokens of every sequence
-    and ring attention (the module's second table)."""
+    and ring attention (the module's second table). moe_layer: a MoE block's routing (the
+    third table), its MLP replaced by the router and experts."""
     comp = store if comp is None else comp
     Tc = T // cp                                              # this rank's tokens of a sequence
     N = rows * Tc
@@ -91,17 +169,26 @@ def layer_bytes(rows: int, T: int, C: int, H: int, tp: int = 1, store: int = 4, 
             proj_in = 0
     else:                                                     # q, k, v; the softmax P (b, H/t, T, T)
         attention = 3 * N * Ct * comp + (0 if recompute == "selective" else rows * Ht * T * T * comp)
+    mlp = mlp_bytes(N, Ns, C, tp, store, comp) if moe_layer is None else moe_mlp_bytes(N, C, moe_layer, store, comp)
     return (2 * ln
-            + 2 * Ns * C * store                              # c_attn's and c_fc's input (or shard)
+            + Ns * C * store                                  # c_attn's input (or shard)
             + attention
             + proj_in
-            + 2 * N * 4 * Ct * comp                           # GELU: x and sigmoid (N, 4C/t)
-            + N * 4 * Ct * store)                             # mlp c_proj's input (N, 4C/t)
+            + mlp)                                            # c_fc's input, GELU, mlp c_proj's input
+
+
+def moe_layers(cfg: GPTConfig, N: int, ep: int = 1, routed: dict | None = None) -> dict:
+    """{block i: MoELayer} for the MoE blocks of cfg, N tokens a micro-batch on one rank (one
+    routing group: moe.capacity's slots per expert); routed {i: (kept, received)}: a run's counts."""
+    E, K = cfg.moe_experts, cfg.moe_top_k
+    cap = moe.capacity(N, K, E, cfg.moe_capacity_factor) if E else None
+    routed = routed or {}
+    return {i: MoELayer(E, K, ep, cap, *routed.get(i, (None, None))) for i in range(cfg.n_layer) if cfg.is_moe(i)}
 
 
 def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsize: int,
                 compute_itemsize: int, sp: bool = False, recompute: str = "none", owned=None,
-                cp: int = 1) -> int:
+                cp: int = 1, ep: int = 1, routed: dict | None = None) -> int:
     """Bytes one micro-batch of `rows` sequences leaves saved for backward on a device of
     `stage` (Tensor.saved_bytes: parameters and the stage's received input excluded, views
     once): its layers (layer_bytes) and its ends. A virtual stage v of p*V (interleaved.py)
@@ -116,17 +203,21 @@ def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsiz
     input: it is the activation the pipeline received, held whether or not anything is
     saved (a leaf of the graph, like a parameter).
     cp: each rank keeps Tc = T/cp tokens of every sequence (N = rows*Tc) and, on stage 0,
-    their Tc positions."""
+    their Tc positions.
+    MoE blocks (cfg.moe_experts): moe_layers' routing, ep expert-parallel ranks; routed
+    {block i: (kept, received)} gives a run's counts, else balanced routing is assumed."""
     T, C, V = cfg.block_size, cfg.n_embd, cfg.vocab_size
     sp = sp and tp > 1
     Tc = T // cp
     N = rows * Tc
     Ns = N // tp if sp else N
     store, comp = itemsize, compute_itemsize
-    layers = len(schedules.partition(cfg.n_layer, pp)[stage])
+    layers = list(schedules.partition(cfg.n_layer, pp)[stage])
     if recompute == "full" and stage > 0:
-        layers -= 1
-    total = layers * layer_bytes(rows, T, C, cfg.n_head, tp, store, comp, sp, recompute, cp)
+        layers = layers[1:]
+    routing = moe_layers(cfg, N, ep, routed)
+    total = sum(layer_bytes(rows, T, C, cfg.n_head, tp, store, comp, sp, recompute, cp, routing.get(i))
+                for i in layers)
     ids, targets = (-(-N // tp),) * 2 if owned is None else owned
     if stage == 0:                                            # token ids (N,), positions (Tc,)
         total += N * INT64 if tp == 1 else ids * INT64 + N    # the masked lookup: owned ids, the mask
@@ -141,7 +232,8 @@ def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsiz
 
 def peak_in_flight_bytes(cfg: GPTConfig, schedule: str, stage: int, pp: int, virtual: int, micro_batches: int,
                          tp: int, rows: int, itemsize: int, compute_itemsize: int, sp: bool = False,
-                         recompute: str = "none", owned=None, cp: int = 1) -> tuple[int, int]:
+                         recompute: str = "none", owned=None, cp: int = 1, ep: int = 1,
+                         routed: dict | None = None) -> tuple[int, int]:
     """(bytes, graphs): the saved activations a device of pipeline `stage` holds at its peak,
     and the most (chunk, micro-batch) graphs it holds at once, from its own instruction list
     (schedules.schedule(schedule, stage, p, m, V)): the order on a stage is fixed by its list.
@@ -151,9 +243,9 @@ def peak_in_flight_bytes(cfg: GPTConfig, schedule: str, stage: int, pp: int, vir
     pipeline.StepObserver counts the trainer's; the peak is the largest sum on the way. The
     graphs are whole micro-batches for V = 1 (1 naive, m GPipe, min(m, p - stage) 1F1B) and
     chunk-micro-batches for V > 1, schedule_check's peak_in_flight either way. Without a
-    pipeline (pp = 1) one micro-batch at a time. owned, cp: as stage_bytes."""
+    pipeline (pp = 1) one micro-batch at a time. owned, cp, ep, routed: as stage_bytes."""
     def size(v, n):
-        return stage_bytes(cfg, v, n, tp, rows, itemsize, compute_itemsize, sp, recompute, owned, cp)
+        return stage_bytes(cfg, v, n, tp, rows, itemsize, compute_itemsize, sp, recompute, owned, cp, ep, routed)
     if pp == 1:
         return size(0, 1), 1
     instructions = schedules.schedule(schedule, stage, pp, micro_batches, virtual)

@@ -96,15 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--block-size", type=int, metavar="T",
                    help=f"context length [{d['block_size']}]")
     m.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
-    m.add_argument("--moe-experts", type=int, metavar="E",
-                   help=f"mixture of experts: E expert MLPs and a router in MoE blocks; 0: none "
-                        f"(docs/moe.md) [{d['moe_experts']}]")
-    m.add_argument("--moe-top-k", type=int, metavar="K", help=f"experts per token [{d['moe_top_k']}]")
-    m.add_argument("--moe-every", type=int, metavar="N",
-                   help=f"block i is a MoE block when (i + 1) %% N == 0 [{d['moe_every']}]")
-    m.add_argument("--moe-capacity-factor", type=float, metavar="F",
-                   help=f"slots per expert ceil(F x tokens x K / E) per routing group, later "
-                        f"assignments dropped; 0: no dropping [{d['moe_capacity_factor']}]")
+    add_moe_arguments(m)
     t = p.add_argument_group("training")
     t.add_argument("--moe-aux-coef", type=float, default=0.01, metavar="A",
                    help="MoE: weight of the load-balancing loss (Switch Transformer) [%(default)s]")
@@ -280,6 +272,20 @@ def check_sequence_split(cfg: GPTConfig | None, tp: int, sp: bool):
     if sp and cfg is not None and cfg.block_size % tp:
         raise ConfigError(f"--sp splits each sequence over --tp {tp}: --block-size "
                           f"{cfg.block_size} is not divisible by {tp}")
+
+
+def add_moe_arguments(group, capacity_note: str = "later assignments dropped; 0: no dropping"):
+    """The mixture-of-experts model flags (the trainer's and the planner's)."""
+    d = MODEL_DEFAULTS
+    group.add_argument("--moe-experts", type=int, metavar="E",
+                       help=f"mixture of experts: E expert MLPs and a router in MoE blocks; 0: none "
+                            f"(docs/moe.md) [{d['moe_experts']}]")
+    group.add_argument("--moe-top-k", type=int, metavar="K", help=f"experts per token [{d['moe_top_k']}]")
+    group.add_argument("--moe-every", type=int, metavar="N",
+                       help=f"block i is a MoE block when (i + 1) %% N == 0 [{d['moe_every']}]")
+    group.add_argument("--moe-capacity-factor", type=float, metavar="F",
+                       help=f"slots per expert ceil(F x tokens x K / E) per routing group (a dp rank's "
+                            f"micro-batch); {capacity_note} [{d['moe_capacity_factor']}]")
 
 
 def check_context_split(cfg: GPTConfig | None, args):

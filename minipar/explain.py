@@ -11,6 +11,7 @@ trace on, and draw what the trace recorded, message by message (explain_draw.py 
     megatron-mlp         f -> c_fc -> gelu -> c_proj -> g, and its backward      tp 2
     1f1b                 python -m minipar.train --pp P, its measured timeline   4 stages
     ring-attention       RingAttention forward and backward (context parallelism)  cp 4 (2..8)
+    moe-dispatch         one MoE layer, its experts over the ranks (expert parallelism)  ep 4 (2 or 4)
 
 What runs. The launcher starts `mpirun -n P python -m minipar.explain --worker WHAT` (under
 a timeout, MINIPAR_EXPLAIN_TIMEOUT seconds, 120 by default). Each rank calls the algorithm
@@ -27,6 +28,18 @@ trace's metadata, gathered outside the trace. Reading it takes ring_attention's 
 whose module imports minipar.comm (and so starts MPI): the launcher imports it only to draw,
 after its mpirun has ended.
 
+moe-dispatch runs moe.moe_mlp with E = 4 experts, top-2, on N = B T tokens per rank, the
+experts placed over the P ranks by expert_parallel.ExpertPlacement (E/P each), with
+--capacity-factor F (1.25 by default: a few assignments dropped; 0: no capacity, the
+variable all-to-alls), forward and backward of a scalar loss inside a layer span "moe". It
+is the trainer's layer, so its all-to-alls go through comm.all_to_all's dispatcher: the
+pairwise exchange on 2 or 4 ranks (Bruck only from 7; the reader names any other). Its
+inputs mark each token in the first and last element of its row (explain_read.moe_inputs);
+rank 0 adds every rank's routing (moe.Router's choices, weights and kept flags) and the
+bytes the layer counted (ExpertPlacement.theory_bytes) to the trace's metadata, gathered
+outside the trace. The result is checked against the same layer with every expert on one
+process.
+
 How a trace becomes a drawing (decoding the values on the wire, matching and replaying
 the messages): explain_read.py.
 """
@@ -42,8 +55,8 @@ import sys
 import numpy as np
 
 from minipar.explain_read import (COLLECTIVES, ROOT, WHATS, ExplainError, UsageError, collective_picture,
-                                  RING_MARK, inputs, mlp_picture, piece_offsets, pipeline_picture, ring_inputs,
-                                  ring_picture)
+                                  MOE_MARK, RING_MARK, inputs, mlp_picture, moe_inputs, moe_picture, moe_weights,
+                                  piece_offsets, pipeline_picture, ring_inputs, ring_picture)
 
 MAX_P = 16
 MAX_BYTES = 1 << 20
@@ -52,14 +65,18 @@ RING_ENCODING = f"k[0,0,i,0] = v[B-1,H-1,i,hs-1] = (i+1)/{RING_MARK} at global p
 MLP_SHAPE = (2, 3, 4)           # megatron-mlp: B, T, C (the hidden width is 4C)
 RING_SHAPE = (2, 2, 4, 2)       # ring-attention: B, H, hs, and c tokens per chunk (T = 2 C c)
 RING_MAX_P = 8
+MOE_SHAPE = (2, 3, 4)           # moe-dispatch: B, T, C on each rank (N = B T tokens)
+MOE_EXPERTS, MOE_TOP_K, MOE_FACTOR = 4, 2, 1.25
 
 
 # --- the workers (under mpirun) -------------------------------------------------------------------
 
-def work(what: str, n: int, path: str):
+def work(what: str, n: int, path: str, factor: float = MOE_FACTOR):
     """One rank's part: run WHAT with the trace on, write the trace (rank 0), check the result."""
     from mpi4py import MPI                                              # noqa: PLC0415
     from minipar import comm, trace                                     # noqa: PLC0415
+    if what == "moe-dispatch":
+        return work_moe(comm.Group(MPI.COMM_WORLD, axis="ep"), path, factor)
     if what == "megatron-mlp":
         return work_mlp(comm.Group(MPI.COMM_WORLD, axis="tp"), path)
     if what == "ring-attention":
@@ -170,6 +187,58 @@ def work_ring(group, path: str):
                                f"attention's by {np.abs(got - want).max():.3g}")
 
 
+def work_moe(group, path: str, factor: float):
+    """One MoE layer (moe.moe_mlp) with its experts over the P ranks (expert_parallel), forward and
+    backward of a scalar loss on this rank's tokens, one layer span; checked against the layer with
+    every expert on one process, run on every rank's tokens (expert gradients sum over all of them)."""
+    from minipar import comm, moe, ops, trace                           # noqa: PLC0415
+    from minipar.parallel import expert_parallel                        # noqa: PLC0415
+    from minipar.tensor import Tensor                                   # noqa: PLC0415
+    P, r = group.size, group.rank
+    (B, T, C), E, K = MOE_SHAPE, MOE_EXPERTS, MOE_TOP_K
+    weights, (xs, probes) = moe_weights(E, C), moe_inputs(P, B, T, C)
+    placement = expert_parallel.ExpertPlacement(group, E)
+
+    def layer(x, probe, place):
+        """-> (y, dx, {name: gradient}, Decisions) of the layer on x (B, T, C)."""
+        params = {n: Tensor(w.copy(), requires_grad=True) for n, w in weights.items()
+                  if place is None or place.owns(n)}
+        s = moe.MoESettings(E, K, factor, stats=[], placement=place)
+        xt = Tensor(x.copy(), requires_grad=True)
+        with trace.layer("moe"):
+            y = moe.moe_mlp(params, 0, xt, s)
+        ops.sum(ops.mul(y, Tensor(probe))).backward()
+        return y.data, xt.grad, {n: p.grad for n, p in params.items()}, s.stats[0][1]
+
+    trace.start(group, f"rank {r} ep{r}", peek=True)
+    y, dx, grads, decisions = layer(xs[r], probes[r], placement)
+    with trace.paused():                                                # the combine weights, for the picture
+        x2 = xs[r].reshape(B * T, C)
+        w = moe.Router.apply(x2, weights["h.0.mlp.router.weight"], moe.MoESettings(E, K, factor),
+                             moe.Decisions(), B * T).data
+    with comm.untracked():                                              # not part of the picture
+        mine = np.concatenate([decisions.choice.ravel(), w.ravel(), decisions.kept.ravel(),
+                               [placement.theory_bytes]]).astype(np.float64)
+        every = comm.all_gather(group, mine).reshape(P, -1)
+    N = B * T
+    routing = [{"choice": row[:N * K].astype(int).reshape(N, K).tolist(),
+                "weights": row[N * K:2 * N * K].reshape(N, K).tolist(),
+                "kept": row[2 * N * K:3 * N * K].astype(bool).reshape(N, K).tolist()} for row in every]
+    trace.finish(group, path, {"what": "moe-dispatch", "E": E, "K": K, "N": N, "C": C, "factor": factor,
+                               "cap": moe.capacity(N, K, E, factor), "routing": routing,
+                               "counted": [int(row[-1]) for row in every],
+                               "encoding": f"x[i, 0] = x[i, C-1] = (i+1)/{MOE_MARK} for token i"})
+    # the same layer on one process, every expert local, on every rank's tokens
+    ref = [layer(xs[q], probes[q], None) for q in range(P)]
+    want = {"y": ref[r][0], "dx": ref[r][1], "router": ref[r][2]["h.0.mlp.router.weight"]}
+    want.update({n: sum(g[2][n] for g in ref) for n in grads if n != "h.0.mlp.router.weight"})
+    have = {"y": y, "dx": dx, "router": grads["h.0.mlp.router.weight"], **grads}
+    for name, v in want.items():
+        if not np.allclose(have[name], v, rtol=1e-12, atol=1e-12):
+            raise ExplainError(f"rank {r}: the MoE layer's {name} differs from the one-process layer's by "
+                               f"{np.abs(have[name] - v).max():.3g}")
+
+
 # --- 1F1B: the trainer's own trace ------------------------------------------------------------------
 
 def pipeline_argv(p: int, path: str) -> list[str]:
@@ -190,17 +259,20 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m minipar.explain", allow_abbrev=False,
-                 description="Run a collective, Megatron's MLP, a 1F1B pipeline or ring attention on P ranks "
-                             "(mpirun) with the trace on, and draw each message it sent: in the terminal, as "
-                             "DIR/explain-WHAT-pP.svg and, with resvg_py, .png.",
+                 description="Run a collective, Megatron's MLP, a 1F1B pipeline, ring attention or a MoE layer "
+                             "on P ranks (mpirun) with the trace on, and draw each message it sent: in the terminal, "
+                             "as DIR/explain-WHAT-pP.svg and, with resvg_py, .png.",
                  epilog=f"WHAT: {', '.join(WHATS)}")
     ap.add_argument("what", metavar="WHAT", help="what to run and draw (below)")
     ap.add_argument("--p", type=int, metavar="P",
                     help="ranks [4; 5 for recursive-doubling, to show its fix-up; 2 for megatron-mlp; "
-                         f"ring-attention 2..{RING_MAX_P}]")
+                         f"ring-attention 2..{RING_MAX_P}; moe-dispatch 2 or 4]")
     ap.add_argument("--out", default=".", metavar="DIR", help="where the drawings and the trace go [.]")
     ap.add_argument("--bytes", type=int, metavar="N",
                     help="the collectives' message size, a multiple of 8 [64*P: 8 float64 per rank]")
+    ap.add_argument("--capacity-factor", type=float, metavar="F",
+                    help=f"moe-dispatch: each expert takes ceil(F N K / E) of a rank's N tokens' assignments; "
+                         f"0: no capacity [{MOE_FACTOR:g}]")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--trace-file", help=argparse.SUPPRESS)
     return ap
@@ -219,6 +291,12 @@ def settle(args) -> tuple[str, int, int]:
     hidden = 4 * MLP_SHAPE[2]
     if what == "megatron-mlp" and hidden % p:
         raise UsageError(f"--p {p}: megatron-mlp splits the hidden width 4C = {hidden}; P must divide it")
+    if what == "moe-dispatch" and MOE_EXPERTS % p:
+        raise UsageError(f"--p {p}: moe-dispatch splits E = {MOE_EXPERTS} experts over the ranks; P must divide it")
+    if args.capacity_factor is not None and what != "moe-dispatch":
+        raise UsageError(f"--capacity-factor {args.capacity_factor:g} is for moe-dispatch")
+    if args.capacity_factor is not None and not 0 <= args.capacity_factor <= 100:
+        raise UsageError(f"--capacity-factor {args.capacity_factor:g}: need 0 <= F <= 100 (0: no capacity)")
     if args.bytes is not None and what not in COLLECTIVES:
         raise UsageError(f"--bytes {args.bytes}: {what} sets its own sizes (--bytes is for {', '.join(COLLECTIVES)})")
     nbytes = 64 * p if args.bytes is None else args.bytes
@@ -273,7 +351,7 @@ def mpirun(p: int, argv: list[str]) -> None:
         raise ExplainError(f"`{shown}` exited {proc.returncode} (its stderr is above)")
 
 
-def run(what: str, p: int, n: int, out: str) -> list[str]:
+def run(what: str, p: int, n: int, out: str, factor: float = MOE_FACTOR) -> list[str]:
     """Launch WHAT on P ranks, then draw its trace: print the text, write the files. -> problems."""
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"explain-{what}-p{p}.json")
@@ -281,6 +359,7 @@ def run(what: str, p: int, n: int, out: str) -> list[str]:
         mpirun(p, ["minipar.train", *pipeline_argv(p, path)])
     else:
         size = ["--bytes", str(8 * n)] if what in COLLECTIVES else []
+        size += ["--capacity-factor", repr(factor)] if what == "moe-dispatch" else []
         mpirun(p, ["minipar.explain", "--worker", what, "--trace-file", path, *size])
     return draw(path, out)
 
@@ -298,6 +377,9 @@ def draw(path: str, out: str) -> list[str]:
     elif what == "ring-attention":
         pic = ring_picture(trace)
         problems, text, svg = pic.problems, explain_draw.ring_text(pic), explain_draw.ring_svg(pic)
+    elif what == "moe-dispatch":
+        pic = moe_picture(trace)
+        problems, text, svg = pic.problems, explain_draw.moe_text(pic), explain_draw.moe_svg(pic)
     elif what == "megatron-mlp":
         pic = mlp_picture(trace)
         problems, text, svg = pic.problems, explain_draw.mlp_text(pic), explain_draw.mlp_svg(pic)
@@ -320,12 +402,13 @@ def main(argv=None) -> int:
         if size > 1 and not args.worker and args.p is None:
             args.p = size
         what, p, n = settle(args)
+        factor = MOE_FACTOR if args.capacity_factor is None else args.capacity_factor
         if args.worker:
-            work(what, n, args.trace_file)
+            work(what, n, args.trace_file, factor)
             return 0
         if size > 1:                            # already under mpirun: be the worker, rank 0 draws
-            return in_place(what, p, n, size, args.out)
-        problems = run(what, p, n, args.out)
+            return in_place(what, p, n, size, args.out, factor)
+        problems = run(what, p, n, args.out, factor)
     except UsageError as e:
         if launched_rank() == 0:                # under mpirun: said once
             print(f"minipar.explain: error: {e}", file=sys.stderr)
@@ -338,7 +421,7 @@ def main(argv=None) -> int:
     return 1 if problems else 0
 
 
-def in_place(what: str, p: int, n: int, size: int, out: str) -> int:
+def in_place(what: str, p: int, n: int, size: int, out: str, factor: float = MOE_FACTOR) -> int:
     """Under `mpirun -n P python -m minipar.explain WHAT`: every rank works, rank 0 draws."""
     if p != size:
         raise UsageError(f"--p {p}: running under mpirun with {size} ranks")
@@ -349,7 +432,7 @@ def in_place(what: str, p: int, n: int, size: int, out: str) -> int:
         from minipar import train                                       # noqa: PLC0415
         train.main(pipeline_argv(p, path))
     else:
-        work(what, n, path)
+        work(what, n, path, factor)
     if launched_rank() != 0:
         return 0
     problems = draw(path, out)

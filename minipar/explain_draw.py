@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from minipar.draw import _esc, ascii_gantt, timeline_svg
-from minipar.explain_read import RING_MARK, piece_of, ranks_text
+from minipar.explain_read import MOE_MARK, RING_MARK, piece_of, ranks_text
 
 PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#ff9da6",
            "#9d755d", "#bab0ac"]
@@ -495,6 +497,303 @@ def ring_svg(pic) -> str:
     y += 18 * len(caption) + 8
     out += [_text(10, y + 18 * i, f"PROBLEM: {line}", ' fill="#c00000"') for i, line in enumerate(pic.problems)]
     height = y + 18 * len(pic.problems) + 10
+    head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+            f'font-family="DejaVu Sans Mono, monospace" font-size="12">',
+            f'<rect width="{width:.0f}" height="{height:.0f}" fill="white"/>',
+            f'<text x="10" y="22" font-size="14" font-weight="bold">{_esc(pic.title)}</text>']
+    return "\n".join(head + out + ["</svg>"]) + "\n"
+
+
+# --- mixture of experts ------------------------------------------------------------------------
+# Six panels from one MoEPicture (explain_read.moe_picture), top to bottom: (a) the router on each
+# rank: every token's K experts, weights and slots, the dropped assignments crossed out; (b) the
+# dispatch all-to-all, a cell per (sender, receiver): the rows it carries, expert by expert; (c) the
+# rows each expert runs on; (d) the combine all-to-all back; (e) each token's weighted sum; (f) the
+# bytes of the all-to-alls on every rank against ep_bytes. Colour: the rank (an expert's: its owner's).
+
+DROPPED = "#9a9a9a"
+
+
+def tok(t) -> str:
+    """"t5", or "·" for an empty capacity slot."""
+    return "·" if t is None else f"t{t}"
+
+
+def moe_choice(pic, r: int, n: int, k: int) -> str:
+    """"e2 0.61 #0": rank r's token n's k-th choice, its weight and its slot in the expert (the
+    claim order), or "dropped"."""
+    route = pic.routing[r]
+    e, w, slot = int(route["choice"][n, k]), route["weights"][n, k], int(route["slot"][n, k])
+    return f"e{e} {w:.2f} " + (f"#{slot}" if slot >= 0 else "dropped")
+
+
+def moe_load(pic, r: int) -> tuple[str, str]:
+    """("load e0 2, e1 5, e2 3, e3 2", "capacity 4: 1 dropped"): rank r's assignments per expert
+    before dropping, and how many found their expert full."""
+    route = pic.routing[r]
+    load = np.bincount(route["choice"].ravel(), minlength=pic.E)
+    dropped = int((~route["kept"]).sum())
+    return (f"load {', '.join(f'e{e} {n}' for e, n in enumerate(load))}",
+            f"capacity {pic.cap}: {dropped} dropped" if pic.cap else "no capacity: none dropped")
+
+
+def moe_rows_text(pic, src: int, dst: int) -> list[str]:
+    """One line per expert of rank dst: "e2 [t1 t4 · ·]", the rows src dispatches to it, in slot order."""
+    return [f"e{dst * pic.per_rank + i} [{' '.join(tok(t) for t in ts)}]" for i, ts in enumerate(pic.rows[(src, dst)])]
+
+
+def moe_message_text(pic, call: str, src: int, dst: int) -> str:
+    """"128 B, read t2..·": a data message's bytes in the trace and, for the dispatch, the tokens its
+    first and last values name; "*": its rows derived, not read."""
+    if src == dst:
+        return "stays on the rank (no message)"
+    n = pic.sent.get((call, src, dst))
+    if n is None:
+        return "no rows, no message"
+    n = f"{n} B" if pic.cap else f"{n} B (+ 8 B count)"
+    if call != "dispatch":
+        return f"{n} *"
+    ends = pic.ends.get((src, dst))
+    return n + (f", read {tok(ends[0])}..{tok(ends[1])}" if ends else ", ends not read")
+
+
+def moe_expert_parts(pic, e: int) -> list[tuple[int, str]]:
+    """[(source rank, "r0 [t2 t3 ·]")]: the rows expert e runs on, from each rank in rank order."""
+    owner, i = divmod(e, pic.per_rank)
+    return [(src, f"r{src} [{' '.join(tok(t) for t in pic.rows[(src, owner)][i])}]") for src in range(pic.P)]
+
+
+def moe_expert_tail(pic, e: int) -> str:
+    owner, i = divmod(e, pic.per_rank)
+    rows = [t for src in range(pic.P) for t in pic.rows[(src, owner)][i]]
+    real = sum(t is not None for t in rows)
+    empty = f", {len(rows) - real} empty slots: zero rows, computed, then unused" if len(rows) > real else ""
+    return f"= {len(rows)} rows ({real} tokens{empty}) -> MLP e{e} -> {len(rows)} rows"
+
+
+def moe_sum(pic, r: int, n: int) -> str:
+    """"y5 = 0.61 E2(x5) + 0.39 E0(x5)": the layer's output for rank r's token n, the sum over its kept
+    choices; a dropped choice adds nothing (and the others are not renormalised)."""
+    route, i = pic.routing[r], r * pic.N + n
+    kept = [f"{route['weights'][n, k]:.2f} E{route['choice'][n, k]}(x{i})" for k in range(pic.K) if route["kept"][n, k]]
+    lost = [f"e{route['choice'][n, k]}" for k in range(pic.K) if not route["kept"][n, k]]
+    return f"y{i} = " + (" + ".join(kept) or "0") + (f"   ({', '.join(lost)} dropped)" if lost else "")
+
+
+def moe_bytes_rows(pic) -> list[list[str]]:
+    """(f) as a table: a header, then a row per rank."""
+    head = ["rank", *pic.calls, "total", "ep_bytes", "layer counted"]
+    return [head] + [[f"rank {r}"] + [str(b[c]) for c in pic.calls] + [str(b["total"]), str(b["ep_bytes"]),
+                                                                       str(b["counted"])]
+                     for r, b in sorted(pic.bytes.items())]
+
+
+def moe_formula(pic) -> list[str]:
+    """ep_bytes written out for this run (expert_parallel.py's docstring); the numbers are
+    expert_parallel.ep_bytes's, in the table."""
+    P, E, C, El = pic.P, pic.E, pic.C, pic.per_rank
+    if pic.cap:
+        return [f"ep_bytes with a capacity: 4 all-to-alls x (P-1)/P x E cap rows x C x 8 B = "
+                f"4 x {P - 1}/{P} x {E * pic.cap} x {C} x 8 B, the same on every rank"]
+    out = ["ep_bytes without one: 2 x (rows sent to other ranks + rows received from them) x C x 8 B "
+           "+ 4 x 8 (P-1) B of row counts + 8 (P-1) E/P B (each expert's rows by source):"]
+    for r in range(P):
+        sent = sum(len(pic.flat(r, j)) for j in range(P) if j != r)
+        got = sum(len(pic.flat(j, r)) for j in range(P) if j != r)
+        out.append(f"  rank {r}: 2 x ({sent} + {got}) x {C} x 8 + 4 x 8 x {P - 1} + 8 x {P - 1} x {El} "
+                   f"= {pic.bytes[r]['ep_bytes']} B")
+    return out
+
+
+def moe_caption(pic) -> list[str]:
+    return [
+        "Read from the trace: every all-to-all's messages (peer, bytes) in each rank's order: dispatch, "
+        + ("counts, " if not pic.cap else "") + "combine, then in backward combine's (dy to the experts) "
+        "and dispatch's (dx home).",
+        f"read t2..t9: the tokens a dispatch message's first and last values name (x[i,0] = x[i,C-1] = "
+        f"(i+1)/{MOE_MARK} marks token i; 0 an empty slot).",
+        "From the run (the trace's metadata): each token's experts, weights and kept flags (moe.Router); "
+        "the kept ones checked against the claim order (moe.claim_slots).",
+        "Derived: the rows of each message, expert-major in slot order (moe.assignments), "
+        + ("padded to the capacity; " if pic.cap else "") + "checked against the bytes and the ends read. "
+        "* the same rows back the other way.",
+    ]
+
+
+def moe_text(pic) -> str:
+    """The terminal version of the six panels."""
+    P, N, K = pic.P, pic.N, pic.K
+    out = [pic.title, "", "(a) the router on each rank: each token's experts, weight and slot (#: the claim order)"]
+    for r in range(P):
+        experts = ", ".join(f"e{e}" for e in range(r * pic.per_rank, (r + 1) * pic.per_rank))
+        out.append(f"  rank {r} (experts {experts}): {'; '.join(moe_load(pic, r))}")
+        out += [f"    t{r * N + n:<4}" + "   ".join(f"{moe_choice(pic, r, n, k):<15}" for k in range(K)).rstrip()
+                for n in range(N)]
+    for call, name in (("dispatch", "(b) dispatch: the rows rank r sends to the rank of their expert"),
+                       ("combine", "(d) combine: the expert outputs back to the ranks the rows came from")):
+        out += ["", name]
+        for frm in range(P):
+            for to in range(P):
+                rows = moe_rows_text(pic, frm, to) if call == "dispatch" else \
+                    [f"E{t[1:]}" for t in moe_rows_text(pic, to, frm)]
+                out.append(f"  {frm} -> {to}: {' '.join(rows):<40} {moe_message_text(pic, call, frm, to)}")
+        if call == "dispatch":
+            out += ["", "(c) each expert runs on the rows it received, in source order"]
+            out += [f"  e{e}: " + " ".join(t for _, t in moe_expert_parts(pic, e)) + " " + moe_expert_tail(pic, e)
+                    for e in range(pic.E)]
+    out += ["", "(e) each token's output: the weighted sum of its kept experts' outputs"]
+    out += [f"  {moe_sum(pic, r, n)}" for r in range(P) for n in range(N)]
+    out += ["", "(f) bytes each rank sent, from the trace"]
+    table = moe_bytes_rows(pic)
+    width = [max(len(row[i]) for row in table) + 2 for i in range(len(table[0]))]
+    out += ["  " + "".join(c.ljust(w) for c, w in zip(row, width)).rstrip() for row in table]
+    out += [f"  {line}" for line in moe_formula(pic)] + ["", *moe_caption(pic)]
+    out += [f"PROBLEM: {line}" for line in pic.problems]
+    return "\n".join(out)
+
+
+def _moe_box(x, y, w, text, fill, dropped=False):
+    """A box of text in a rank's colour; a dropped assignment: dashed, grey, crossed out."""
+    if dropped:
+        return [f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{LINE_H - 2}" fill="white" stroke="{DROPPED}" '
+                f'stroke-dasharray="3,2"/>',
+                _text(x + 4, y + 12, text, f' fill="{DROPPED}"'),
+                f'<line x1="{x + 2:.1f}" y1="{y + 8}" x2="{x + w - 2:.1f}" y2="{y + 8}" stroke="{DROPPED}"/>']
+    return [f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{LINE_H - 2}" fill="{fill}" fill-opacity="0.3" '
+            f'stroke="{fill}"/>', _text(x + 4, y + 12, text)]
+
+
+MOE_BOX = 16 * CHAR_W                                           # (a): one choice
+
+
+def _moe_column(pic) -> float:
+    """The width of a rank's column in (a) and (e): the token, its K choices."""
+    return 6 * CHAR_W + pic.K * (MOE_BOX + 6) + 24
+
+
+def _moe_router_svg(pic, y0):
+    """(a): a column per rank, a line per token with its K choices. -> (svg, width, bottom y)."""
+    P, N, K = pic.P, pic.N, pic.K
+    box, col = MOE_BOX, _moe_column(pic)
+    title = ["(a) the router on each rank: each token's K experts (colour: the rank that holds it), their "
+             "renormalised weights,", "and the slot each takes in its expert (#): every first choice in token "
+             "order, then every second choice, ..."]
+    out = [_text(10, y0 + 16 * i, line, BOLD) for i, line in enumerate(title)]
+    y = y0 + 40
+    for r in range(P):
+        x = 10 + r * col
+        experts = ", ".join(f"e{e}" for e in range(r * pic.per_rank, (r + 1) * pic.per_rank))
+        out.append(_text(x, y, f"rank {r} (holds {experts})", f' fill="{colour(r, P)}"' + BOLD))
+        for n in range(N):
+            ty = y + 8 + n * LINE_H
+            out.append(_text(x, ty + 12, f"t{r * N + n}"))
+            for k in range(K):
+                e, slot = int(pic.routing[r]["choice"][n, k]), int(pic.routing[r]["slot"][n, k])
+                out += _moe_box(x + 6 * CHAR_W + k * (box + 6), ty, box, moe_choice(pic, r, n, k),
+                                colour(e // pic.per_rank, P), dropped=slot < 0)
+        out += [_text(x, y + 8 + N * LINE_H + 14 + 14 * i, line, ' font-size="11"')
+                for i, line in enumerate(moe_load(pic, r))]
+    return out, max(10 + P * col, 20 + max(map(len, title)) * CHAR_W), y + 8 + N * LINE_H + 38
+
+
+def _moe_matrix_svg(pic, call, y0):
+    """(b) or (d): a P x P grid of messages, senders down, receivers across. -> (svg, width, bottom)."""
+    P = pic.P
+    to_experts = call == "dispatch"
+    title = ("(b) dispatch, all-to-all: row r sends each expert's rows to the rank that holds it "
+             "(colour: the receiver); the diagonal stays home" if to_experts else
+             "(d) combine, all-to-all: the expert outputs go back to the rank each row came from "
+             "(colour: the sender); * rows derived")
+    cells = {}
+    for frm in range(P):
+        for to in range(P):
+            rows = moe_rows_text(pic, frm, to) if to_experts else [f"E{t[1:]}" for t in moe_rows_text(pic, to, frm)]
+            cells[(frm, to)] = rows + [moe_message_text(pic, call, frm, to)]
+    cw = max(len(t) for c in cells.values() for t in c) * CHAR_W + 2 * PAD
+    ch = (pic.per_rank + 1) * LINE_H + 2 * PAD
+    left, top = 10 + 11 * CHAR_W, y0 + 40
+    out = [_text(10, y0, title, BOLD)]
+    for to in range(P):
+        out.append(_text(left + to * cw + PAD, top - 8, f"to rank {to}", BOLD))
+    for frm in range(P):
+        y = top + frm * ch
+        out.append(_text(10, y + PAD + 12, f"rank {frm}", BOLD))
+        for to in range(P):
+            x = left + to * cw
+            fill = "#eeeeee" if frm == to else colour(to if to_experts else frm, P)
+            out.append(f'<rect x="{x + 1:.1f}" y="{y + 1}" width="{cw - 2:.1f}" height="{ch - 2}" fill="{fill}" '
+                       f'fill-opacity="{1 if frm == to else 0.22}" stroke="#cccccc"/>')
+            out += [_text(x + PAD, y + PAD + 12 + i * LINE_H, t, BOLD if i == len(cells[(frm, to)]) - 1 else "")
+                    for i, t in enumerate(cells[(frm, to)])]
+    return out, left + P * cw, top + P * ch
+
+
+def _moe_experts_svg(pic, y0):
+    """(c): a line per expert, its rows from each rank in that rank's colour. -> (svg, width, bottom)."""
+    out = [_text(10, y0, "(c) each expert runs its MLP on the rows it received, in source-rank order", BOLD)]
+    right = 0
+    for e in range(pic.E):
+        y = y0 + 12 + e * (LINE_H + 4)
+        x = 10
+        out.append(_text(x, y + 12, f"e{e} on rank {e // pic.per_rank}:", BOLD))
+        x += 16 * CHAR_W
+        for src, text in moe_expert_parts(pic, e):
+            w = len(text) * CHAR_W + 8
+            out += _moe_box(x, y, w, text, colour(src, pic.P))
+            x += w + 4
+        tail = moe_expert_tail(pic, e)
+        out.append(_text(x + 4, y + 12, tail))
+        right = max(right, x + 4 + len(tail) * CHAR_W)
+    return out, right, y0 + 12 + pic.E * (LINE_H + 4) + 8
+
+
+def _moe_sum_svg(pic, y0, col):
+    """(e): each rank's outputs, a line per token. -> (svg, bottom y)."""
+    out = [_text(10, y0, "(e) back home, each token's output is the weighted sum of its kept experts' outputs "
+                         "(a dropped choice adds nothing; the weights are not renormalised)", BOLD)]
+    for r in range(pic.P):
+        x = 10 + r * col
+        out.append(_text(x, y0 + 22, f"rank {r}", f' fill="{colour(r, pic.P)}"' + BOLD))
+        out += [_text(x, y0 + 40 + n * LINE_H, moe_sum(pic, r, n), ' font-size="11"') for n in range(pic.N)]
+    return out, y0 + 40 + pic.N * LINE_H
+
+
+def _moe_bytes_svg(pic, y0):
+    """(f): the bytes table and the formula. -> (svg, width, bottom y)."""
+    table = moe_bytes_rows(pic)
+    width = [max(len(row[i]) for row in table) * CHAR_W + 16 for i in range(len(table[0]))]
+    out = [_text(10, y0, "(f) bytes each rank sent in the all-to-alls (from the trace), against "
+                         "expert_parallel.ep_bytes and the layer's own count", BOLD)]
+    for i, row in enumerate(table):
+        y, x = y0 + 22 + i * LINE_H, 10
+        for j, cell in enumerate(row):
+            out.append(_text(x, y, cell, BOLD if i == 0 or j == 0 else ""))
+            x += width[j]
+    y = y0 + 22 + len(table) * LINE_H
+    formula = moe_formula(pic)
+    out += [_text(10, y + i * LINE_H, line) for i, line in enumerate(formula)]
+    return out, max([10 + sum(width)] + [20 + len(line) * CHAR_W for line in formula]), y + len(formula) * LINE_H
+
+
+def moe_svg(pic) -> str:
+    """The six panels, the caption, and any problem in red."""
+    out, w_a, y = _moe_router_svg(pic, 52)
+    widths = [w_a, 20 + len(pic.title) * CHAR_W * 14 / 12]
+    for part in ("dispatch", "experts", "combine"):
+        svg, w, y = (_moe_experts_svg(pic, y + 16) if part == "experts" else _moe_matrix_svg(pic, part, y + 16))
+        out += svg
+        widths.append(w)
+    svg, y = _moe_sum_svg(pic, y + 24, _moe_column(pic))
+    out += svg
+    svg, w, y = _moe_bytes_svg(pic, y + 30)
+    out += svg
+    widths.append(w)
+    caption = moe_caption(pic)
+    out += [_text(10, y + 18 + 18 * i, line) for i, line in enumerate(caption)]
+    y += 18 * len(caption) + 26
+    out += [_text(10, y + 18 * i, f"PROBLEM: {line}", ' fill="#c00000"') for i, line in enumerate(pic.problems)]
+    height = y + 18 * len(pic.problems) + 10
+    width = max(widths + [20 + max(map(len, caption + pic.problems)) * CHAR_W])
     head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
             f'font-family="DejaVu Sans Mono, monospace" font-size="12">',
             f'<rect width="{width:.0f}" height="{height:.0f}" fill="white"/>',

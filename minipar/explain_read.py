@@ -49,6 +49,7 @@ WHATS = {
     "megatron-mlp": Spec("Megatron MLP", 2),
     "1f1b": Spec("1F1B pipeline", 4),
     "ring-attention": Spec("ring attention", 4),
+    "moe-dispatch": Spec("MoE dispatch and combine", 4),
 }
 COLLECTIVES = [w for w, s in WHATS.items() if s.algorithm]
 
@@ -634,4 +635,227 @@ def ring_picture(trace: dict) -> RingPicture:
     pic.title = (f"ring attention ({layout}), cp={C}, T={T} in {2 * C} chunks of {T // (2 * C)}, "
                  f"q k v ({B},{H},{T // C},{hs}) float64 per rank: {C - 1} forward + {C} backward messages "
                  f"= {want[0]}, {want[1]} B per rank")
+    return pic
+
+
+# --- mixture of experts: the four all-to-alls of one MoE layer ------------------------------------
+#
+# The worker (explain.work_moe) runs one MoE layer, moe.moe_mlp, with its E experts split over the
+# P ranks (expert_parallel: rank j holds experts j E/P .. (j+1) E/P - 1), forward and backward. The
+# inputs name their tokens: token n of rank r is token i = r N + n, and the first and last elements
+# of its row are (i + 1)/MOE_MARK (exact in float64), the rest N(0, 1). A dispatch message is rows
+# of x, so its first value names its first row's token and its last value its last row's (0: an
+# empty capacity slot, a padding row of zeros). The other all-to-alls carry expert outputs and
+# gradients: which rows they hold is derived (the dispatch's rows, back the other way, and the same
+# two again in backward); their peers and sizes are read and checked. The routing (each token's K
+# experts, weights and kept flags, from moe.Router) is gathered into the trace's metadata outside
+# the trace.
+
+MOE_MARK = 64
+MOE_CALLS = {True: ("dispatch", "combine", "combine backward", "dispatch backward"),      # with a capacity
+             False: ("dispatch", "counts", "combine", "combine backward", "dispatch backward")}
+MOE_TO_EXPERTS = ("dispatch", "combine backward")       # token rows (x, then dy) go to the experts' ranks
+
+
+def moe_inputs(p: int, B: int, T: int, C: int):
+    """x and the loss's probe, (p, B, T, C) each: every rank's tokens, N(0, 1) seed 0 (the same on
+    every rank), the first and last element of token i's row (i + 1)/MOE_MARK, i = r B T + b T + t."""
+    x, probe = np.random.default_rng(0).standard_normal((2, p, B, T, C))
+    mark = (np.arange(p * B * T) + 1.0).reshape(p, B, T) / MOE_MARK
+    x[..., 0] = x[..., -1] = mark
+    return x, probe
+
+
+def moe_weights(E: int, C: int) -> dict:
+    """{canonical name: array} of one MoE block (block 0): the router (C, E) and E expert MLPs,
+    seed 1, the same on every rank."""
+    rng = np.random.default_rng(1)
+    out = {"h.0.mlp.router.weight": rng.standard_normal((C, E))}
+    for e in range(E):
+        h = f"h.0.mlp.experts.{e}."
+        out.update({h + "c_fc.weight": rng.standard_normal((C, 4 * C)) / np.sqrt(C),
+                    h + "c_fc.bias": 0.1 * rng.standard_normal(4 * C),
+                    h + "c_proj.weight": rng.standard_normal((4 * C, C)) / np.sqrt(4 * C),
+                    h + "c_proj.bias": 0.1 * rng.standard_normal(C)})
+    return out
+
+
+def moe_token(value: float, tokens: int) -> int | None:
+    """The token a marker names; None for 0.0 (an empty slot); ValueError for anything else."""
+    if value == 0.0:
+        return None
+    i = value * MOE_MARK - 1
+    if not float(i).is_integer() or not 0 <= i < tokens:
+        raise ValueError(f"{value!r} is no token marker (i+1)/{MOE_MARK}, i in 0..{tokens - 1}")
+    return int(i)
+
+
+@dataclass
+class MoEPicture:
+    P: int                      # ranks of the ep group
+    E: int
+    K: int
+    N: int                      # tokens per rank
+    C: int
+    factor: float               # the capacity factor F (--capacity-factor); 0: no capacity
+    cap: int | None             # slots per expert (moe.capacity), None without a capacity
+    routing: list               # per rank: {"choice", "weights", "kept", "slot"} (N, K) arrays, and
+                                # "order": moe.assignments' (tokens, rows per expert)
+    rows: dict                  # (src, dst) -> per expert of dst: [token id, or None for an empty slot]
+    sent: dict                  # (call, src, dst) -> bytes of its data message in the trace
+    ends: dict                  # (src, dst) -> (first, last) token read off the dispatch message
+    calls: tuple                # the all-to-alls in each rank's order (MOE_CALLS)
+    bytes: dict                 # rank -> {call: bytes sent, "total", "ep_bytes", "counted"}
+    title: str = ""
+    problems: list = field(default_factory=list)
+
+    @property
+    def per_rank(self) -> int:
+        return self.E // self.P
+
+    def flat(self, src: int, dst: int) -> list:
+        """The rows src dispatches to dst, in order: token ids, None for an empty slot."""
+        return [t for rows in self.rows[(src, dst)] for t in rows]
+
+
+def _moe_routing(meta: dict, problems: list) -> list:
+    """Each rank's routing from the metadata, and where each kept assignment sits in its expert's
+    slots: slot (N, K), -1 for a dropped one. The kept flags must follow the claim order."""
+    from minipar import moe                                             # noqa: PLC0415
+    E, K, cap = meta["E"], meta["K"], meta["cap"]
+    out = []
+    for r, got in enumerate(meta["routing"]):
+        choice, kept = np.array(got["choice"], np.int64), np.array(got["kept"], bool)
+        want = moe.claim_slots(choice, E, cap)
+        if not np.array_equal(kept, want):
+            n, k = np.argwhere(kept != want)[0]
+            problems.append(f"rank {r}: token {n}'s choice {k + 1} (expert {choice[n, k]}) is "
+                            f"{'kept' if kept[n, k] else 'dropped'}; the claim order (moe.claim_slots) "
+                            f"{'keeps' if want[n, k] else 'drops'} it")
+        tokens, slots, rows = moe.assignments(moe.Decisions(choice=choice, kept=kept), E)
+        slot = np.full(choice.shape, -1, np.int64)
+        starts = np.concatenate([[0], np.cumsum(rows)[:-1]])
+        for m, s in enumerate(slots):                                   # expert-major: m - start = slot
+            slot[s // K, s % K] = m - starts[choice[s // K, s % K]]
+        out.append({"choice": choice, "weights": np.array(got["weights"]), "kept": kept, "slot": slot,
+                    "order": (tokens, rows)})
+    return out
+
+
+def _moe_rows(pic: MoEPicture) -> None:
+    """rows[(src, dst)]: the rows src dispatches to dst, expert by expert (expert_parallel's
+    layout): each kept assignment's token in slot order, padded to cap with empty slots."""
+    for src, route in enumerate(pic.routing):
+        tokens, rows = route["order"]
+        per_expert = np.split(tokens + src * pic.N, np.cumsum(rows)[:-1])
+        for dst in range(pic.P):
+            mine = per_expert[dst * pic.per_rank:(dst + 1) * pic.per_rank]
+            pic.rows[(src, dst)] = [[int(t) for t in ts] + ([None] * (pic.cap - len(ts)) if pic.cap else [])
+                                    for ts in mine]
+
+
+def _moe_calls(trace: dict, pic: MoEPicture, problems: list) -> dict:
+    """rank -> its all_to_all calls' args in time order, named by pic.calls."""
+    from minipar import traceview                                       # noqa: PLC0415
+    out = {}
+    for r in range(pic.P):
+        mine = sorted(traceview.spans(trace, "comm", r), key=lambda e: e["ts"])
+        args = [e["args"] for e in mine if e["args"]["op"] == "all_to_all"]
+        if len(args) != len(pic.calls) or len(mine) != len(args):
+            problems.append(f"rank {r}: {len(mine)} comm calls, {len(args)} all_to_all, not the "
+                            f"{len(pic.calls)} all-to-alls {', '.join(pic.calls)}")
+        for a in args:
+            if a["algorithm"] != "pairwise exchange":
+                problems.append(f"rank {r}: an all_to_all ran {a['algorithm']!r}: the picture reads the "
+                                f"pairwise exchange's one message per peer")
+        out[r] = dict(zip(pic.calls, args))
+    return out
+
+
+def _moe_expected_rows(pic: MoEPicture, call: str, src: int, dst: int) -> int:
+    """Rows of C elements `call` carries from src to dst: the dispatch's rows src -> dst toward the
+    experts, back the other way for combine and dispatch backward."""
+    pair = (src, dst) if call in MOE_TO_EXPERTS else (dst, src)
+    return len(pic.flat(*pair))
+
+
+def _moe_messages(calls: dict, pic: MoEPicture, problems: list) -> None:
+    """Every data message's size against the routing; the dispatch's ends decoded; each receive
+    against its send."""
+    P, row_bytes = pic.P, 8 * pic.C
+    for r, named in calls.items():
+        for call, a in named.items():
+            data = [m for m in a["messages"] if m[1] == "send" and (pic.cap or call == "counts" or m[0] >= P)]
+            for step, _, dst, nbytes, *values in data:
+                pic.sent[(call, r, dst)] = nbytes
+                if call == "dispatch" and values:
+                    try:
+                        pic.ends[(r, dst)] = tuple(moe_token(v, P * pic.N) for v in values)
+                    except ValueError as err:
+                        problems.append(f"dispatch: rank {r} -> {dst}: {err}")
+            for dst in range(P):
+                if dst == r:
+                    continue
+                want = 8 * pic.per_rank if call == "counts" else _moe_expected_rows(pic, call, r, dst) * row_bytes
+                got = pic.sent.get((call, r, dst), 0)
+                if got != want:
+                    problems.append(f"{call}: rank {r} sends {got} B to rank {dst}, not {want} B "
+                                    + ("(E/P row counts)" if call == "counts" else
+                                       f"({want // row_bytes} rows of C = {pic.C} float64)"))
+    for r, named in calls.items():                  # every send is known: each receive takes one
+        for call, a in named.items():
+            for step, kind, src, nbytes, *_ in a["messages"]:
+                if kind == "recv" and (pic.cap or call == "counts" or step >= P) and \
+                        pic.sent.get((call, src, r)) != nbytes:
+                    problems.append(f"{call}: rank {r} receives {nbytes} B from rank {src}, which sent it "
+                                    f"{pic.sent.get((call, src, r), 0)} B")
+    for (src, dst), ends in pic.ends.items():
+        rows = pic.flat(src, dst)
+        want = (rows[0], rows[-1]) if rows else None
+        if ends != want:
+            name = ", ".join("an empty slot" if t is None else f"t{t}" for t in ends)
+            problems.append(f"dispatch: rank {src} -> {dst} carries {name} first and last; its routing puts "
+                            + (", ".join("an empty slot" if t is None else f"t{t}" for t in want)
+                               if want else "no row") + " there")
+
+
+def _moe_bytes(calls: dict, pic: MoEPicture, counted: list, problems: list) -> None:
+    """Each rank's bytes, all-to-all by all-to-all, against expert_parallel.ep_bytes for its routing
+    and against what the layer itself counted (ExpertPlacement.theory_bytes)."""
+    from types import SimpleNamespace                                   # noqa: PLC0415
+    from minipar.parallel.expert_parallel import ep_bytes               # noqa: PLC0415
+    group = SimpleNamespace(size=pic.P)                                 # what ep_bytes asks of a group
+    for r in range(pic.P):
+        mine = {call: a["bytes_sent"] for call, a in calls[r].items()}
+        if pic.cap:
+            want = ep_bytes(group, 8 * pic.C, 2, padded=np.empty((pic.E * pic.cap, pic.C)))
+        else:
+            out = sum(len(pic.flat(r, j)) for j in range(pic.P) if j != r)
+            back = sum(len(pic.flat(s, r)) for s in range(pic.P) if s != r)
+            want = ep_bytes(group, 8 * pic.C, 2, None, out, back, np.zeros(pic.E, np.int64))
+        pic.bytes[r] = {**mine, "total": sum(mine.values()), "ep_bytes": want, "counted": counted[r]}
+        if len({pic.bytes[r]["total"], want, counted[r]}) > 1:
+            problems.append(f"rank {r} sends {pic.bytes[r]['total']} B in its all-to-alls; "
+                            f"ep_bytes says {want} B, the layer counted {counted[r]} B")
+
+
+def moe_picture(trace: dict) -> MoEPicture:
+    """The MoE worker's trace, read (the comment above): each rank's routing, the rows of every
+    message, and the checks that the wire, the routing and ep_bytes agree."""
+    meta = trace["otherData"]["minipar"]
+    problems = []
+    pic = MoEPicture(meta["world"], meta["E"], meta["K"], meta["N"], meta["C"], meta["factor"], meta["cap"],
+                     _moe_routing(meta, problems), {}, {}, {}, MOE_CALLS[meta["cap"] is not None], {},
+                     problems=problems)
+    _moe_rows(pic)
+    calls = _moe_calls(trace, pic, problems)
+    _moe_messages(calls, pic, problems)
+    _moe_bytes(calls, pic, meta["counted"], problems)
+    P, E, K, N = pic.P, pic.E, pic.K, pic.N
+    cap = (f"capacity ceil({pic.factor:g}·{N}·{K}/{E}) = {pic.cap} slots per expert" if pic.cap
+           else "no capacity (nothing dropped)")
+    totals = sorted({b["total"] for b in pic.bytes.values()})
+    pic.title = (f"{WHATS['moe-dispatch'].title}, ep={P}: E={E} experts ({pic.per_rank} per rank), top-{K}, "
+                 f"{N} tokens per rank, C={pic.C} float64, {cap}: {len(pic.calls)} all-to-alls, "
+                 f"{'/'.join(map(str, totals))} B sent per rank")
     return pic

@@ -8,7 +8,9 @@ For the N tokens x (N, C) of a forward:
     z = x W_r                      router logits (N, E), W_r = h.{i}.mlp.router.weight (C, E)
     p = softmax(z)                 over the experts, per token
     e_1..e_K = the K largest p     ties to the lower expert id
-    w_k = p_{e_k} / sum_j p_{e_j}  the combine weights, renormalised over the K chosen
+    w_k = p_{e_k} / sum_j p_{e_j}  the combine weights, renormalised over the K chosen (K = 1:
+                                   w = p_{e_1}, as Switch does, so that the router still learns
+                                   from the loss: a renormalised single weight would be 1)
     y = sum over the token's kept (k, e_k) of  w_k MLP_{e_k}(x)
 
 Routing groups. Capacity and the load-balancing loss are defined over a group of tokens, the
@@ -114,7 +116,7 @@ class Router(Function):
         choice = np.argsort(-p, axis=1, kind="stable")[:, :K]        # ties: the lower id first
         picked = np.take_along_axis(p, choice, 1)
         total = picked.sum(1, keepdims=True)
-        weights = picked / total
+        weights = picked / total if K > 1 else picked                # K = 1: p itself (Switch)
         kept = np.zeros_like(choice, dtype=bool)
         self.f = np.zeros((N, E))                                    # each token's group's f_e
         for a in range(0, N, G):
@@ -136,8 +138,8 @@ class Router(Function):
         x, w, p, lse, choice, weights, total = self.saved
         s, G = self.s, self.G
         g = compute(g)
-        # w_k = p_k / sum_j p_j:  d p_j = (g_j - sum_k g_k w_k) / sum
-        dpicked = (g - (g * weights).sum(1, keepdims=True)) / total
+        # w_k = p_k / sum_j p_j:  d p_j = (g_j - sum_k g_k w_k) / sum;  K = 1: w = p, d p = g
+        dpicked = (g - (g * weights).sum(1, keepdims=True)) / total if choice.shape[1] > 1 else g
         dp = np.zeros_like(p)
         np.put_along_axis(dp, choice, dpicked, 1)
         dp += s.per_token(s.aux_coef, G) * s.experts * self.f         # aux: E f_e / N_g per p[n, e]

@@ -4,6 +4,7 @@
     python -m minipar.plan --n-layer 2 --n-embd 64 --dp 2 --tp 2      # the trainer's flags
     python -m minipar.plan --params 7.5e9 --dp 64 --zero 3 --precision fp16   # model states only
     python -m minipar.plan --model gpt2 --cp 4 --memory-budget 16GiB          # the longest T that fits
+    python -m minipar.plan --model gpt2 --moe-experts 8 --moe-every 2 --dp 8 --ep 4   # mixture of experts
 
 Layout flags are the trainer's (same names, same defaults), so one set of flags describes
 one run; tests/test_plan*.py hold every figure to what minipar measures on such runs.
@@ -11,7 +12,8 @@ Where a mechanism has a formula of its own, the planner calls it rather than res
 pipeline.local_tensors (what a device holds), zero.formula and zero.collectives_per_step
 (ZeRO's memory and collectives), tensor_parallel.megatron_calls, schedules.bubble_theory,
 activations.peak_in_flight_bytes, the schedule's instructions (schedules.schedule),
-ring_attention.ring_traffic (context parallelism's bytes).
+ring_attention.ring_traffic (context parallelism's bytes), expert_parallel.ep_bytes (the
+all-to-alls'), model.train_flops_per_token (FLOPs per token, active parameters).
 
 Context parallelism (--cp, docs/design.md §6): world = dp*cp*tp*pp; each rank keeps T/cp
 tokens of every sequence (zig-zag or contiguous, the same bytes either way), so
@@ -90,6 +92,32 @@ hierarchical one for large messages on a group with several ranks on some host),
 bytes inside the host and across hosts, and timed with --inter-node-gbps, --intra-node-gbps
 and --inter-node-latency-us: minipar/plan_hosts.py (not with --cp yet: it places no cp group).
 
+Mixture of experts (--moe-experts E --moe-top-k K --moe-every N --moe-capacity-factor F,
+--ep P: moe.py, parallel/expert_parallel.py): block i is a MoE block when (i + 1) % N == 0,
+its MLP replaced by a router (C, E) and E expert MLPs; a rank's micro-batch of n = b*T
+tokens is one routing group, cap = ceil(F n K / E) slots per expert (moe.capacity).
+    parameters   total (every expert) and active per token (the K experts' MLPs and the
+                 router of each MoE block, not all E: active_params)
+    memory       a rank holds E/P experts of each MoE block (ep rank 0: the first E/P,
+                 device_tensors); with --tp every tp rank holds them whole (the MoE layer
+                 is replicated over tp); the rest as before. Activations of a MoE layer:
+                 activations.py's third table, balanced routing assumed where it depends on
+                 the data
+    FLOPs        per token: K experts' MLPs and the router per MoE block
+                 (model.train_flops_per_token); per device not divided by tp
+    dp, ZeRO     ExpertParallelSync: the non-expert gradients summed over the dp group, each
+                 expert's over its dp/P replicas, each bucketed on its own; ZeRO: each
+                 block's experts a unit of their own, padded for and sharded over the
+                 replicas, the rest over dp (sync_groups)
+    tp           a MoE block has attention's f and g only (2 all-reduces, not 4)
+    ep           per MoE layer of the device and micro-batch, 4 all-to-alls (6 with
+                 --recompute full): expert_parallel.ep_bytes. With a capacity the padded
+                 (E cap, C) tensor, exact; without, balanced routing's n K (P-1)/P rows each
+                 way plus the row counts (the real figure depends on the routing; the
+                 trainer's summary prints it beside ep_bytes of the rows it routed)
+    other        the gradient norm without ZeRO: the experts' sum of squares all-reduced
+                 over ep, not over dp (the other gradients are the same on every dp rank)
+
 The sequence-length ceiling (--memory-budget M): the longest T, a multiple of 2*cp (and of
 tp with --sp), whose per-device peak (model states + activations at the schedule's peak,
 the largest stage's) fits in M, for cp = 1 and for the given cp, each with the same dp, tp,
@@ -107,12 +135,14 @@ import math
 import re
 import sys
 
-from minipar import activations, comm, config, plan_hosts, precision, recompute
+import numpy as np
+
+from minipar import activations, comm, config, moe, plan_hosts, precision, recompute
 from minipar.comm import direct, tree
 from minipar.comm.group import HEADER_BYTES, split_offsets
-from minipar.model import GPTConfig, param_specs
-from minipar.parallel import (context_parallel, data_parallel, pipeline, schedules, sequence_parallel,
-                              tensor_parallel, zero)
+from minipar.model import GPTConfig, param_specs, train_flops_per_token
+from minipar.parallel import (context_parallel, data_parallel, expert_parallel, pipeline, schedules,
+                              sequence_parallel, tensor_parallel, zero)
 from minipar.parallel.grid import LayoutError, check_layout
 from minipar.parallel.ring_attention import LAYOUTS
 from minipar.perf import human_bytes
@@ -125,6 +155,7 @@ PRESETS = {   # name: (n_layer, n_head, n_embd, vocab_size, block_size)
     "gpt3-175b": (96, 96, 12288, 50257, 2048),
 }
 SHAPE_FLAGS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
+MOE_FLAGS = ("moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor")
 INT64 = 8                 # token ids, and the 8-byte scalars (loss, norms, flags) on the wire
 
 
@@ -134,6 +165,38 @@ class PlanError(config.ConfigError):
 
 
 # --- what a device holds ----------------------------------------------------------------------
+
+def device_tensors(cfg: GPTConfig, lay, stage: int) -> list:
+    """[(name, elements)] a device of `stage` holds (dp rank 0): pipeline.local_tensors, and
+    with --ep P only its ep rank's experts of each MoE block, E/P of them (ep rank 0 holds
+    experts 0 .. E/P - 1: expert_parallel.ExpertPlacement)."""
+    tensors = pipeline.local_tensors(cfg, stage, lay.pp, lay.tp, chunks(lay))
+    per_rank = cfg.moe_experts // lay.ep if lay.ep > 1 else None
+    return [(n, k) for n, k in tensors
+            if per_rank is None or expert_parallel.expert_of(n) is None or expert_parallel.expert_of(n) < per_rank]
+
+
+def active_params(cfg: GPTConfig) -> int:
+    """Parameters a token goes through: all but the experts it is not routed to, i.e. in each
+    MoE block the router and K expert MLPs (experts 0 .. K-1 stand for any K: all have the
+    same shapes) instead of E."""
+    def active(name):
+        e = expert_parallel.expert_of(name)
+        return e is None or e < cfg.moe_top_k
+    return sum(math.prod(shape) for name, shape, _ in param_specs(cfg) if active(name))
+
+
+def sync_groups(tensors: list, lay) -> list:
+    """[(tensors, layout)]: the device's tensors and the ranks their gradients are summed (and
+    ZeRO-sharded) over, the layout's grad_ranks. With --ep two sets: the non-expert tensors
+    over dp (x cp), and the experts' over their dp/ep replicas (grid.expert_group: the
+    layout with dp = dp/ep)."""
+    if lay.ep == 1:
+        return [(tensors, lay)]
+    experts = [(n, k) for n, k in tensors if expert_parallel.expert_of(n) is not None]
+    others = [(n, k) for n, k in tensors if expert_parallel.expert_of(n) is None]
+    return [(others, lay), (experts, lay.but(dp=lay.dp // lay.ep))]
+
 
 def zero_units(tensors: list, N: int) -> list:
     """Element count of each ZeRO unit (zero.unit_names) of the device, padded for N ranks."""
@@ -166,28 +229,41 @@ def rank_layer_count(cfg: GPTConfig, stage: int, pp: int, n_chunks: int = 1) -> 
     return sum(len(r) for r in schedules.rank_layers(cfg.n_layer, stage, pp, n_chunks))
 
 
+def rank_moe_count(cfg: GPTConfig, stage: int, pp: int, n_chunks: int = 1) -> int:
+    """The MoE blocks among them."""
+    return sum(cfg.is_moe(i) for r in schedules.rank_layers(cfg.n_layer, stage, pp, n_chunks) for i in r)
+
+
 # --- FLOPs ------------------------------------------------------------------------------------
 
 def flop_components(cfg: GPTConfig, tp: int = 1, stage: int = 0, pp: int = 1, n_chunks: int = 1,
                     cp: int = 1) -> dict:
     """The Chinchilla appendix F forward FLOPs of one sequence, by component, on one device of
     `stage` (with n_chunks: its chunks' blocks; rank 0 holds virtual stage 0, rank pp-1 pV-1).
-    cp: the device's Tq = T/cp query rows of each product, against all T keys."""
+    cp: the device's Tq = T/cp query rows of each product, against all T keys.
+    A MoE block's dense block is its K active experts' (each token through K expert MLPs)
+    plus the router's logits, 2 T C E: replicated over tp, so not divided by it; with --ep a
+    device runs K experts' rows per token on average (balanced routing), the same count."""
     T, C, H, V = cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size
     Tq = T // cp                                          # this device's tokens (queries)
     Vl = V if tp == 1 else -(-V // tp)                    # vocabulary rows on this device
     L = rank_layer_count(cfg, stage, pp, n_chunks)
+    n_moe = rank_moe_count(cfg, stage, pp, n_chunks)
     first, last = stage == 0, stage == pp - 1
-    return {
+    mlp = 2 * Tq * (C * 4 * C + 4 * C * C)               # one MLP on the device's tokens
+    out = {
         "embeddings": 2 * Tq * Vl * C if first else 0,
         "kqv_projections": L * 2 * 3 * Tq * C * C // tp,
         "key_query_logits": L * 2 * Tq * T * C // tp,
         "softmax": L * 3 * (H // tp) * Tq * T,
         "softmax_value": L * 2 * Tq * T * C // tp,
         "final_linear": L * 2 * Tq * C * C // tp,
-        "dense": L * 2 * Tq * (C * 4 * C + 4 * C * C) // tp,
-        "logits": 2 * Tq * C * Vl if last else 0,
+        "dense": (L - n_moe) * mlp // tp,
     }
+    if cfg.moe_experts:
+        out.update(experts=n_moe * cfg.moe_top_k * mlp, router=n_moe * 2 * Tq * C * cfg.moe_experts)
+    out["logits"] = 2 * Tq * C * Vl if last else 0
+    return out
 
 
 def flops(components: dict, sequences: int) -> dict:
@@ -300,6 +376,14 @@ def dp_bytes(tensors: list, units: list, lay, itemsize: int, g=None):
     return sum(g.all_reduce(n, itemsize) for n in buckets)
 
 
+def grad_sync_bytes(tensors: list, lay, itemsize: int, g=None):
+    """The dp axis: dp_bytes of each of sync_groups' sets, the non-expert tensors on the dp
+    group g, the experts' (with --ep) on their dp/ep replicas: ExpertParallelSync's two
+    bucketed synchronisers, or ZeRO's expert units sharded over the replicas."""
+    return sum(dp_bytes(ts, zero_units(ts, gl.grad_ranks), gl, itemsize, g if gl is lay else Flat(gl.grad_ranks))
+               for ts, gl in sync_groups(tensors, lay))
+
+
 def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: int, g=None):
     """Megatron's all-reduces of one step on tp rank 0 of the tp group g
     (tensor_parallel.megatron_calls), over the blocks of all the rank's chunks."""
@@ -309,6 +393,7 @@ def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: i
     g = Flat(tp) if g is None else g
     rows, T, C = lay.rows, cfg.block_size // lay.cp, cfg.n_embd          # --cp: the rank's T/cp tokens
     n_layers = rank_layer_count(cfg, stage, pp, chunks(lay))
+    n_moe = rank_moe_count(cfg, stage, pp, chunks(lay))
     first, last = stage == 0, stage == pp - 1
     if lay.sp:                                            # sequence_parallel.sp_count, by kind
         count = sequence_parallel.sp_count(cfg, rows, T, tp, n_layers, first, last, lay.recompute)
@@ -320,7 +405,9 @@ def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: i
                   + (2 * g.all_reduce(C, itemsize) + 3 * g.all_reduce(rows * T, compute_itemsize) if last else 0)
                   + (g.all_gather(T // tp * C, itemsize) if first else 0))   # wpe's rows
         return M * per_mb + g.all_reduce(1, INT64)
-    act_calls, row_calls = tensor_parallel.megatron_calls(n_layers, first, last, lay.recompute)
+    act_calls, row_calls = tensor_parallel.megatron_calls(n_layers - n_moe, first, last, lay.recompute)
+    # a MoE block runs its MLP whole on every tp rank: attention's f and g alone, half a block's calls
+    act_calls += tensor_parallel.megatron_calls(n_moe, False, False, lay.recompute)[0] // 2
     per_mb = (act_calls * g.all_reduce(rows * T * C, itemsize)           # (b, T, C) activations, gradients
               + row_calls * g.all_reduce(rows * T, compute_itemsize))    # the cross-entropy's (b*T,)
     return M * per_mb + g.all_reduce(1, INT64)            # + the gradient norm
@@ -349,8 +436,10 @@ def other_parts(stage: int, lay, groups: dict) -> dict:
     """The step's 8-byte all-reduces outside the three mechanisms (train.train_step), by the
     group they run on: {"dp", "pp", "world"}."""
     dp = groups["dp"].all_reduce(1, INT64)                # the loss, summed over dp (x cp)
-    if lay.zero or lay.dp_mode != "naive":                # the gradient norm over dp: each rank
+    if lay.zero or (lay.dp_mode != "naive" and lay.ep == 1):   # the gradient norm over dp: each rank
         dp = 2 * dp                                       # squares its ZeRO shard / bucket pieces
+    elif lay.ep > 1:                                      # ExpertParallelSync: the experts' squares over
+        dp += Flat(lay.ep).all_reduce(1, INT64)           # ep only (tagged dp), in either --dp-mode
     world = groups["world"].all_reduce(1, INT64) if lay.precision != "fp32" else 0   # the overflow flag
     return {"dp": dp, "pp": groups["pp"].all_reduce(1, INT64), "world": world}       # pp: the gradient norm
 
@@ -366,21 +455,55 @@ def cp_bytes(cfg: GPTConfig, stage: int, lay, compute_itemsize: int) -> int:
                                          compute_itemsize, lay.recompute)[1]
 
 
-def with_cp(row: dict, sent: int) -> dict:
-    """plan_hosts.comm_row's row with the cp axis added (on one host: plan_hosts places no
-    cp group), as the trainer's ledger tags ring attention's messages: "cp"."""
-    row["cp"] = sent
+def shaped(shape: tuple, itemsize: int) -> np.ndarray:
+    """An array of this shape and itemsize that occupies no memory (a broadcast zero): for
+    expert_parallel.ep_bytes, which reads only its size and bytes."""
+    return np.broadcast_to(np.zeros((), dtype=f"f{itemsize}"), shape)
+
+
+def ep_layer_bytes(cfg: GPTConfig, lay, itemsize: int, passes: int) -> float:
+    """expert_parallel.ep_bytes of one MoE layer and micro-batch on an ep rank, `passes` each
+    way (2: forward and backward), n = b*T tokens routed: with a capacity the dispatched
+    (E cap, C) tensor, whatever the routing; without, balanced routing's n K (P-1)/P rows to
+    other ranks and as many back (they depend on the routing), and the E row counts."""
+    P, E, K, C = lay.ep, cfg.moe_experts, cfg.moe_top_k, cfg.n_embd
+    n = lay.rows * cfg.block_size
+    cap = moe.capacity(n, K, E, cfg.moe_capacity_factor)
+    g = Flat(P)
+    if cap is not None:
+        return expert_parallel.ep_bytes(g, C * itemsize, passes, shaped((E * cap, C), itemsize))
+    rows = n * K * (P - 1) / P
+    return expert_parallel.ep_bytes(g, C * itemsize, passes, None, rows, rows, shaped((E,), INT64))
+
+
+def ep_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int) -> int:
+    """The all-to-alls of one step: per MoE block of the device and micro-batch
+    ep_layer_bytes with 2 passes, or with --recompute full 1 (the forward, under no_grad) and
+    2 (the forward again, and backward). Exact with a capacity; without, an estimate."""
+    if lay.ep == 1:
+        return 0
+    per_layer = ep_layer_bytes(cfg, lay, itemsize, 2)
+    if lay.recompute == "full":
+        per_layer += ep_layer_bytes(cfg, lay, itemsize, 1)
+    return round(rank_moe_count(cfg, stage, lay.pp, chunks(lay)) * lay.micro_batches * per_layer)
+
+
+def with_axis(row: dict, axis: str, sent: int) -> dict:
+    """plan_hosts.comm_row's row with an axis added (on one host: plan_hosts places no cp or
+    ep group), as the trainer's ledger tags its messages: "cp" (ring attention), "ep" (the
+    all-to-alls)."""
+    row[axis] = sent
     row["bytes_per_step"] += sent
-    row["inter_host"]["cp"] = row["inter_host_messages"]["cp"] = 0
+    row["inter_host"][axis] = row["inter_host_messages"][axis] = 0
     if sent:
-        row["bytes_by_axis"]["cp"] = sent
+        row["bytes_by_axis"][axis] = sent
     return row
 
 
 # --- the plan ---------------------------------------------------------------------------------
 
 class Layout(argparse.Namespace):
-    """The layout flags (dp, cp, cp_layout, tp, pp, zero, micro_batches, batch_size,
+    """The layout flags (dp, cp, cp_layout, tp, pp, ep, zero, micro_batches, batch_size,
     precision, dtype, schedule, virtual_stages, dp_mode, bucket_mb, sp, recompute);
     rows = B/(dp*M), the micro-batch of one device (of T/cp tokens each with --cp)."""
 
@@ -389,6 +512,7 @@ class Layout(argparse.Namespace):
     virtual_stages = 1
     cp = 1
     cp_layout = "zigzag"
+    ep = 1
 
     @property
     def rows(self) -> int:
@@ -427,16 +551,75 @@ def device_memory(cfg: GPTConfig, lay, stage: int) -> dict:
     """What a device of `stage` holds at its peak: model states (ZeRO over dp*cp ranks) and
     the saved activations of the micro-batches its schedule holds at once."""
     itemsize, compute_itemsize, K = itemsizes(lay)
-    N, V = lay.grad_ranks, chunks(lay)
-    tensors = pipeline.local_tensors(cfg, stage, lay.pp, lay.tp, V)
-    units = zero_units(tensors, N)
-    P_local, P_pad = sum(n for _, n in tensors), sum(units)
+    V = chunks(lay)
+    tensors = device_tensors(cfg, lay, stage)
+    states, P_pad = {}, 0
+    for ts, g in sync_groups(tensors, lay):          # with --ep, ZeRO's expert units over their replicas
+        units = zero_units(ts, g.grad_ranks)
+        part = model_states(sum(n for _, n in ts), sum(units), itemsize, K, lay.zero, g.grad_ranks)
+        states = {k: states.get(k, 0) + v for k, v in part.items()}
+        P_pad += sum(units)
     act, held = activations.peak_in_flight_bytes(cfg, lay.schedule, stage, lay.pp, V, lay.micro_batches, lay.tp,
                                                  lay.rows, itemsize, compute_itemsize, lay.sp, lay.recompute,
-                                                 cp=lay.cp)
-    states = model_states(P_local, P_pad, itemsize, K, lay.zero, N)
+                                                 cp=lay.cp, ep=lay.ep)
     return {**states, "activations": act, "total": states["model_states"] + act, "stage": stage,
-            "micro_batches_in_flight": held, "params_local": P_local, "params_padded": P_pad}
+            "micro_batches_in_flight": held, "params_local": sum(n for _, n in tensors), "params_padded": P_pad}
+
+
+def recompute_flops(cfg: GPTConfig, lay) -> int:
+    """What --recompute runs again: recompute.added_flops (blocks with one dense MLP) and,
+    with full, what a MoE block's forward adds to that, K experts' MLPs and the router
+    instead of one MLP: the forward third of model.train_flops_per_token's MoE term."""
+    added = recompute.added_flops(cfg.n_layer, lay.batch_size, cfg.block_size, cfg.n_embd, lay.recompute)
+    if lay.recompute == "full" and cfg.moe_experts:
+        moe_term = train_flops_per_token(cfg) - train_flops_per_token(dataclasses.replace(cfg, moe_experts=0))
+        added += round(moe_term / 3 * lay.batch_size * cfg.block_size)
+    return added
+
+
+def moe_summary(cfg: GPTConfig, lay, itemsize: int, compute_itemsize: int) -> dict | None:
+    """The mixture of experts at a glance (None without): its blocks, the capacity of a
+    rank's micro-batch of n = b*T tokens (its routing group), the balanced routing the
+    estimates assume (n K / E assignments per expert: M kept, R through the rank's experts),
+    what an ep rank holds, one MoE layer's saved bytes and all-to-all bytes per micro-batch."""
+    E, K = cfg.moe_experts, cfg.moe_top_k
+    if not E:
+        return None
+    n = lay.rows * cfg.block_size
+    cap = moe.capacity(n, K, E, cfg.moe_capacity_factor)
+    blocks = [i for i in range(cfg.n_layer) if cfg.is_moe(i)]
+    layer = activations.moe_layers(cfg, n, lay.ep)[blocks[0]]
+    kept, received = layer.rows(n)
+    return {"experts": E, "top_k": K, "every": cfg.moe_every, "capacity_factor": cfg.moe_capacity_factor,
+            "blocks": blocks, "tokens_per_group": n, "capacity": cap, "balanced_per_expert": n * K / E,
+            "kept": kept, "received": received, "ep": lay.ep, "experts_per_rank": E // lay.ep,
+            "expert_replicas": lay.grad_ranks // lay.ep,
+            "layer_activation_bytes": activations.layer_bytes(lay.rows, cfg.block_size, cfg.n_embd, cfg.n_head,
+                                                              lay.tp, itemsize, compute_itemsize,
+                                                              recompute=lay.recompute, moe_layer=layer),
+            "all_to_all_bytes_per_layer": (round(ep_layer_bytes(cfg, lay, itemsize, 2)) if lay.ep > 1 else 0),
+            "all_to_all_exact": lay.ep > 1 and cap is not None}
+
+
+def moe_notes(m: dict | None) -> list[str]:
+    """What the MoE figures assume: balanced routing where the data decides."""
+    if m is None:
+        return []
+    out = []
+    if m["capacity"] is not None or m["ep"] > 1:
+        out.append(f"MoE activations assume balanced routing, every expert chosen n K / E = "
+                   f"{m['balanced_per_expert']:g} times in a micro-batch of n = {m['tokens_per_group']} tokens: "
+                   f"{m['kept']} assignments kept, {m['received']} rows through this rank's experts "
+                   f"(the real counts depend on the routing)")
+    if m["ep"] > 1 and m["capacity"] is None:
+        out.append("ep all-to-all bytes: balanced routing's n K (P-1)/P rows each way per all-to-all, + the row "
+                   "counts; the real figure depends on the routing (the trainer's summary prints it beside "
+                   "expert_parallel.ep_bytes of the rows it routed)")
+    if m["ep"] > 1 and m["capacity"] is not None:
+        out.append(f"ep all-to-all bytes exact: every message is the padded (E cap, C) tensor, cap = "
+                   f"{m['capacity']}; each rank's experts run on E cap = {m['experts'] * m['capacity']} rows, "
+                   f"padding included (FLOPs count the K experts a token uses)")
+    return out
 
 
 def peak_memory(cfg: GPTConfig, lay) -> int:
@@ -489,7 +672,7 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
                                      "cp_layout": lay.cp_layout, "world": lay.world,
                                      "micro_batch_rows": lay.rows if cfg else None, "bytes_per_param": itemsize,
                                      "optimizer_bytes_per_param": K},
-           "params": params, "notes": [], "seq_ceiling": None}
+           "params": params, "params_active": None, "moe": None, "notes": [], "seq_ceiling": None}
     if cfg is None:
         P_local = -(-params // (lay.tp * pp))
         mem = {**model_states(P_local, zero.padded(P_local, N), itemsize, K, lay.zero, N),
@@ -501,26 +684,29 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
         out["notes"].append("--params alone: model states only, spread evenly over tp*pp "
                             "(no shapes: FLOPs, activations and communication unavailable)")
         return out
-    out["model"] = {k: getattr(cfg, k) for k in (*SHAPE_FLAGS, "tie_embeddings")}
+    out["model"] = {k: getattr(cfg, k) for k in (*SHAPE_FLAGS, "tie_embeddings", *MOE_FLAGS)}
     out["params"] = sum(math.prod(shape) for _, shape, _ in param_specs(cfg))
+    out["params_active"] = active_params(cfg)
     mem_st, flops_st, comm_st = [], [], []
     for stage in range(pp):
-        tensors = pipeline.local_tensors(cfg, stage, pp, lay.tp, V)
-        units = zero_units(tensors, N)
+        tensors = device_tensors(cfg, lay, stage)
         mem_st.append(device_memory(cfg, lay, stage))
         stage_flops = flops(flop_components(cfg, lay.tp, stage, pp, V, lay.cp), lay.batch_size // lay.dp)
         flops_st.append({"stage": stage, **stage_flops})
         groups = plan_hosts.device_groups(placed(lay), hosts, stage) if spread else flat_groups(lay, stage)
-        axes = {"dp": dp_bytes(tensors, units, lay, itemsize, groups["dp"]),
+        axes = {"dp": grad_sync_bytes(tensors, lay, itemsize, groups["dp"]),
                 "tp": tp_bytes(cfg, stage, lay, itemsize, compute_itemsize, groups["tp"]),
                 "pp": pp_bytes(cfg, stage, lay, itemsize, groups["pp"])}
         row = plan_hosts.comm_row(stage, axes, other_parts(stage, lay, groups), bool(lay.zero), hosts)
-        comm_st.append(with_cp(row, cp_bytes(cfg, stage, lay, compute_itemsize)))
+        row = with_axis(row, "cp", cp_bytes(cfg, stage, lay, compute_itemsize))
+        comm_st.append(with_axis(row, "ep", ep_bytes(cfg, stage, lay, itemsize)))
     whole = flop_components(cfg)
-    out["flops"] = {**flops(whole, lay.batch_size), "six_nd": 6 * out["params"] * lay.batch_size * cfg.block_size,
+    tokens = lay.batch_size * cfg.block_size
+    out["flops"] = {**flops(whole, lay.batch_size), "six_nd": 6 * out["params_active"] * tokens,
+                    "per_token": train_flops_per_token(cfg),
                     "per_device": max(flops_st, key=lambda r: r["total"]),
-                    "recompute_added": recompute.added_flops(cfg.n_layer, lay.batch_size, cfg.block_size,
-                                                             cfg.n_embd, lay.recompute)}
+                    "recompute_added": recompute_flops(cfg, lay)}
+    out["moe"] = moe_summary(cfg, lay, itemsize, compute_itemsize)
     out["activations_per_layer"] = {
         "this_run": activations.layer_bytes(lay.rows, cfg.block_size, cfg.n_embd, cfg.n_head, lay.tp, itemsize,
                                             compute_itemsize, lay.sp and lay.tp > 1, lay.recompute, lay.cp),
@@ -547,6 +733,7 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
     if lay.tp > 1:
         out["notes"].append("activations with tp > 1: the token ids a vocabulary slice keeps "
                             "depend on the data; 1/tp of them assumed")
+    out["notes"] += moe_notes(out["moe"])
     if memory_budget is not None:
         out["seq_ceiling"] = ceilings(cfg, lay, memory_budget)
     return out
@@ -562,7 +749,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     trainer = config.build_parser()                       # the trainer's defaults
     default = {k: trainer.get_default(k) for k in ("batch_size", "micro_batches", "schedule", "virtual_stages",
-                                                    "dtype", "precision", "tp", "pp", "zero", "cp")}
+                                                    "dtype", "precision", "tp", "pp", "zero", "cp", "ep")}
     parser = Parser(prog="python -m minipar.plan",
                     description="Memory, FLOPs and communication per device of training a GPT-2 shaped "
                                 "model on a dp x cp x tp x pp layout, as minipar would run it.")
@@ -576,6 +763,7 @@ def build_parser() -> argparse.ArgumentParser:
         model.add_argument(f"--{key.replace('_', '-')}", type=int, metavar=letter,
                            help=f"{what} [{config.MODEL_DEFAULTS[key]}]")
     model.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
+    config.add_moe_arguments(model, "0: no capacity (all-to-all bytes then estimated for balanced routing)")
     layout = parser.add_argument_group("layout (the trainer's flags and defaults)")
     layout.add_argument("--dp", type=int, metavar="D",
                         help="data-parallel replicas [1, or world/(cp*tp*pp) with --world]")
@@ -590,6 +778,9 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--tp", type=int, default=default["tp"], metavar="T",
                         help="tensor-parallel ranks [%(default)s]")
     layout.add_argument("--pp", type=int, default=default["pp"], metavar="P", help="pipeline stages [%(default)s]")
+    layout.add_argument("--ep", type=int, default=default["ep"], metavar="P",
+                        help="expert parallelism: the experts split over groups of P dp ranks, tokens sent "
+                             "to them by all-to-all; P divides dp and --moe-experts [%(default)s]")
     layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=default["zero"], metavar="{0,1,2,3}",
                         help="ZeRO stage over the dp group: shard the optimizer state (1), and the gradients "
                              "(2), and the parameters (3) [%(default)s]")
@@ -628,8 +819,8 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     """Flags -> (cfg or None, layout, params or None); PlanError for what cannot run,
     with the trainer's messages (config.validate, config.prepare) where they exist."""
-    given = [k for k in SHAPE_FLAGS if getattr(args, k) is not None]
-    lay = Layout(**{k: getattr(args, k) for k in ("dp", "cp", "cp_layout", "tp", "pp", "zero", "micro_batches",
+    given = [k for k in (*SHAPE_FLAGS, *MOE_FLAGS) if getattr(args, k) is not None]
+    lay = Layout(**{k: getattr(args, k) for k in ("dp", "cp", "cp_layout", "tp", "pp", "ep", "zero", "micro_batches",
                                                   "batch_size", "precision", "dtype", "schedule", "virtual_stages",
                                                   "dp_mode", "bucket_mb", "sp", "recompute")})
     for flag in ("dp", "cp", "tp", "pp"):
@@ -662,6 +853,7 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
             raise PlanError(f"--params must be a count >= 1, got {args.params:g}")
         config.check_schedule(None, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batches)
         config.check_context_split(None, lay)
+        config.check_moe(GPTConfig(), moe_args(args), lay.dp)     # --ep needs experts: the trainer's line
         return None, lay, int(round(args.params))
     base = dict(zip(("n_layer", "n_head", "n_embd", "vocab_size", "block_size"), PRESETS[args.model])) \
         if args.model else {"vocab_size": 256, **config.MODEL_DEFAULTS}
@@ -669,14 +861,22 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     for k in SHAPE_FLAGS:
         if shape[k] <= 0:
             raise PlanError(f"--{k.replace('_', '-')} must be positive, got {shape[k]}")
-    cfg = GPTConfig(tie_embeddings=not args.untied, **shape)
+    experts = {k: getattr(args, k) if getattr(args, k) is not None else config.MODEL_DEFAULTS[k] for k in MOE_FLAGS}
+    cfg = GPTConfig(tie_embeddings=not args.untied, **shape, **experts)
     if cfg.n_embd % cfg.n_head:
         raise PlanError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     config.check_split(cfg, lay.dp, lay.tp, lay.pp, lay.batch_size, lay.micro_batches)
     config.check_sequence_split(cfg, lay.tp, lay.sp)
     config.check_context_split(cfg, lay)
+    config.check_moe(cfg, moe_args(args), lay.dp)
     config.check_schedule(cfg, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batches)
     return cfg, lay, None
+
+
+def moe_args(args) -> argparse.Namespace:
+    """The flags as config.check_moe reads them; the planner has no --moe-aux-coef or
+    --moe-z-coef (the losses' weights cost nothing), so they are 0."""
+    return argparse.Namespace(**{**vars(args), "moe_aux_coef": 0.0, "moe_z_coef": 0.0})
 
 
 UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
@@ -699,10 +899,11 @@ def memory_budget(args, cfg: GPTConfig | None) -> int | None:
 
 
 def check_hosts(lay, hosts: plan_hosts.Hosts):
-    """plan_hosts places dp x tp x pp grids: no cp group yet."""
-    if lay.cp > 1 and (hosts.ranks_per_host is not None or hosts.timed):
-        raise PlanError(f"--cp {lay.cp} does not combine with the host flags yet (--ranks-per-host, "
-                        f"--inter-node-gbps, --intra-node-gbps): plan_hosts.py places no cp group")
+    """plan_hosts places dp x tp x pp grids: no cp or ep group yet."""
+    for flag, n in (("--cp", lay.cp), ("--ep", lay.ep)):
+        if n > 1 and (hosts.ranks_per_host is not None or hosts.timed):
+            raise PlanError(f"{flag} {n} does not combine with the host flags yet (--ranks-per-host, "
+                            f"--inter-node-gbps, --intra-node-gbps): plan_hosts.py places no {flag[2:]} group")
 
 
 # --- the table --------------------------------------------------------------------------------
@@ -728,21 +929,25 @@ def table(r: dict, name: str | None = None) -> str:
         out.append(f"minipar.plan: {r['params']:,} parameters (--params: model states only)")
     else:
         shape = r["model"]
+        active = f" ({r['params_active']:,} active per token)" if r["moe"] else ""
         out.append(f"minipar.plan: {what}GPT L={shape['n_layer']} H={shape['n_head']} C={shape['n_embd']} "
                    f"T={shape['block_size']} V={shape['vocab_size']} "
-                   f"({'tied' if shape['tie_embeddings'] else 'untied'}), {r['params']:,} parameters")
+                   f"({'tied' if shape['tie_embeddings'] else 'untied'}), {r['params']:,} parameters{active}")
     prec = lay["precision"] if lay["precision"] != "fp32" else lay["dtype"]
     devices = f"{lay['world']} device{'s' if lay['world'] > 1 else ''}"
     cp = f" cp={lay['cp']} ({lay['cp_layout']})" if lay["cp"] > 1 else ""
-    out.append(f"  layout: dp={lay['dp']}{cp} tp={lay['tp']} pp={lay['pp']} ({devices}), ZeRO {lay['zero']}, {prec}: "
-               f"{lay['bytes_per_param']} B per parameter and gradient, {lay['optimizer_bytes_per_param']} B "
-               f"optimizer state")
+    ep = f" ep={lay['ep']}" if lay["ep"] > 1 else ""
+    out.append(f"  layout: dp={lay['dp']}{cp} tp={lay['tp']} pp={lay['pp']}{ep} ({devices}), ZeRO {lay['zero']}, "
+               f"{prec}: {lay['bytes_per_param']} B per parameter and gradient, "
+               f"{lay['optimizer_bytes_per_param']} B optimizer state")
     if r["model"] is not None:
         out.append(f"  batch: {lay['batch_size']} sequences; per dp rank {lay['micro_batches']} micro-batch(es) of "
                    f"{lay['micro_batch_rows']}" + (f"; {lay['schedule']} schedule"
                                                    + (f", V={lay['virtual_stages']}" if lay["virtual_stages"] > 1
                                                       else "") + f", bubble {r['bubble']:.3f}"
                                                    if lay["pp"] > 1 else ""))
+    if r.get("moe"):
+        out += moe_lines(r["moe"], r["model"]["n_layer"])
     h = r["hosts"]
     show_hosts = h["ranks_per_host"] is not None or h["inter_node_gbps"] or h["intra_node_gbps"]
     if show_hosts:
@@ -769,7 +974,9 @@ def table(r: dict, name: str | None = None) -> str:
         for key in ("forward", "backward", "total"):
             out.append(_row(key + (" (2x fwd)" if key == "backward" else ""),
                             [_sci(fl[key])] + [_sci(st[key]) for st in per]))
-        out.append(_row("6ND", [_sci(fl["six_nd"])]))
+        out.append(_row("6ND" + (" (N active)" if r["moe"] else ""), [_sci(fl["six_nd"])]))
+        if r["moe"]:                                      # the trainer's MFU numerator, K experts a token
+            out.append(_row("per token (fwd+bwd)", [_sci(fl["per_token"])]))
         if fl["recompute_added"]:
             out.append(_row(f"+ {lay['recompute']} recompute", [_sci(fl["recompute_added"])]))
         out += activation_lines(r)
@@ -777,9 +984,10 @@ def table(r: dict, name: str | None = None) -> str:
         out.append(_row("comm sent per step", heads))
         sent = [r["comm_per_stage"][stage] for stage in cols]
         axes = (("dp", "dp (grads; ZeRO's)"), ("cp", "cp (ring attention)"), ("tp", "tp (Megatron)"),
-                ("pp", "pp (point-to-point)"), ("other", "other (8-byte scalars)"), ("bytes_per_step", "total"))
+                ("pp", "pp (point-to-point)"), ("ep", "ep (all-to-all)"), ("other", "other (8-byte scalars)"),
+                ("bytes_per_step", "total"))
         for key, label in axes:
-            if key != "cp" or lay["cp"] > 1:
+            if key not in ("cp", "ep") or lay[key] > 1:
                 out.append(_row(label, [human_bytes(st[key]) for st in sent]))
         if show_hosts:
             out += plan_hosts.table_lines(r, cols, _row, human_bytes)
@@ -793,6 +1001,18 @@ def table(r: dict, name: str | None = None) -> str:
         out += ceiling_lines(r["seq_ceiling"])
     out += [f"  note: {n}" for n in r["notes"]]
     return "\n".join(out)
+
+
+def moe_lines(m: dict, n_layer: int) -> list[str]:
+    """The mixture of experts: its blocks and ep; the capacity of a micro-batch."""
+    blocks = ", ".join(f"h.{i}" for i in m["blocks"][:4]) + (", ..." if len(m["blocks"]) > 4 else "")
+    ep = (f"; ep={m['ep']}: {m['experts_per_rank']} experts per rank, each summed over {m['expert_replicas']} "
+          f"replica(s)" if m["ep"] > 1 else "")
+    cap = (f"capacity factor {m['capacity_factor']:g}: {m['capacity']} slots per expert of a micro-batch's "
+           f"{m['tokens_per_group']} tokens (balanced: {m['balanced_per_expert']:g} each)"
+           if m["capacity"] is not None else "no capacity: nothing dropped")
+    return [f"  moe: E={m['experts']} experts, top-{m['top_k']}, in {len(m['blocks'])} of {n_layer} blocks "
+            f"({blocks}){ep}", f"       {cap}"]
 
 
 def ceiling_lines(c: dict) -> list[str]:
@@ -825,6 +1045,12 @@ def activation_lines(r: dict) -> list[str]:
     if a["cp"] > 1:                                       # no row of Table 2: the ring's own
         out.append(f"    {'cp=' + str(a['cp']):<17}{human_bytes(a['this_run']):>12}  {a['cp_formula']:<32}"
                    f"{'':>12}  (c = {a['cp']}: s/c tokens a rank, ring attention, no softmax) <")
+    m = r["moe"]
+    if m:                                                 # no row of Table 2 either: activations.py's third table
+        label = f"moe E={m['experts']} K={m['top_k']}"
+        out.append(f"    {label:<17}{human_bytes(m['layer_activation_bytes']):>12}  "
+                   f"a MoE block: the MLP's rows replaced by the router, the experts' R = {m['received']:,} rows "
+                   f"and the combine's M = {m['kept']:,} (activations.py)")
     return out
 
 

@@ -34,6 +34,10 @@ def memory_report(model, opt: AdamW) -> dict:
         P = pipeline.local_param_count(model.cfg, model.stage, model.n_stages, tp, model.n_chunks)
     else:
         P = model.num_params() if tp == 1 else tensor_parallel.local_param_count(model.cfg, tp)
+    placement = getattr(model.moe, "placement", None)           # --ep: other ranks' experts
+    if placement is not None:
+        P -= expert_parallel.held_elsewhere(model.cfg, getattr(model, "layers", range(model.cfg.n_layer)),
+                                            placement.P)
     itemsize = model.dtype.itemsize
     K = precision.optimizer_bytes_per_param(isinstance(opt, precision.MixedPrecisionAdamW), itemsize)
     return {
@@ -117,6 +121,9 @@ def mechanisms(s) -> str:
         out.append("sequence parallelism over tp 1 (nothing to split)")
     if g.cp_size > 1:
         out.append(f"context parallelism over {g.cp_size} ranks ({a.cp_layout} ring attention)")
+    if s.cfg.moe_experts:
+        out.append(f"mixture of experts (E={s.cfg.moe_experts}, top-{s.cfg.moe_top_k})"
+                   + (f", expert parallelism over {g.ep_size} ranks" if g.ep_size > 1 else ""))
     if g.pp_size > 1:
         out.append(f"pipeline parallelism over {g.pp_size} stages "
                    f"({a.schedule}, {a.micro_batches} micro-batches)")
@@ -223,7 +230,7 @@ def plan_lines(s) -> list[str]:
     lay = plan.Layout(dp=g.dp_size, tp=g.tp_size, pp=g.pp_size, zero=a.zero, micro_batches=a.micro_batches,
                       batch_size=a.batch_size, precision=a.precision, dtype=a.dtype, schedule=a.schedule,
                       dp_mode=a.dp_mode, bucket_mb=a.bucket_mb, sp=a.sp, recompute=a.recompute,
-                      virtual_stages=a.virtual_stages, cp=g.cp_size, cp_layout=a.cp_layout)
+                      virtual_stages=a.virtual_stages, cp=g.cp_size, cp_layout=a.cp_layout, ep=g.ep_size)
     r = plan.plan(s.cfg, lay)
     lines = []
     for mem, sent in zip(r["memory_per_stage"], r["comm_per_stage"]):
@@ -232,7 +239,8 @@ def plan_lines(s) -> list[str]:
                      f"{human_bytes(mem['activations'])} of activations at peak, sends "
                      f"{human_bytes(sent['bytes_per_step'])}/step (dp {human_bytes(sent['dp'])}, "
                      f"tp {human_bytes(sent['tp'])}, pp {human_bytes(sent['pp'])}"
-                     + (f", cp {human_bytes(sent['cp'])}" if g.cp_size > 1 else "") + ")")
+                     + (f", cp {human_bytes(sent['cp'])}" if g.cp_size > 1 else "")
+                     + (f", ep {human_bytes(sent['ep'])}" if g.ep_size > 1 else "") + ")")
     return lines
 
 
@@ -262,6 +270,10 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
     grad_sync = float(np.mean([r["grad_sync_bytes"] for r in rows_log]))
     n_sum = g.grad_group.size                                # the ranks gradients are summed over: dp x cp
     theory = 2 * (n_sum - 1) / n_sum * P_bytes
+    if g.ep_size > 1:                                       # experts: over their dp/ep replicas
+        ne, Pe = g.expert_group.size, sum(p.data.nbytes for n, p in model.named_parameters()
+                                          if expert_parallel.expert_of(n) is not None)
+        theory = 2 * (n_sum - 1) / n_sum * (P_bytes - Pe) + 2 * (ne - 1) / ne * Pe
     exposed = float(np.mean([r["exposed_comm_s"] for r in rows_log]))
     step_time = float(np.mean([r["step_time"] for r in rows_log]))
     summary = {"summary": True, "params_count": model.num_params(), "steps": steps_run,
@@ -325,7 +337,8 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
     elif s.has_dp:
         ratio = grad_sync / theory if theory else float("nan")
         lines.append(f"  data parallel: gradient all-reduce sent {human_bytes(grad_sync)}/step "
-                     f"per rank; theory 2(p-1)/p x {human_bytes(P_bytes)} = {human_bytes(theory)} "
+                     f"per rank; theory 2(p-1)/p x {human_bytes(P_bytes)}"
+                     + (" (experts' p: their replicas)" if g.ep_size > 1 else "") + f" = {human_bytes(theory)} "
                      f"(ratio {ratio:.3f}); exposed comm "
                      f"{exposed * 1e3:.1f} ms/step ({exposed / step_time:.0%} of the step)")
     if digest is not None:

@@ -340,6 +340,131 @@ def test_ring_attention_planted_mistakes_are_reported(tmp_path_factory, tmp_path
     assert "PROBLEM: forward step 0: rank 1 passes on" in open(tmp_path / "explain-ring-attention-p4.svg").read()
 
 
+# --- mixture of experts ------------------------------------------------------------------------------
+
+def explained_moe(p, factor, tmp_path_factory):
+    """`python -m minipar.explain moe-dispatch --p P --capacity-factor F`, once per session."""
+    key = ("moe-dispatch", p, factor)
+    if key not in _RUNS:
+        out = str(tmp_path_factory.mktemp(f"explain-moe-p{p}-f{factor}"))
+        proc = subprocess.run([sys.executable, "-m", "minipar.explain", "moe-dispatch", "--p", str(p),
+                               "--capacity-factor", str(factor), "--out", out],
+                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180)
+        path = os.path.join(out, f"explain-moe-dispatch-p{p}.json")
+        assert os.path.isfile(path), f"exit {proc.returncode}, no {path}:\n{proc.stdout}\n{proc.stderr}"
+        _RUNS[key] = (proc, traceview.load(path), out)
+    return _RUNS[key]
+
+
+def _moe_all_to_alls(trace, rank):
+    """A rank's all_to_all calls, in time order, straight from the trace."""
+    return [e["args"] for e in sorted(traceview.spans(trace, "comm", rank), key=lambda e: e["ts"])
+            if e["args"]["op"] == "all_to_all"]
+
+
+def test_moe_dispatch_with_a_capacity_moves_each_kept_assignment_once(tmp_path_factory):
+    """ep = 4, E = 4, top-2, 6 tokens a rank, capacity ceil(1.25 6 2 / 4) = 4: every all-to-all message
+    is the capacity tensor's E/P cap rows (padded), each kept assignment sits in exactly one message to
+    its expert's rank, a dropped one in none, and each rank sends expert_parallel.ep_bytes."""
+    proc, trace, _ = explained_moe(4, 1.25, tmp_path_factory)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    P, E, K, N, C, cap = 4, 4, 2, 6, 4, 4
+    for r in range(P):                                                  # the trace itself, before any reading
+        calls = _moe_all_to_alls(trace, r)
+        assert len(calls) == 4 and {a["algorithm"] for a in calls} == {"pairwise exchange"}, calls
+        for a in calls:
+            sends = [m for m in a["messages"] if m[1] == "send"]
+            assert sorted(m[2] for m in sends) == [q for q in range(P) if q != r]
+            assert {m[3] for m in sends} == {E // P * cap * C * 8}, sends
+            assert a["bytes_sent"] == (P - 1) * E // P * cap * C * 8
+    pic = explain_read.moe_picture(trace)
+    assert pic.problems == [] and pic.cap == cap and pic.calls == explain_read.MOE_CALLS[True], pic.problems
+    seen = {}
+    for (src, dst), per_expert in pic.rows.items():
+        for i, rows in enumerate(per_expert):
+            assert len(rows) == cap, (src, dst, rows)
+            for slot, t in enumerate(rows):
+                if t is not None:
+                    seen.setdefault((t, dst * E // P + i), []).append(slot)
+    for r, route in enumerate(pic.routing):
+        for n in range(N):
+            for k in range(K):
+                e, t = int(route["choice"][n, k]), r * N + n
+                want = [int(route["slot"][n, k])] if route["kept"][n, k] else []
+                assert seen.pop((t, e), []) == want, (r, n, k)
+    assert seen == {}, seen                                             # no row that no one routed
+    assert sum(int((~route["kept"]).sum()) for route in pic.routing) == 6       # what the drawing shows
+    assert all(b["total"] == b["ep_bytes"] == b["counted"] == 4 * (P - 1) * cap * C * 8 for b in pic.bytes.values())
+    assert proc.stdout.startswith("MoE dispatch and combine, ep=4: E=4 experts (1 per rank), top-2, 6 tokens per "
+                                  "rank, C=4 float64, capacity ceil(1.25·6·2/4) = 4 slots per expert"), proc.stdout
+    # rank 2: t13, t14 take e1 with their first choice, then the second choices in token order fill it
+    assert "    t16  e3 0.50 #0        e1 0.50 dropped" in proc.stdout.splitlines(), proc.stdout
+
+
+def test_moe_dispatch_without_capacity_sends_exactly_the_kept_rows(tmp_path_factory):
+    """--capacity-factor 0: no drops, variable all-to-alls (a row count first), and the counts of each
+    expert's rows by source as a fifth all-to-all; each rank's bytes differ and equal ep_bytes."""
+    proc, trace, _ = explained_moe(2, 0.0, tmp_path_factory)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pic = explain_read.moe_picture(trace)
+    assert pic.problems == [] and pic.cap is None and pic.calls == explain_read.MOE_CALLS[False], pic.problems
+    assert all(route["kept"].all() for route in pic.routing)
+    assert sum(len(pic.flat(s, d)) for s in range(2) for d in range(2)) == 2 * 6 * 2     # every assignment once
+    for r in range(2):
+        dispatch = _moe_all_to_alls(trace, r)[0]
+        rows = len(pic.flat(r, 1 - r))
+        assert [m[3] for m in dispatch["messages"] if m[1] == "send"] == [8, rows * 4 * 8], dispatch
+        assert pic.bytes[r]["total"] == pic.bytes[r]["ep_bytes"] == pic.bytes[r]["counted"]
+    assert pic.bytes[0]["dispatch"] != pic.bytes[1]["dispatch"]        # the load differs by rank
+
+
+def test_moe_dispatch_planted_mistakes_are_reported(tmp_path_factory, tmp_path):
+    """A dispatch message that names another token, a message one row short, a dropped assignment
+    marked kept, and a layer count off by a byte: each is named; the drawing says PROBLEM in red and
+    the command would exit 1."""
+    _, trace, _ = explained_moe(4, 1.25, tmp_path_factory)
+    assert explain_read.moe_picture(trace).problems == []
+    wrong = copy.deepcopy(trace)                        # rank 0 -> 1: e1's rows start with t0
+    _, m = _message(wrong, 0, 1)
+    assert m[2] == 1 and m[4] == 1 / explain_read.MOE_MARK, m
+    m[4] = 2 / explain_read.MOE_MARK                     # now the first row says t1
+    problems = explain_read.moe_picture(wrong).problems
+    assert problems == ["dispatch: rank 0 -> 1 carries t1, t4 first and last; its routing puts t0, t4 there"], problems
+    short = copy.deepcopy(trace)
+    _, m = _message(short, 3, 2)                        # rank 3's dispatch, round 2: to rank 1
+    m[3] -= 32
+    problems = explain_read.moe_picture(short).problems
+    assert "dispatch: rank 3 sends 96 B to rank 1, not 128 B (4 rows of C = 4 float64)" in problems, problems
+    assert "dispatch: rank 1 receives 128 B from rank 3, which sent it 96 B" in problems, problems
+    kept = copy.deepcopy(trace)
+    kept["otherData"]["minipar"]["routing"][2]["kept"][5][1] = True      # t17's e1: dropped, now kept
+    problems = explain_read.moe_picture(kept).problems
+    assert problems[0] == ("rank 2: token 5's choice 2 (expert 1) is kept; the claim order (moe.claim_slots) "
+                           "drops it"), problems
+    assert any(p.startswith("dispatch: rank 2 sends 128 B to rank 1, not 160 B") for p in problems), problems
+    counted = copy.deepcopy(trace)
+    counted["otherData"]["minipar"]["counted"][1] += 1
+    problems = explain_read.moe_picture(counted).problems
+    assert problems == ["rank 1 sends 1536 B in its all-to-alls; ep_bytes says 1536 B, the layer counted 1537 B"]
+    path = str(tmp_path / "planted.json")
+    with open(path, "w") as f:
+        json.dump(wrong, f)
+    assert explain.draw(path, str(tmp_path)) != []      # what the command's exit status 1 comes from
+    svg = open(tmp_path / "explain-moe-dispatch-p4.svg").read()
+    assert 'fill="#c00000">PROBLEM: dispatch: rank 0 -&gt; 1 carries t1, t4' in svg, svg[-600:]
+
+
+def test_moe_dispatch_svg_shows_every_rank_message_and_drop(tmp_path_factory):
+    proc, trace, out = explained_moe(4, 1.25, tmp_path_factory)
+    root = ET.parse(os.path.join(out, "explain-moe-dispatch-p4.svg")).getroot()
+    texts = ["".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert texts[0] == proc.stdout.splitlines()[0]
+    assert sum(t.endswith(" dropped") and t.startswith("e") for t in texts) == 6, texts
+    assert sum(t.startswith("128 B, read ") for t in texts) == 12 and texts.count("128 B *") == 12, texts
+    assert [t for t in texts if t.startswith("rank ") and t[5:].isdigit()] == [f"rank {r}" for r in range(4)] * 4
+    assert not any(t.startswith("PROBLEM") for t in texts)
+
+
 # --- the files ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("what,p", [("ring-all-reduce", 4), ("megatron-mlp", 2), ("1f1b", 3)])
@@ -352,11 +477,13 @@ def test_svg_parses_with_a_row_per_rank_and_the_title(what, p, tmp_path_factory)
     assert texts[0] == proc.stdout.splitlines()[0], (texts[0], proc.stdout.splitlines()[0])
 
 
-@pytest.mark.parametrize("what,p", [("ring-all-reduce", 4), ("megatron-mlp", 2), ("ring-attention", 4)])
+@pytest.mark.parametrize("what,p", [("ring-all-reduce", 4), ("megatron-mlp", 2), ("ring-attention", 4),
+                                   ("moe-dispatch", 4)])
 def test_png_has_the_svgs_size_and_is_not_blank(what, p, tmp_path_factory):
     pytest.importorskip("resvg_py")
     Image = pytest.importorskip("PIL.Image")
-    _, _, out = explained(what, p, tmp_path_factory)
+    _, _, out = explained_moe(4, 1.25, tmp_path_factory) if what == "moe-dispatch" else \
+        explained(what, p, tmp_path_factory)
     root = ET.parse(os.path.join(out, f"explain-{what}-p{p}.svg")).getroot()
     with Image.open(os.path.join(out, f"explain-{what}-p{p}.png")) as im:
         assert im.size == (round(float(root.get("width"))), round(float(root.get("height"))))
@@ -372,6 +499,9 @@ def test_png_has_the_svgs_size_and_is_not_blank(what, p, tmp_path_factory):
                                          (["megatron-mlp", "--p", "3"], "--p 3"),
                                          (["ring-attention", "--p", "9"], "--p 9: ring-attention draws 2 <= P <= 8"),
                                          (["ring-attention", "--bytes", "64"], "--bytes 64"),
+                                         (["moe-dispatch", "--p", "3"], "--p 3: moe-dispatch splits E = 4 experts"),
+                                         (["reduce", "--capacity-factor", "1"], "--capacity-factor 1 is for moe-"),
+                                         (["moe-dispatch", "--capacity-factor", "-1"], "need 0 <= F <= 100"),
                                          (["ring-all-reduce", "--bytes", "12"], "--bytes 12")])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert explain.main(argv) == 2

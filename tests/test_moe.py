@@ -44,7 +44,7 @@ def reference(P, x, s: moe.MoESettings):
             z = xs[n] @ P["h.0.mlp.router.weight"]
             p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
             top = sorted(range(E), key=lambda e: (-p[e], e))[:s.top_k]
-            routes.append((n, top, p[top] / p[top].sum()))
+            routes.append((n, top, p[top] / p[top].sum() if s.top_k > 1 else p[top]))
             for e in top:
                 load[e] += 1
             P_mean += p / G

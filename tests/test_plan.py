@@ -14,6 +14,12 @@
   attention linear in T, per-device FLOPs and ZeRO over dp*cp, the sequence-length ceiling of
   --memory-budget (fits, the next multiple of 2cp does not, with cp >= without); the exact
   saved bytes with cp are tests/mpi/test_cp_activations.py's;
+- mixture of experts (--moe-experts, --ep): parameters total and active by hand; E/ep experts
+  per rank, whole on every tp rank; a MoE block's saved bytes equal Tensor.saved_bytes given
+  the routing the forward made, and with no counts given when the routing is exactly balanced
+  (dropping at a capacity, and the expert-parallel code path); FLOPs against
+  train_flops_per_token and instrumented matmuls; the all-to-all bytes (capacity: exact;
+  none: balanced routing's), the split gradient sums and tp's calls, worked by hand;
 - the command line: JSON keys, --params mode, the activations-per-layer table, one-line errors
   with exit code 2.
 The cross-checks against trainer runs (bytes held, ledger bytes) are in test_plan_trainer.py.
@@ -25,10 +31,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from minipar import activations, ops, plan
+from minipar import activations, comm, moe, ops, plan, recompute
 from minipar.model import GPT, GPTConfig, param_specs, train_flops_per_token
 from minipar.comm.group import HEADER_BYTES
-from minipar.parallel import pipeline, ring_attention, schedules, tensor_parallel, zero
+from minipar.parallel import expert_parallel, pipeline, ring_attention, schedules, tensor_parallel, zero
 from minipar.parallel.pipeline import PipelineStage
 from minipar.parallel.tensor_parallel import TensorParallelGPT
 from minipar.tensor import Tensor
@@ -554,6 +560,271 @@ def test_cp_in_the_table_and_the_json(capsys):
     assert code == 0 and "cp (ring attention)" not in out and "longest sequence" not in out
 
 
+# ---------------------------------------------------------------- mixture of experts (--moe-*, --ep)
+
+MOE_SMALL = ["--n-layer", "4", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
+             "--moe-experts", "4", "--moe-top-k", "2", "--moe-every", "2"]
+
+
+def moe_cfg(E=4, K=2, F=0.0, L=2, every=1, V=97, T=12, H=3, C=24):
+    return GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C, moe_experts=E, moe_top_k=K,
+                     moe_every=every, moe_capacity_factor=F)
+
+
+def test_moe_params_total_and_active_by_hand():
+    """L = 4, C = 16, E = 4, K = 2, MoE blocks h.1 and h.3: each replaces one MLP (8C^2 + 5C
+    parameters) by E of them and a router (C, E); a token goes through K of them."""
+    C, E, K = 16, 4, 2
+    dense = run_plan(*MOE_SMALL[:10])["params"]
+    r = run_plan(*MOE_SMALL)
+    mlp = 8 * C * C + 5 * C
+    assert r["params"] == dense + 2 * ((E - 1) * mlp + C * E)
+    assert r["params_active"] == dense + 2 * ((K - 1) * mlp + C * E)
+    assert r["params"] == GPT(moe_cfg(E, K, L=4, every=2, V=256, T=16, H=2, C=16)).num_params()
+    assert (dense, r["params"], r["params_active"]) == (17_504, 30_400, 21_888)
+    assert r["moe"]["blocks"] == [1, 3] and "30,400 parameters (21,888 active per token)" in plan.table(r)
+
+
+def test_moe_memory_holds_e_over_ep_experts_and_all_of_them_on_tp():
+    """--ep 2: a rank holds 2 of the 4 experts of each MoE block (the same count as a model
+    placed by expert_parallel.place); --tp 2 splits attention but not the experts, which every
+    tp rank holds whole (tensor_parallel.layout_of: replicated)."""
+    cfg = moe_cfg(L=4, every=2)
+    flags = ["--vocab-size", "97", "--block-size", "12", "--n-layer", "4", "--n-head", "3", "--n-embd", "24",
+             "--moe-experts", "4", "--moe-every", "2", "--dp", "2"]
+    one, ep2 = run_plan(*flags)["memory"], run_plan(*flags, "--ep", "2")["memory"]
+    expert = 8 * 24 * 24 + 5 * 24
+    assert one["params_local"] - ep2["params_local"] == 2 * 2 * expert          # 2 blocks x 2 experts
+    model = GPT(cfg)
+    model.moe = moe.MoESettings(4, 2)
+    expert_parallel.place(model, expert_parallel.ExpertPlacement(FakeGroup(2), 4))     # ep rank 0: experts 0, 1
+    assert model.num_local_params() == ep2["params_local"]
+    assert ep2["params"] == 4 * ep2["params_local"] and ep2["optimizer"] == 8 * ep2["params_local"]
+    tp2 = run_plan(*flags, "--tp", "3")["memory"]
+    assert tp2["params_local"] == stage_model(cfg, 3, 1, 0, np.float32).num_local_params()
+    experts = sum(math.prod(shape) for n, shape, _ in param_specs(cfg) if ".mlp." in n and ".experts." in n)
+    assert experts == 2 * 4 * expert and tp2["params_local"] > experts        # whole on the tp rank
+
+
+def moe_stage(cfg, pp, stage, dtype, recompute="none"):
+    """A stage of a MoE model whose routing records its decisions (MoESettings.stats)."""
+    inner = GPT(cfg, dtype=dtype)
+    inner.recompute = recompute
+    inner.moe = moe.MoESettings(cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor, stats=[])
+    return PipelineStage(inner, stage, pp, FakeGroup(pp, stage)), inner.moe
+
+
+@pytest.mark.parametrize("dtype,s,c", [(np.float64, 8, 8), (np.float32, 4, 4), (np.float16, 2, 4),
+                                       (ml_dtypes.bfloat16, 2, 4)])
+@pytest.mark.parametrize("F", [0.0, 1.0, 0.5])
+def test_moe_activation_bytes_equal_saved_bytes_given_the_routing(dtype, s, c, F):
+    """Two stages of a model whose blocks are MoE (E = 4, K = 2), one micro-batch each: the
+    planner's bytes equal Tensor.saved_bytes given the assignments each MoE layer kept (the
+    counts the run made, from its decisions). Without a capacity nothing is dropped, so the
+    default (no counts) is already exact; with F = 0.5 it drops and the counts differ."""
+    cfg = moe_cfg(F=F, L=3, every=1)
+    rng = np.random.default_rng(0)
+    for st in range(2):
+        m, settings = moe_stage(cfg, 2, st, dtype)
+        y = rng.integers(0, cfg.vocab_size, (2, cfg.block_size))
+        out = m.forward(stage_input(cfg, st, 2, dtype, rng), y if st == 1 else None, 24)
+        kept = {i: int(d.kept.sum()) for i, d in settings.stats}
+        routed = {i: (k, k) for i, k in kept.items()}                # one process: the experts run the kept rows
+        got = out.saved_bytes()
+        assert got == activations.stage_bytes(cfg, st, 2, 1, 2, s, c, routed=routed), (st, F)
+        if F == 0.0:
+            assert got == activations.stage_bytes(cfg, st, 2, 1, 2, s, c) and set(kept.values()) == {2 * 12 * 2}
+    assert F != 0.5 or min(kept.values()) < 2 * 12 * 2                         # F = 0.5 did drop
+
+
+def balanced_moe_forward(E, K, F, ep_group=None, dtype=np.float64):
+    """One MoE layer (moe.moe_mlp) on N = 24 tokens whose routing is exactly balanced: token n's
+    logits are 5 for expert n % E, 4 for (n + 1) % E, ... (router weight: the identity on the
+    first E channels), so every expert is chosen N K / E times. -> (saved bytes, N, C)."""
+    N, C = 24, 24
+    cfg = moe_cfg(E, K, F, L=1, C=C)
+    P = GPT(cfg, dtype=dtype).params
+    w = np.zeros((C, E), dtype)
+    w[:E, :E] = np.eye(E)
+    P["h.0.mlp.router.weight"] = Tensor(w, requires_grad=True)
+    x = np.zeros((N, C), dtype)
+    for n in range(N):
+        for j in range(K):
+            x[n, (n + j) % E] = 5 - j
+    s = moe.MoESettings(E, K, F, stats=[])
+    if ep_group is not None:
+        s.placement = expert_parallel.ExpertPlacement(ep_group, E)
+    leaf = Tensor(x.reshape(2, 12, C), requires_grad=True)
+    y = moe.moe_mlp(P, 0, leaf + 0.0, s)                 # + 0: an activation, as ln_2's output is
+    load = s.stats[0][1].load[0]
+    assert list(load) == [N * K // E] * E, load
+    return y.saved_bytes(), N, C
+
+
+@pytest.mark.parametrize("E,K,F", [(4, 2, 0.0), (4, 2, 0.5), (4, 2, 1.0), (4, 2, 1.25), (6, 3, 0.75), (3, 1, 0.0)])
+@pytest.mark.parametrize("placed", [False, True])
+def test_moe_layer_bytes_assume_balanced_routing(E, K, F, placed):
+    """With routing exactly balanced the formula needs no counts: M = min(N K, E cap) kept
+    (F = 0.5, 0.75 drop half, a quarter), and on the expert-parallel code path (placed: an
+    ExpertPlacement over a group of one rank, whose all-to-alls are local copies but whose
+    dispatch keeps the same index arrays as on P ranks) R = E cap padded rows with a capacity
+    (F = 1.25: 60 rows for M = 48 kept)."""
+    from mpi4py import MPI
+    group = comm.Group(MPI.COMM_SELF, axis="ep") if placed else None
+    got, N, C = balanced_moe_forward(E, K, F, group)
+    cap = moe.capacity(N, K, E, F)
+    layer = activations.MoELayer(E, K, ep=2 if placed else 1, cap=cap)   # ep > 1: the placed code path
+    assert got == activations.moe_mlp_bytes(N, C, layer, 8, 8), (E, K, F, placed)
+    M, R = layer.rows(N)
+    assert M == (N * K if cap is None else min(N * K, E * cap)) and R == (E * cap if placed and cap else M)
+
+
+def test_moe_layer_bytes_by_hand():
+    """The third table of activations.py, float64, N = 24 tokens, C = 24, E = 4, K = 2, no
+    capacity, balanced: M = R = 48. Router: x N C + p N E + lse, sum 2N + weights N K values, and
+    the (N, E) argsort the choices are a view of; experts R C (1 + 4) stored + 8 R C computed;
+    combine M C + M; ids 2M (one process) or 2M + 2R (ep)."""
+    N, C, E, K, M, d = 24, 24, 4, 2, 48, 8
+    router = d * (N * C + N * E + 2 * N + N * K) + 8 * N * E
+    experts = d * (5 * M * C + 8 * M * C)
+    combine = d * (M * C + M)
+    assert activations.moe_mlp_bytes(N, C, activations.MoELayer(E, K), d, d) == router + experts + combine + 8 * 2 * M
+    assert activations.moe_mlp_bytes(N, C, activations.MoELayer(E, K, ep=2), d, d) == \
+        router + experts + combine + 8 * 4 * M
+    dense = activations.mlp_bytes(N, N, C, 1, d, d)
+    assert dense == 13 * N * C * d                      # c_fc's input, GELU's two, mlp c_proj's input
+    assert activations.layer_bytes(2, 12, C, 3, store=d, moe_layer=activations.MoELayer(E, K)) == \
+        activations.layer_bytes(2, 12, C, 3, store=d) - dense + router + experts + combine + 8 * 2 * M
+
+
+def test_moe_flops_are_the_active_experts():
+    """A MoE block's dense block is K experts' MLPs, 2 T K 8C^2 a sequence, plus the router's
+    2 T C E; 3 x the matmul forward per token is train_flops_per_token (the MFU numerator, active
+    parameters); the experts are replicated over tp, so a tp device does all of their FLOPs;
+    6ND takes N active."""
+    T, C, E, K, B = 16, 16, 4, 2, 8
+    r = run_plan(*MOE_SMALL)
+    f = r["flops"]["components"]
+    assert f["experts"] == B * 2 * K * 2 * T * 8 * C * C and f["router"] == B * 2 * 2 * T * C * E
+    assert f["dense"] == B * 2 * 2 * T * 8 * C * C                         # the two dense blocks
+    cfg = moe_cfg(E, K, L=4, every=2, V=256, T=T, H=2, C=C)
+    assert 3 * r["flops"]["matmul_forward"] == train_flops_per_token(cfg) * B * T == r["flops"]["per_token"] * B * T
+    assert r["flops"]["six_nd"] == 6 * r["params_active"] * B * T
+    tp = run_plan(*MOE_SMALL, "--tp", "2")["flops_per_stage"][0]["components"]
+    assert tp["experts"] == f["experts"] and tp["router"] == f["router"] and 2 * tp["dense"] == f["dense"]
+    full = run_plan(*MOE_SMALL, "--recompute", "full")["flops"]["recompute_added"]
+    dense_full = recompute.added_flops(4, B, T, C, "full")
+    assert full - dense_full == B * T * 2 * (2 * (K - 1) * 8 * C * C + 2 * C * E)   # 2 MoE blocks again
+
+
+def test_moe_matmul_flops_equal_instrumented(matmul_counter, monkeypatch):
+    """The instrumented count (fixture matmul_counter, + the router's x @ w_r, 2 N C E) of a MoE
+    model's forward equals the planner's matmul FLOPs: no capacity, so every token runs K experts."""
+    real = moe.Router.forward
+
+    def router(self, x, w, *a):
+        matmul_counter["flops"] += 2 * x.shape[0] * x.shape[1] * w.shape[1]
+        return real(self, x, w, *a)
+    monkeypatch.setattr(moe.Router, "forward", router)
+    GPT(moe_cfg(L=4, every=2))(np.random.default_rng(0).integers(0, 97, (4, 12)))
+    r = run_plan("--vocab-size", "97", "--block-size", "12", "--n-layer", "4", "--n-head", "3", "--n-embd", "24",
+                 "--batch-size", "4", "--moe-experts", "4", "--moe-every", "2")
+    assert matmul_counter["flops"] == r["flops"]["matmul_forward"]
+
+
+@pytest.mark.parametrize("F,recompute", [(1.0, "none"), (1.0, "full"), (0.0, "none")])
+def test_moe_all_to_all_bytes_by_hand(F, recompute):
+    """dp 4, ep 2, 2 MoE blocks, M = 2 micro-batches of b = 1 sequence, n = 16 tokens, C = 16,
+    fp32. With F = 1: cap = ceil(n K / E) = 8 slots, each all-to-all sends (P-1)/P of the
+    (E cap, C) tensor; 4 per layer and micro-batch, 6 with --recompute full. Without a
+    capacity, balanced routing: n K (P-1)/P = 16 rows each way per all-to-all, + each variable
+    all-to-all's 8 (P-1) count bytes, + one equal all-to-all of the E row counts, 8 (P-1) E/P."""
+    r = run_plan(*MOE_SMALL, "--dp", "4", "--ep", "2", "--micro-batches", "2", "--moe-capacity-factor", str(F),
+                 "--recompute", recompute)
+    P, E, K, C, n, d = 2, 4, 2, 16, 16, 4
+    if F:
+        cap = 8
+        per_layer = (6 if recompute == "full" else 4) * (P - 1) * (E * cap // P) * C * d
+    else:
+        per_layer = 4 * n * K * (P - 1) // P * C * d + 4 * 8 * (P - 1) + 8 * (P - 1) * E // P
+    row = r["comm"]
+    assert row["ep"] == 2 * 2 * per_layer and row["bytes_by_axis"]["ep"] == row["ep"]
+    assert row["bytes_per_step"] == sum(row[k] for k in ("dp", "cp", "tp", "pp", "ep", "other"))
+    assert r["moe"]["all_to_all_exact"] == bool(F)
+    assert all("ep" not in c["bytes_by_axis"] and c["ep"] == 0 for c in run_plan(*MOE_SMALL)["comm_per_stage"])
+
+
+def test_moe_gradients_summed_over_dp_and_experts_over_their_replicas():
+    """dp 4, ep 2 (one bucket each): the non-expert gradients all-reduced over the 4 dp ranks,
+    the rank's experts' over their dp/ep = 2 replicas; the norm's 8 bytes over ep (not dp)."""
+    r = run_plan(*MOE_SMALL, "--dp", "4", "--ep", "2", "--bucket-mb", "100")
+    m = r["memory"]
+    C, E = 16, 4
+    experts = 2 * (E // 2) * (8 * C * C + 5 * C)                # 2 blocks x 2 experts on the rank
+    others = m["params_local"] - experts
+    c = r["comm"]
+    assert c["dp"] == plan.all_reduce_sent(others, 4, 4) + plan.all_reduce_sent(experts, 4, 2)
+    assert c["other"] == plan.all_reduce_sent(1, 8, 4) + plan.all_reduce_sent(1, 8, 2)   # loss over dp, norm over ep
+    assert r["moe"]["expert_replicas"] == 2 and r["moe"]["experts_per_rank"] == 2
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_moe_zero_shards_the_experts_over_their_replicas(stage):
+    """ZeRO with --ep (dp 4, ep 2, fp32, K = 8): each block's experts are a unit of their own,
+    padded for and sharded over their dp/ep = 2 replicas; the rest over the 4 dp ranks
+    (zero.formula of each part, summed). Each unit's reduce-scatters and all-gathers run on its
+    own group; the gradient norm over dp (each element in exactly one shard)."""
+    r = run_plan(*MOE_SMALL, "--dp", "4", "--ep", "2", "--zero", str(stage), "--micro-batches", "2")
+    cfg, lay, _ = plan.resolve(plan.build_parser().parse_args([*MOE_SMALL, "--dp", "4", "--ep", "2"]))
+    tensors = plan.device_tensors(cfg, lay, 0)
+    experts = [(n, k) for n, k in tensors if expert_parallel.expert_of(n) is not None]
+    others = [(n, k) for n, k in tensors if expert_parallel.expert_of(n) is None]
+    assert sum(k for _, k in experts) == 2 * 2 * (8 * 16 * 16 + 5 * 16)
+    plain_units, expert_units = plan.zero_units(others, 4), plan.zero_units(experts, 2)
+    assert len(expert_units) == 2                                         # blocks h.1 and h.3
+    want = {k: zero.formula(stage, sum(n for _, n in others), sum(plain_units), 4, 4, 8)[k]
+            + zero.formula(stage, sum(n for _, n in experts), sum(expert_units), 2, 4, 8)[k]
+            for k in ("params", "grads", "optimizer")}
+    m = r["memory"]
+    assert {k: m[k] for k in want} == want and m["params_padded"] == sum(plain_units) + sum(expert_units)
+    rs, ag = zero.collectives_per_step(stage, 2)
+    sent = (sum(rs * plan.reduce_scatter_sent(n, 4, 4) + ag * plan.all_gather_sent(n // 4, 4, 4) for n in plain_units)
+            + sum(rs * plan.reduce_scatter_sent(n, 4, 2) + ag * plan.all_gather_sent(n // 2, 4, 2) for n in expert_units))
+    assert r["comm"]["dp"] == sent
+    assert r["comm"]["other"] == 2 * plan.all_reduce_sent(1, 8, 4)      # loss and norm over dp
+
+
+def test_moe_blocks_have_half_the_tp_all_reduces():
+    """tp 2, 4 blocks of which 2 are MoE: a MoE block runs its MLP whole on every tp rank, so it
+    has attention's f and g only; the dense blocks Megatron's 4 (4 x 2 + 2 x 2 + the ends' 2
+    calls on b T C, the cross-entropy's 3 on b T)."""
+    r = run_plan(*MOE_SMALL, "--tp", "2")
+    b, T, C = 8, 16, 16
+    want = (4 * 2 + 2 * 2 + 2) * plan.all_reduce_sent(b * T * C, 4, 2) + 3 * plan.all_reduce_sent(b * T, 4, 2) \
+        + plan.all_reduce_sent(1, 8, 2)
+    assert r["comm"]["tp"] == want
+
+
+def test_moe_in_the_table_and_the_json(capsys):
+    code, out, _ = cli(capsys, "--model", "gpt2", "--moe-experts", "8", "--moe-every", "2", "--dp", "8", "--ep", "4",
+                       "--moe-capacity-factor", "1.25")
+    assert code == 0
+    for text in ("active per token", "dp=8 tp=1 pp=1 ep=4 (8 devices)", "moe: E=8 experts, top-2, in 6 of 12 blocks",
+                 "640 slots per expert", "2 experts per rank, each summed over 2 replica(s)", "ep (all-to-all)",
+                 "experts", "router", "6ND (N active)", "moe E=8 K=2", "assume balanced routing",
+                 "ep all-to-all bytes exact"):
+        assert text in out, text
+    code, out, _ = cli(capsys, "--model", "gpt2", "--moe-experts", "8", "--dp", "8", "--ep", "4", "--json")
+    r = json.loads(out)
+    m = r["moe"]
+    assert code == 0 and m["capacity"] is None and not m["all_to_all_exact"] and m["blocks"] == list(range(12))
+    assert r["model"]["moe_experts"] == 8 and r["layout"]["ep"] == 4
+    assert any("depends on the routing" in n for n in r["notes"])
+    code, out, _ = cli(capsys, "--n-layer", "2")
+    assert code == 0 and "moe" not in out and "ep (all-to-all)" not in out and json.loads(
+        cli(capsys, "--n-layer", "2", "--json")[1])["moe"] is None
+
+
 # ---------------------------------------------------------------- the command line
 
 def test_json_has_every_key(capsys):
@@ -617,7 +888,7 @@ def test_defaults_are_the_trainers():
     from minipar import config
     t, p = config.build_parser(), plan.build_parser()
     for key in ("batch_size", "micro_batches", "schedule", "virtual_stages", "dtype", "precision", "tp", "pp",
-                "zero", "cp"):
+                "zero", "cp", "ep"):
         assert p.get_default(key) == t.get_default(key), key
     r = run_plan()
     assert {k: r["model"][k] for k in config.MODEL_DEFAULTS} == config.MODEL_DEFAULTS
@@ -659,6 +930,23 @@ def test_defaults_are_the_trainers():
     (["--cp-layout", "contiguous"], "--cp-layout contiguous places the tokens of a cp group: it needs --cp > 1"),
     (["--cp", "2", "--ranks-per-host", "2"], "--cp 2 does not combine with the host flags yet"),
     (["--memory-budget", "16XB"], "--memory-budget wants a size such as 16GiB, 512MiB or 8e9 (bytes), got '16XB'"),
+    # mixture of experts: config.check_moe's lines, as the trainer prints them
+    (["--ep", "2"], "--ep 2 splits the experts of a mixture of experts: it needs --moe-experts > 0"),
+    (["--moe-experts", "4", "--ep", "0"], "--ep must be >= 1, got 0"),
+    (["--moe-top-k", "1"], "--moe-top-k is for a mixture of experts: it needs --moe-experts > 0"),
+    (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5 must be between 1 and --moe-experts 4"),
+    (["--moe-experts", "4", "--moe-every", "5"], "--moe-every 5 must be between 1 and --n-layer 4"),
+    (["--moe-experts", "4", "--moe-capacity-factor", "-1"], "--moe-capacity-factor must be a finite number >= 0"),
+    (["--moe-experts", "4", "--cp", "2"], "--moe-experts does not combine with --cp 2 yet"),
+    (["--moe-experts", "4", "--tp", "2", "--sp"], "--moe-experts does not combine with --sp yet"),
+    (["--moe-experts", "4", "--dp", "2", "--ep", "4"],
+     "--ep 4 must divide both dp = 2 (its groups are carved out of the dp group) and --moe-experts 4"),
+    (["--moe-experts", "3", "--dp", "2", "--ep", "2"], "--ep 2 must divide both dp = 2"),
+    (["--world", "4", "--moe-experts", "4", "--ep", "8"], "--ep 8 must divide both dp = 4"),
+    (["--params", "1e9", "--moe-experts", "4"], "--params gives the size alone; drop --moe-experts"),
+    (["--params", "1e9", "--ep", "2"], "--ep 2 splits the experts of a mixture of experts"),
+    (["--moe-experts", "4", "--dp", "2", "--ep", "2", "--ranks-per-host", "1"],
+     "--ep 2 does not combine with the host flags yet"),
     (["--params", "1e9", "--memory-budget", "1GiB"], "--memory-budget searches over the sequence length"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, flags, message):

@@ -6,17 +6,23 @@ rank that writes the log) must equal what the run measured:
 - model states: the summary's `memory` (nbytes of the parameters, gradients and optimizer
   state rank 0 holds);
 - bytes sent per step, per axis, from the ledger: `grad_sync_bytes` (dp; `zero_bytes`
-  with --zero), `tp_bytes`, `pp_bytes`, `bytes_by_axis["cp"]` (ring attention) and the
-  whole `comm_bytes`, on every step;
+  with --zero), `tp_bytes`, `pp_bytes`, `bytes_by_axis["cp"]` (ring attention),
+  `bytes_by_axis["ep"]` (the all-to-alls) and the whole `comm_bytes`, on every step. The one
+  estimate: with --ep and no --moe-capacity-factor the all-to-alls carry the rows the routing
+  sent, which the planner takes to be balanced (within 10% here, the ratio printed); with a
+  capacity they are the padded tensor, and equal;
 - with --pp, the saved activations at peak of every stage (`peak_activation_bytes`):
   equal for tp = 1 (the planner counts what each op saves, walking each stage's
   instruction list: activations.peak_in_flight_bytes), whatever the schedule. With tp > 1 the
   vocabulary-parallel ops keep the ids of the tokens a tp rank owns, 8 bytes each, which
   depends on the data: the planner assumes ceil(N/tp) of N, within 5% here; given the
   count (tp rank 0 owns every token of the built-in corpus, which is ASCII, below
-  ceil(256/tp) for tp = 2) activations.stage_bytes equals the measured peak exactly.
---sp, --recompute, --schedule, --virtual-stages, --cp and --cp-layout go to the planner as they go
-to the trainer.
+  ceil(256/tp) for tp = 2) activations.stage_bytes equals the measured peak exactly. A
+  MoE layer's bytes depend on the routing where it drops (a capacity) or sends rows to
+  other ranks (--ep without a capacity); the layouts with --pp here have neither, or a
+  capacity of 2.0 (N slots per expert: nothing dropped), so they are equal too.
+--sp, --recompute, --schedule, --virtual-stages, --cp, --cp-layout, --ep and the --moe-* shape
+flags go to the planner as they go to the trainer.
 Adding a layout is one line in LAYOUTS: (ranks, trainer flags). `make test` runs LAYOUTS;
 scripts/plan_matrix.py also the MORE below (each a variant that LAYOUTS covers in kind).
 """
@@ -28,6 +34,7 @@ from minipar import activations, data, plan
 
 from trainer_runs import TINY_MPI, mpirun, read_log
 
+MOE = ["--moe-experts", "4", "--moe-top-k", "2", "--n-layer", "2"]
 LAYOUTS = [
     (1, ["--dtype", "float64", "--micro-batches", "2"]),
     (2, ["--dtype", "float64", "--micro-batches", "2"]),                                   # dp2
@@ -47,6 +54,9 @@ LAYOUTS = [
     (4, ["--dtype", "float64", "--tp", "2", "--pp", "2", "--n-layer", "4", "--micro-batches", "2",
          "--schedule", "interleaved", "--virtual-stages", "2"]),
     (4, ["--dtype", "float64", "--cp", "2", "--dp", "2", "--micro-batches", "2"]),   # the ring; grads over dp x cp
+    # experts split over ep 2 x pp 2; capacity 2.0 = N slots: every message padded, nothing dropped
+    (4, ["--dtype", "float64", *MOE, "--dp", "2", "--ep", "2", "--pp", "2", "--micro-batches", "2",
+         "--moe-capacity-factor", "2.0"]),
 ]
 # The rest of the matrix: `python scripts/plan_matrix.py` (MINIPAR_PLAN_MATRIX=all) runs them too.
 MORE = [
@@ -66,10 +76,21 @@ MORE = [
     (4, ["--dtype", "float64", "--cp", "2", "--pp", "2", "--n-layer", "2", "--micro-batches", "2",
          "--recompute", "full", "--zero", "1"]),          # peak activations with cp; the ring twice; ZeRO over cp
     (4, ["--precision", "bf16", "--cp", "4", "--cp-layout", "contiguous"]),   # the ring in fp32
+    (2, ["--dtype", "float64", *MOE, "--ep", "2", "--moe-capacity-factor", "1.0"]),    # drops; bytes still static
+    (4, ["--dtype", "float64", *MOE, "--dp", "4", "--ep", "2", "--micro-batches", "2"]),   # a2a: balanced estimate
+    (2, ["--dtype", "float64", *MOE, "--tp", "2"]),        # MoE blocks replicated over tp: attention's f, g only
+    (2, ["--dtype", "float64", *MOE, "--zero", "2", "--micro-batches", "2"]),   # every expert in its block's unit
+    (4, ["--dtype", "float64", *MOE, "--dp", "4", "--ep", "2", "--zero", "1", "--moe-capacity-factor", "1.0"]),
+    (4, ["--precision", "bf16", *MOE, "--dp", "4", "--ep", "2", "--zero", "3", "--micro-batches", "2",
+         "--moe-capacity-factor", "1.5"]),                # expert units gathered over their 2 replicas
+    (4, ["--dtype", "float64", *MOE, "--dp", "2", "--ep", "2", "--tp", "2", "--moe-capacity-factor", "1.0"]),   # ep x tp
+    (2, ["--precision", "bf16", *MOE, "--moe-every", "2", "--pp", "2", "--micro-batches", "2"]),   # experts unplaced
+    (4, ["--dtype", "float64", *MOE, "--dp", "2", "--ep", "2", "--pp", "2", "--micro-batches", "2",
+         "--recompute", "full", "--moe-capacity-factor", "2.0"]),     # 6 all-to-alls per layer and micro-batch
 ]
 if os.environ.get("MINIPAR_PLAN_MATRIX") == "all":
     LAYOUTS = LAYOUTS + MORE
-TRAINER_ONLY = {"--steps", "--sample", "--log"}          # flags with a value that the planner has not
+TRAINER_ONLY = {"--steps", "--sample", "--log", "--moe-aux-coef", "--moe-z-coef"}   # valued flags the planner has not
 
 
 def planner_flags(n: int, flags: list) -> list:
@@ -99,10 +120,20 @@ def test_planner_equals_what_the_trainer_measures(n, flags, tmp_path):
         assert mem[key] == summary["memory"][key], (key, mem, summary["memory"])
     c = r["comm_per_stage"][0]
     dp_key = "zero_bytes" if lay.zero else "grad_sync_bytes"
+    estimated = lay.ep > 1 and not cfg.moe_capacity_factor          # the all-to-alls: balanced routing's
     for row in rows:
         got = {"dp": row[dp_key], "tp": row["tp_bytes"], "pp": row["pp_bytes"],
-               "cp": row["bytes_by_axis"].get("cp", 0), "bytes_per_step": row["comm_bytes"]}
-        assert got == {k: c[k] for k in got}, (row["step"], got, c)
+               "cp": row["bytes_by_axis"].get("cp", 0), "ep": row["bytes_by_axis"].get("ep", 0),
+               "bytes_per_step": row["comm_bytes"]}
+        if estimated:
+            ep = got.pop("ep")
+            got["bytes_per_step"] -= ep
+            print(f"step {row['step']}: all-to-all bytes {ep:,}, planner's balanced estimate {c['ep']:,} "
+                  f"({c['ep'] / ep:.3f})")
+            assert abs(c["ep"] / ep - 1) < 0.1, (ep, c["ep"])
+            assert got == {**{k: c[k] for k in got}, "bytes_per_step": c["bytes_per_step"] - c["ep"]}, (got, c)
+        else:
+            assert got == {k: c[k] for k in got}, (row["step"], got, c)
     if lay.pp > 1:
         measured = summary["pipeline"]["peak_activation_bytes"]
         est = [m["activations"] for m in r["memory_per_stage"]]

@@ -20,14 +20,15 @@ has the capacity tensor's shape, (E/P) cap rows, and nothing else needs exchangi
 Bytes one rank sends per MoE layer and micro-batch (ep_bytes), rows of C elements of the
 activations' dtype d: with a capacity 4 (P-1) (E/P) cap C d (each all-to-all (P-1)/P of the
 E cap rows, by the pairwise exchange; Bruck's figure where comm picks it, small messages on
-P >= 4); without one, 2 x (rows it sends to other ranks + rows it receives from them) x C d,
+P >= comm.ALL_TO_ALL_BRUCK_MIN_RANKS); without one, 2 x (rows it sends to other ranks + rows
+it receives from them) x C d,
 plus the counts: 4 x 8 (P-1) for the variable all-to-alls' own and one equal all-to-all of
 the E row counts (8 (P-1) E/P bytes pairwise).
 
 Gradients: an expert's weights live on the dp/ep ranks of the same ep rank (grid.expert_group)
 and their gradients are summed over those only; every other parameter's over the whole dp
 group (ExpertParallelSync). Summing expert gradients over all of dp would add other experts'
-gradients into each: the trap tests/mpi/test_expert_parallel.py holds.
+gradients into each: the trap tests/test_moe_cli.py plants (the replica check then stops the run).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ import numpy as np
 from minipar import comm, ops
 from minipar.comm import alltoall
 from minipar.optim import sum_of_squares
-from minipar.parallel import data_parallel
+from minipar.parallel import data_parallel, schedules
 from minipar.tensor import Function, Tensor, is_grad_enabled
 
 COUNT_BYTES = 8                 # a row count on the wire: the variable all-to-all sends p - 1 of them first
@@ -65,6 +66,13 @@ class ExpertPlacement:
     def owns(self, name: str) -> bool:
         e = expert_of(name)
         return e is None or e in self.local
+
+
+def held_elsewhere(cfg, layers, ep: int) -> int:
+    """Parameters of `layers`' MoE blocks that other ep ranks hold: (E - E/ep) experts of
+    8C^2 + 5C each (c_fc, c_proj and their biases) per block."""
+    C, E = cfg.n_embd, cfg.moe_experts
+    return sum((E - E // ep) * (8 * C * C + 5 * C) for i in layers if cfg.is_moe(i))
 
 
 def place(model, placement: ExpertPlacement):
@@ -241,11 +249,13 @@ def summary(s, rows_log: list) -> tuple[dict, str]:
     g, cfg = s.grid, s.cfg
     sent = float(np.mean([r["bytes_by_axis"].get("ep", 0) for r in rows_log]))
     want = float(np.mean([r["ep_theory_bytes"] for r in rows_log]))
-    layers = sum(cfg.is_moe(i) for i in range(cfg.n_layer))
+    stage = schedules.rank_layers(cfg.n_layer, g.pp_rank, g.pp_size, s.args.virtual_stages)
+    layers = sum(cfg.is_moe(i) for chunk in stage for i in chunk)
     out = {"ep": g.ep_size, "experts_per_rank": cfg.moe_experts // g.ep_size, "bytes_per_step": sent,
            "theory_bytes_per_step": want, "expert_replicas": g.expert_group.size}
-    how = ("4 all-to-alls of (P-1) x E/P x capacity rows" if cfg.moe_capacity_factor
-           else "the routed rows to and from other ranks, 4 all-to-alls, + the row counts")
+    n = 6 if s.args.recompute == "full" else 4          # full recompute: the forward's two again
+    how = (f"{n} all-to-alls of (P-1) x E/P x capacity rows" if cfg.moe_capacity_factor
+           else f"the routed rows to and from other ranks, {n} all-to-alls, + the row counts")
     return out, (f"  expert parallel: ep={g.ep_size}, {out['experts_per_rank']} of {cfg.moe_experts} experts per "
                  f"rank, each summed over {out['expert_replicas']} replica(s); all-to-all sent {sent:,.0f} B/step "
                  f"per rank over {layers} MoE layer(s) x {s.args.micro_batches} micro-batch(es), theory ({how}) "
