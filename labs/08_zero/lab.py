@@ -98,6 +98,7 @@ class LabZero(zero.Zero):
         self.units, self.unit_of = [], {}
         for names in zero.unit_names(named):
             u = LabUnit(names, [named[n] for n in names], self.N, self.rank, bounds)
+            u.group, u.N = self.group, self.N       # the ranks zero.Zero's calls spread this unit over
             self.units.append(u)
             own = slice(u.lo, u.hi)
             u.m = u.flatten([ms[n] for n in names])[own].copy()             # (hi-lo,)
