@@ -25,7 +25,7 @@ clipping on) so that the matrix runs in minutes. Every run also writes a --trace
 pass minipar.traceview.audit (a valid trace; a process row per rank; comm events equal to
 each rank's ledger; forwards and backwards in the schedule's order). Prints one row per run
 and the count of failures, and the largest relative differences with and without --sp;
-exit 1 if any fails. (tests/test_layouts.py runs a representative 18 of these in
+exit 1 if any fails. (tests/test_layouts.py runs a representative 16 of these in
 `make test`; tests/test_trace.py audits traces on 1, 4 and 8 ranks.)
 """
 import argparse

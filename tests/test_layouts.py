@@ -25,9 +25,7 @@ MATRIX = [
     (4, "--dp 2 --tp 2 --zero 1 --precision fp16"),
     (4, "--dp 2 --pp 2 --zero 2 --precision bf16 --micro-batches 2"),
     (8, "--dp 2 --tp 2 --pp 2 --zero 1"),
-    (8, "--dp 2 --tp 2 --pp 2 --zero 2 --schedule gpipe --micro-batches 2"),
     (8, "--dp 4 --tp 2 --zero 3"),
-    (8, "--dp 2 --tp 2 --pp 2 --precision bf16 --micro-batches 2"),
     # the schedules past 1F1B: zero-bubble (B and W split) and interleaved (2 chunks per rank)
     (4, "--dp 2 --pp 2 --zero 1 --schedule zb-h1 --micro-batches 4"),
     (4, "--tp 2 --pp 2 --sp --schedule zb-h2 --micro-batches 4"),

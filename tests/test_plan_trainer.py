@@ -39,7 +39,6 @@ LAYOUTS = [
     (1, ["--dtype", "float64", "--micro-batches", "2"]),
     (2, ["--dtype", "float64", "--micro-batches", "2"]),                                   # dp2
     (2, ["--dtype", "float64", "--tp", "2"]),
-    (2, ["--dtype", "float64", "--pp", "2", "--n-layer", "2", "--micro-batches", "2", "--schedule", "gpipe"]),
     (2, ["--precision", "bf16", "--pp", "2", "--n-layer", "2", "--micro-batches", "4"]),     # 1f1b
     (4, ["--n-embd", "32", "--bucket-mb", "0.1", "--dtype", "float64"]),   # dp4: direct (1.5b), doubling (2b)
     (3, ["--tp", "3", "--n-head", "3", "--n-embd", "24", "--dtype", "float64"]),   # V padded; p = 3 fix-up
@@ -47,7 +46,6 @@ LAYOUTS = [
     (4, ["--zero", "2", "--pp", "2", "--n-layer", "2", "--micro-batches", "2", "--precision", "fp16"]),
     (4, ["--dtype", "float64", "--tp", "2", "--pp", "2", "--n-layer", "2", "--sp", "--micro-batches", "2"]),
     (4, ["--dtype", "float64", "--dp", "2", "--tp", "2", "--sp", "--recompute", "full", "--zero", "1"]),
-    (4, ["--tp", "2", "--pp", "2", "--n-layer", "4", "--recompute", "full", "--micro-batches", "2"]),
     # schedules past 1F1B: W frees a micro-batch (zb), chunks send round the ring (interleaved)
     (4, ["--dtype", "float64", "--dp", "2", "--pp", "2", "--n-layer", "2", "--micro-batches", "4",
          "--schedule", "zb-h2", "--zero", "1"]),
@@ -60,6 +58,8 @@ LAYOUTS = [
 ]
 # The rest of the matrix: `python scripts/plan_matrix.py` (MINIPAR_PLAN_MATRIX=all) runs them too.
 MORE = [
+    (2, ["--dtype", "float64", "--pp", "2", "--n-layer", "2", "--micro-batches", "2", "--schedule", "gpipe"]),
+    (4, ["--tp", "2", "--pp", "2", "--n-layer", "4", "--recompute", "full", "--micro-batches", "2"]),
     (4, ["--dtype", "float64", "--dp", "2", "--tp", "2", "--untied", "--micro-batches", "2"]),
     (2, ["--precision", "fp16", "--bucket-mb", "0.01"]),                  # dp2, 2-byte buckets, several
     (3, ["--n-embd", "32", "--batch-size", "12"]),        # dp3: one bucket, uneven array_split pieces
