@@ -824,7 +824,7 @@ def _moe_bytes(calls: dict, pic: MoEPicture, counted: list, problems: list) -> N
     and against what the layer itself counted (ExpertPlacement.theory_bytes)."""
     from types import SimpleNamespace                                   # noqa: PLC0415
     from minipar.parallel.expert_parallel import ep_bytes               # noqa: PLC0415
-    group = SimpleNamespace(size=pic.P)                                 # what ep_bytes asks of a group
+    group = SimpleNamespace(size=pic.P, n_nodes=1)                      # what ep_bytes asks of a group
     for r in range(pic.P):
         mine = {call: a["bytes_sent"] for call, a in calls[r].items()}
         if pic.cap:

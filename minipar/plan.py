@@ -331,6 +331,8 @@ class Flat:
     the device, by the formulas above. The axis functions below ask their group; on several
     hosts plan_hosts.Placed answers the same calls, message by message."""
 
+    n_nodes = 1
+
     def __init__(self, p: int, rank: int = 0):
         self.size, self.rank = p, rank
 

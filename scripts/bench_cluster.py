@@ -14,6 +14,10 @@ a rate-limited link per host), in one run:
    communication (the log's medians, first step left out), bytes across hosts per step.
 3. dp 2 x tp 2 with tp inside a host (-hosts h0:2,h1:2: ranks 0,1 on h0) and across hosts
    (round robin: ranks 0,2 on h0): the figure behind "keep tensor parallelism inside a node".
+4. all-to-all of 4 KiB to 16 MiB: the flat pairwise exchange, the hierarchical all-to-all
+   (minipar/comm/hierarchical_alltoall.py) and MPI's own Alltoall: the slowest rank's time,
+   bytes across hosts (all ranks) beside hierarchical_alltoall.bytes_sent, messages across.
+   (--parts alltoall: this part alone, about a minute.)
 Beside each training row, the planner's prediction (python -m minipar.plan --ranks-per-host
 --inter-node-gbps --intra-node-gbps) of the bytes across hosts and the link time.
 """
@@ -34,7 +38,7 @@ MiB = 1 << 20
 
 # --- the worker: runs inside the cluster under mpiexec ---------------------------------------------
 
-def worker(sizes, repeats):
+def worker(sizes, repeats, parts):
     import numpy as np
     from mpi4py import MPI
 
@@ -42,6 +46,10 @@ def worker(sizes, repeats):
     from minipar.comm import direct, hierarchical, ring
     world = MPI.COMM_WORLD
     g = comm.Group(world, axis="world")
+    if "alltoall" in parts:
+        alltoall_worker(g, world, repeats)
+    if "allreduce" not in parts:
+        return
     algorithms = {"ring (flat)": ring.all_reduce, "direct (flat)": direct.all_reduce,
                   "hierarchical": hierarchical.all_reduce,
                   "MPI Allreduce": lambda g_, x: world.Allreduce(MPI.IN_PLACE, x)}
@@ -65,6 +73,55 @@ def worker(sizes, repeats):
                 print(json.dumps({"mib": mib, "algorithm": name, "seconds": float(everyone[:, 0].max()),
                                   "inter_bytes": None if inter is None else float(everyone[:, 1].sum()),
                                   "hosts": list(g.hosts), "nodes": list(g.nodes)}), flush=True)
+
+
+A2A_KIB = [4, 64, 256, 1024, 16384]
+
+
+def alltoall_worker(g, world, repeats):
+    import numpy as np
+
+    from minipar import comm
+    from minipar.comm import alltoall, hierarchical_alltoall
+    algorithms = {"pairwise (flat)": alltoall.pairwise, "hierarchical": hierarchical_alltoall.all_to_all,
+                  "MPI Alltoall": lambda g_, x: world.Alltoall(x, np.empty_like(x))}
+    for kib in A2A_KIB:
+        x = np.ones(kib * 1024 // 4, np.float32)
+        for name, f in algorithms.items():
+            f(g, x)                                             # warm-up
+            comm.reset_traffic()
+            times = []
+            for _ in range(repeats * 3):
+                world.Barrier()
+                t0 = time.perf_counter()
+                f(g, x)
+                times.append(time.perf_counter() - t0)
+            led = comm.traffic_by_axis().get("world", {})
+            mine = np.array([statistics.median(times), led.get("bytes_sent_inter", 0) / (repeats * 3)])
+            everyone = np.empty((g.size, 2)) if g.rank == 0 else None
+            world.Gather(mine, everyone, root=0)
+            if g.rank == 0:
+                theory = sum(hierarchical_alltoall.bytes_sent(g.nodes, r, x.nbytes // g.size)[1]
+                             for r in range(g.size))
+                msgs = (sum(hierarchical_alltoall.messages(g.nodes, r)[1] for r in range(g.size))
+                        if name == "hierarchical" else sum(n != g.nodes[r] for r in range(g.size) for n in g.nodes))
+                print(json.dumps({"part": "alltoall", "kib": kib, "algorithm": name,
+                                  "seconds": float(everyone[:, 0].max()),
+                                  "inter_bytes": None if name.startswith("MPI") else float(everyone[:, 1].sum()),
+                                  "formula": theory, "messages": msgs}), flush=True)
+
+
+def print_alltoall(rows):
+    print("\n4. all-to-all of float32: the slowest rank's median time; bytes that "
+          "crossed hosts (all ranks) and hierarchical_alltoall.bytes_sent's; messages across hosts "
+          "(all ranks; MPI's: as the flat exchange's)")
+    print(f"{'KiB':>6} {'algorithm':16} {'time ms':>9} {'across KiB':>11} {'formula':>9} {'messages':>9} "
+          f"{'vs flat':>8}")
+    flat = {r["kib"]: r["seconds"] for r in rows if r["algorithm"] == "pairwise (flat)"}
+    for r in rows:
+        across = "-" if r["inter_bytes"] is None else f"{r['inter_bytes'] / 1024:.1f}"
+        print(f"{r['kib']:>6} {r['algorithm']:16} {r['seconds'] * 1e3:9.3f} {across:>11} "
+              f"{r['formula'] / 1024:9.1f} {r['messages']:>9} {r['seconds'] / flat[r['kib']]:8.2f}")
 
 
 # --- the parent: builds the cluster, runs, prints ---------------------------------------------------
@@ -109,67 +166,90 @@ def main():
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64], metavar="MiB")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--parts", nargs="+", choices=["allreduce", "train", "alltoall"],
+                    default=["allreduce", "train", "alltoall"], help="which parts to run (default: all)")
+    ap.add_argument("--hosts", type=int, default=2, help="hosts of the cluster (--parts alltoall)")
+    ap.add_argument("--ranks-per-host", type=int, default=2, help="ranks on each host (--parts alltoall)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        return worker(a.sizes, a.repeats)
+        return worker(a.sizes, a.repeats, a.parts)
     import cluster
     why = cluster.unavailable()
     if why:
         sys.exit(f"bench_cluster: {why}")
     gbps = cluster.rate_bytes_per_s(a.rate) * 8 / 1e9
-    with cluster.Cluster(hosts=2, ranks_per_host=2, rate=a.rate) as c:
-        print(f"cluster: 2 hosts x 2 ranks, each host's link {a.rate} ({gbps * 125:.0f} MB/s) each way")
-        p = c.mpirun(4, ["python", os.path.abspath(__file__), "--worker", "--sizes", *map(str, a.sizes),
-                         "--repeats", str(a.repeats)], timeout=1800)
+    if (a.hosts, a.ranks_per_host) != (2, 2) and a.parts != ["alltoall"]:
+        sys.exit("bench_cluster: --hosts and --ranks-per-host are for --parts alltoall alone "
+                 "(parts 1-3 are written for 2 hosts x 2 ranks)")
+    n = a.hosts * a.ranks_per_host
+    with cluster.Cluster(hosts=a.hosts, ranks_per_host=a.ranks_per_host, rate=a.rate) as c:
+        print(f"cluster: {a.hosts} hosts x {a.ranks_per_host} ranks, each host's link {a.rate} "
+              f"({gbps * 125:.0f} MB/s) each way")
+        p = c.mpirun(n, ["python", os.path.abspath(__file__), "--worker", "--sizes", *map(str, a.sizes),
+                         "--repeats", str(a.repeats), "--parts", *a.parts], timeout=1800)
         if p.returncode != 0:
             sys.exit(f"worker failed:\n{p.stderr[-3000:]}")
         rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-        print("\n1. all-reduce of float32, 4 ranks on 2 hosts: the slowest rank's median time; bytes that "
-              "crossed hosts (all ranks) and the formula; link floor = those bytes / 2 directions / rate")
-        print(f"{'MiB':>4} {'algorithm':15} {'time ms':>9} {'across MiB':>11} {'formula':>9} {'floor ms':>9}")
-        for r in rows:
-            n = r["mib"] * MiB
-            t = theory_inter(r["algorithm"], n)
-            floor = (r["inter_bytes"] / 2 / (gbps * 125e6) * 1e3) if r["inter_bytes"] else float("nan")
-            print(f"{r['mib']:>4} {r['algorithm']:15} {r['seconds'] * 1e3:9.1f} "
-                  + (f"{r['inter_bytes'] / MiB:11.2f} {t / MiB:9.2f} {floor:9.1f}" if r["inter_bytes"] is not None
-                     else f"{'-':>11} {'-':>9} {'-':>9}"))
-        # the training runs, alternated --repeats times so that the machine's drift hits all alike
-        runs = {}
-        for mode in ("bucketed", "naive"):
-            for hier in ("on", "off"):
-                runs[(mode, hier)] = (["--dp", "4", "--dp-mode", mode, "--steps", str(a.steps)],
-                                      {"MINIPAR_HIERARCHICAL": "1" if hier == "on" else "0"}, None)
-        for name, hosts in (("inside", [("h0", 2), ("h1", 2)]), ("across", [("h0", 1), ("h1", 1)])):
-            runs[("tp", name)] = (["--dp", "2", "--tp", "2", "--steps", str(a.steps)], None, hosts)
-        got = {key: [] for key in runs}
-        for _ in range(a.repeats):
-            for key, (flags, env, hosts) in runs.items():
-                got[key].append(train(c, flags, env=env, hosts=hosts))
-        m = {key: {f: statistics.median(r[f] for r in rs) for f in ("step_s", "exposed_s", "inter")}
-             | {"by_axis": rs[-1]["by_axis"]} for key, rs in got.items()}
-        print(f"\n2. a dp=4 training step (default model, float32): step and exposed communication, "
-              f"the median over {a.repeats} alternated runs of each run's median; bytes across hosts "
-              f"per step (rank 0); the planner's, and its link time for them (one rank's bytes at the "
-              f"link's rate; a host's 2 ranks share the link)")
-        print(f"{'dp mode':10} {'hierarchy':10} {'step ms':>8} {'exposed ms':>11} {'across KiB':>11} "
-              f"{'planned KiB':>12} {'planned link ms':>16}")
-        for mode in ("bucketed", "naive"):
-            for hier in ("on", "off"):
-                r = m[(mode, hier)]
-                plan = planned(["--dp", "4", "--dp-mode", mode], 2, gbps) if hier == "on" else None
-                print(f"{mode:10} {hier:10} {r['step_s'] * 1e3:8.1f} {r['exposed_s'] * 1e3:11.1f} "
-                      f"{r['inter'] / 1024:11.1f} "
-                      + (f"{plan['inter_bytes_total'] / 1024:12.1f} {plan['link_seconds'] * 1e3:16.1f}"
-                         if plan else f"{'-':>12} {'-':>16}"))
-        print("\n3. dp 2 x tp 2: tp inside a host, or across hosts (medians as above)")
-        print(f"{'tp':8} {'placement':22} {'step ms':>8} {'across KiB (tp)':>16} {'across KiB (dp)':>16}")
-        for name in ("inside", "across"):
-            r = m[("tp", name)]
-            where = "h0: 0,1  h1: 2,3" if name == "inside" else "h0: 0,2  h1: 1,3"
-            print(f"{name:8} {where:22} {r['step_s'] * 1e3:8.1f} {r['by_axis'].get('tp', 0) / 1024:16.1f} "
-                  f"{r['by_axis'].get('dp', 0) / 1024:16.1f}")
+        if "alltoall" in a.parts:
+            print_alltoall([r for r in rows if r.get("part") == "alltoall"])
+        rows = [r for r in rows if r.get("part") != "alltoall"]
+        if "allreduce" in a.parts:
+            print_allreduce(rows, gbps)
+        if "train" in a.parts:
+            train_parts(c, a, gbps)
+
+
+def print_allreduce(rows, gbps):
+    print("\n1. all-reduce of float32, 4 ranks on 2 hosts: the slowest rank's median time; bytes that "
+          "crossed hosts (all ranks) and the formula; link floor = those bytes / 2 directions / rate")
+    print(f"{'MiB':>4} {'algorithm':15} {'time ms':>9} {'across MiB':>11} {'formula':>9} {'floor ms':>9}")
+    for r in rows:
+        n = r["mib"] * MiB
+        t = theory_inter(r["algorithm"], n)
+        floor = (r["inter_bytes"] / 2 / (gbps * 125e6) * 1e3) if r["inter_bytes"] else float("nan")
+        print(f"{r['mib']:>4} {r['algorithm']:15} {r['seconds'] * 1e3:9.1f} "
+              + (f"{r['inter_bytes'] / MiB:11.2f} {t / MiB:9.2f} {floor:9.1f}" if r["inter_bytes"] is not None
+                 else f"{'-':>11} {'-':>9} {'-':>9}"))
+
+
+def train_parts(c, a, gbps):
+    """Parts 2 and 3: the training runs, alternated --repeats times so that the machine's drift
+    hits all alike."""
+    runs = {}
+    for mode in ("bucketed", "naive"):
+        for hier in ("on", "off"):
+            runs[(mode, hier)] = (["--dp", "4", "--dp-mode", mode, "--steps", str(a.steps)],
+                                  {"MINIPAR_HIERARCHICAL": "1" if hier == "on" else "0"}, None)
+    for name, hosts in (("inside", [("h0", 2), ("h1", 2)]), ("across", [("h0", 1), ("h1", 1)])):
+        runs[("tp", name)] = (["--dp", "2", "--tp", "2", "--steps", str(a.steps)], None, hosts)
+    got = {key: [] for key in runs}
+    for _ in range(a.repeats):
+        for key, (flags, env, hosts) in runs.items():
+            got[key].append(train(c, flags, env=env, hosts=hosts))
+    m = {key: {f: statistics.median(r[f] for r in rs) for f in ("step_s", "exposed_s", "inter")}
+         | {"by_axis": rs[-1]["by_axis"]} for key, rs in got.items()}
+    print(f"\n2. a dp=4 training step (default model, float32): step and exposed communication, "
+          f"the median over {a.repeats} alternated runs of each run's median; bytes across hosts "
+          f"per step (rank 0); the planner's, and its link time for them (one rank's bytes at the "
+          f"link's rate; a host's 2 ranks share the link)")
+    print(f"{'dp mode':10} {'hierarchy':10} {'step ms':>8} {'exposed ms':>11} {'across KiB':>11} "
+          f"{'planned KiB':>12} {'planned link ms':>16}")
+    for mode in ("bucketed", "naive"):
+        for hier in ("on", "off"):
+            r = m[(mode, hier)]
+            plan = planned(["--dp", "4", "--dp-mode", mode], 2, gbps) if hier == "on" else None
+            print(f"{mode:10} {hier:10} {r['step_s'] * 1e3:8.1f} {r['exposed_s'] * 1e3:11.1f} "
+                  f"{r['inter'] / 1024:11.1f} "
+                  + (f"{plan['inter_bytes_total'] / 1024:12.1f} {plan['link_seconds'] * 1e3:16.1f}"
+                     if plan else f"{'-':>12} {'-':>16}"))
+    print("\n3. dp 2 x tp 2: tp inside a host, or across hosts (medians as above)")
+    print(f"{'tp':8} {'placement':22} {'step ms':>8} {'across KiB (tp)':>16} {'across KiB (dp)':>16}")
+    for name in ("inside", "across"):
+        r = m[("tp", name)]
+        where = "h0: 0,1  h1: 2,3" if name == "inside" else "h0: 0,2  h1: 1,3"
+        print(f"{name:8} {where:22} {r['step_s'] * 1e3:8.1f} {r['by_axis'].get('tp', 0) / 1024:16.1f} "
+              f"{r['by_axis'].get('dp', 0) / 1024:16.1f}")
 
 
 if __name__ == "__main__":

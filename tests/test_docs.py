@@ -2,7 +2,8 @@
 
 - Every command line in a fenced block of README.md and docs/*.md that runs minipar
   (`python -m minipar.train ...`, under `mpirun` or not) is run with --dry-run appended: a
-  renamed flag or a layout that no longer fits fails here. `python -m minipar.plan ...` lines
+  renamed flag or a layout that no longer fits fails here. The dry runs of one world size
+  share a job (tests/tools/dry_runs.py: minipar.train.main, one command after the other). `python -m minipar.plan ...` lines
   run as they are (the planner only computes). Commands that run pytest or a script must name
   files that exist.
 - No file of the repository refers to a document outside it (docs/design.md §10's rule: cite
@@ -90,6 +91,46 @@ def runnable(cmd: str) -> tuple[dict, list[str], str]:
 
 
 COMMANDS = doc_commands()
+DRY_RUNS = os.path.join(REPO, "tests", "tools", "dry_runs.py")
+
+
+def batch_key(argv: list[str], env: dict):
+    """The job a train command's dry run can share: its world size and environment; None for
+    one that must run alone (--resume: its checkpoint is made first)."""
+    if "--resume" in argv:
+        return None
+    n = int(argv[argv.index("-n") + 1]) if "-n" in argv else 1
+    return n, tuple(sorted(env.items()))
+
+
+@pytest.fixture(scope="session")
+def dry_runs(tmp_path_factory):
+    """Every docs train command's dry run, one job per (world size, environment):
+    cmd -> (exit code, stdout), or the job's stderr when it ended before answering."""
+    import json                                                  # noqa: PLC0415
+    groups = {}
+    for _, cmd in COMMANDS:
+        env, argv, kind = runnable(cmd)
+        key = batch_key(argv, env) if kind == "train" else None
+        if key is not None:
+            groups.setdefault(key, []).append((cmd, argv[argv.index("minipar.train") + 1:] + ["--dry-run"]))
+    results = {}
+    for (n, env), items in groups.items():
+        path = tmp_path_factory.mktemp("dry") / "commands.json"
+        path.write_text(json.dumps([a for _, a in items]))
+        launch = [os.path.join(BIN, "mpirun"), "-n", str(n)] if n > 1 else []
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+                    "MINIPAR_COMM_TIMEOUT": "120", **dict(env)}
+        p = subprocess.run([*launch, sys.executable, DRY_RUNS, str(path)], cwd=REPO, env=full_env,
+                           capture_output=True, text=True, timeout=60 + 30 * len(items))
+        lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+        for line in lines:
+            if "i" in line:
+                results[items[line["i"]][0]] = (line["code"], line["out"])
+        for cmd, _ in items:
+            results.setdefault(cmd, (p.returncode or 1, f"the job ended (exit {p.returncode}) before this "
+                                     f"command answered:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"))
+    return results
 
 
 def test_the_docs_show_commands():
@@ -98,7 +139,7 @@ def test_the_docs_show_commands():
 
 
 @pytest.mark.parametrize("doc,cmd", COMMANDS, ids=[f"{d}:{c[:60]}" for d, c in COMMANDS])
-def test_doc_command_runs(doc, cmd, tmp_path):
+def test_doc_command_runs(doc, cmd, tmp_path, dry_runs):
     env, argv, kind = runnable(cmd)
     if kind in ("pytest", "script"):
         paths = [w.split("::")[0] for w in argv if w.startswith(("tests/", "scripts/"))]
@@ -116,6 +157,11 @@ def test_doc_command_runs(doc, cmd, tmp_path):
             pytest.fail(f"{doc}: `{cmd}`: its flags do not parse: {e!r}")
         return
     assert kind in ("train", "plan"), f"{doc}: `{cmd}` runs none of minipar.train, plan, plot, explain"
+    if cmd in dry_runs:                     # its dry run, in the job of its world size
+        code, out = dry_runs[cmd]
+        assert code == 0, f"{doc}: `{cmd}` exited {code}:\n{out[-3000:]}"
+        assert "dry run: the flags, the layout" in out and "mechanisms:" in out, out
+        return
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", **env}
     if kind == "train":
         argv = argv + ["--dry-run"]
@@ -134,7 +180,7 @@ def resume_from_docs(argv, tmp_path, env, what) -> list[str]:
     savers = [c for _, c in COMMANDS if runnable(c)[2] == "train" and f"--save {d}" in c and "--resume" not in c]
     assert savers, f"{what}: no command in the docs saves the checkpoint {d}"
     saver_env, saver, _ = runnable(savers[0])
-    saver = [str(tmp_path / "ckpt") if w == d else w for w in saver]
+    saver = [str(tmp_path / "ckpt") if w == d else w for w in saver] + ["--steps", "2"]   # (last wins)
     p = subprocess.run(saver, cwd=REPO, env={**env, **saver_env}, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"{what}: making its checkpoint with `{savers[0]}` failed:\n{p.stderr[-2000:]}"
     return [str(tmp_path / "ckpt") if w == d else w for w in argv]
@@ -146,6 +192,19 @@ def test_a_stale_command_fails_the_dry_run():
         p = subprocess.run([sys.executable, "-m", "minipar.train", *bad, "--dry-run"], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2, (bad, p.stdout, p.stderr)
+
+
+def test_the_shared_dry_run_job_reports_each_command(tmp_path):
+    """tests/tools/dry_runs.py: a command that fails (a layout that does not fit) answers its
+    exit code, and the job goes on to the next."""
+    import json                                                  # noqa: PLC0415
+    path = tmp_path / "commands.json"
+    path.write_text(json.dumps([["--dp", "3", "--dry-run"], ["--dp", "2", "--dry-run"]]))
+    p = subprocess.run([os.path.join(BIN, "mpirun"), "-n", "2", sys.executable, DRY_RUNS, str(path)], cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    answers = [json.loads(x) for x in p.stdout.splitlines() if x.startswith('{"i"')]
+    assert p.returncode == 0 and [a["code"] for a in answers] == [2, 0], (p.stdout, p.stderr)
+    assert "dry run: the flags, the layout" in answers[1]["out"]
 
 
 def test_fenced_commands_are_extracted():

@@ -58,3 +58,19 @@ def test_cp_sits_inside_a_host_and_dp_across(tmp_path):
     assert row["bytes_by_axis"]["cp"] > 0 and "cp" not in row["inter_host_bytes_by_axis"], row
     assert row["inter_host_bytes_by_axis"]["dp"] > 0
     assert traceview.audit(t) == []
+
+
+def test_ep_across_hosts_takes_the_hierarchical_all_to_all(tmp_path):
+    """dp 4 x ep 4 on 2 hosts: the ep group spans them, so the capacity path's equal
+    all-to-alls (E cap rows of 32 float64s: 48 KiB, under the crossover) run hierarchically
+    (hierarchical_alltoall.py); every step's ep bytes still equal ep_bytes (which asks
+    hierarchical_alltoall.bytes_sent), and --verify holds."""
+    out, (rows, summary), t = run(tmp_path, "--dp", "4", "--ep", "4", "--moe-experts", "4", "--moe-top-k", "2",
+                                  "--moe-capacity-factor", "1.5", "--n-embd", "32", "--verify")
+    assert summary["verify"]["ok"], out
+    for row in rows:
+        assert row["bytes_by_axis"]["ep"] == row["ep_theory_bytes"] > 0, row
+        assert 0 < row["inter_host_bytes_by_axis"]["ep"] < row["bytes_by_axis"]["ep"]
+    algorithms = {e["args"]["algorithm"] for e in traceview.spans(t, "comm") if e["args"]["axis"] == "ep"}
+    assert "hierarchical" in algorithms, algorithms     # (validation's larger batches: pairwise)
+    assert traceview.audit(t) == []

@@ -37,7 +37,7 @@ import re
 import numpy as np
 
 from minipar import comm, ops
-from minipar.comm import alltoall
+from minipar.comm import alltoall, hierarchical_alltoall
 from minipar.optim import sum_of_squares
 from minipar.parallel import data_parallel, schedules
 from minipar.tensor import Function, Tensor, is_grad_enabled
@@ -101,8 +101,12 @@ class AllToAll(Function):
 
 def equal_bytes(group, x: np.ndarray) -> int:
     """What comm.all_to_all sends for an equal split of x: the bytes of the algorithm it
-    picks for that size (alltoall.bytes_sent: pairwise (P-1)/P n, or Bruck's)."""
-    return alltoall.bytes_sent(group.size, x.nbytes, comm.all_to_all_algorithm(group, x))
+    picks for that size (alltoall.bytes_sent: pairwise (P-1)/P n, or Bruck's; across hosts
+    hierarchical_alltoall.bytes_sent, inside the host and across)."""
+    algorithm = comm.all_to_all_algorithm(group, x)
+    if algorithm == "hierarchical":
+        return sum(hierarchical_alltoall.bytes_sent(group.nodes, group.rank, x.nbytes // group.size))
+    return alltoall.bytes_sent(group.size, x.nbytes, algorithm)
 
 
 def ep_bytes(group, row_bytes: int, passes: int, padded: np.ndarray | None = None, rows_out: int = 0,
