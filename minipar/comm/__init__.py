@@ -39,10 +39,10 @@ A group whose ranks sit on several hosts, some of them on the same one (Group.no
 the hierarchical algorithms (hierarchical.py) for all_reduce, reduce_scatter and all_gather
 above the small-message sizes: inside each host, then across hosts once per piece; and the
 hierarchical all-to-all (hierarchical_alltoall.py) for equal pieces up to
-ALL_TO_ALL_HIERARCHICAL_MAX_BYTES: the same bytes across hosts in k times fewer messages. (Variable sizes stay pairwise: a forwarding
-rank's bytes depend on its peers' counts, which it learns only during the call, so the
-trainer could not hold its ledger to a formula of what it knows; hierarchical_alltoall's own
-all_to_all takes sizes= too.)
+ALL_TO_ALL_HIERARCHICAL_MAX_BYTES: the same bytes across hosts in k times fewer messages.
+(Variable sizes stay pairwise: a forwarding rank's bytes depend on its peers' counts, which
+it learns only during the call, so the trainer could not hold its ledger to a formula of
+what it knows; hierarchical_alltoall's own all_to_all takes sizes= too.)
 MINIPAR_HIERARCHICAL=0 turns that off (the flat algorithms everywhere: to compare).
 
 Blocking calls run the same algorithms without the generator machinery (straight_line.py)

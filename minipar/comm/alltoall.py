@@ -150,18 +150,25 @@ def _pairwise_equal(c, x, res, return_sizes):
     return (res, [x.shape[0] // p] * p) if return_sizes else res
 
 
-def start_pairwise(g, x, sizes=None, out=None, return_sizes=False):
-    x = array(x)
+def check_args(g, x, sizes, out):
+    """Every argument, before any message: -> (counts, None) with sizes=, (None, the result
+    array) for the equal split."""
     if sizes is not None:
         if out is not None:
             raise ValueError("all_to_all: out= is for the equal split (the result's rows are "
                              "known only after the counts arrive)")
-        counts = check_sizes(g, x, sizes)
+        return check_sizes(g, x, sizes), None
+    check_equal(g, x)
+    return None, _result(out, x)
+
+
+def start_pairwise(g, x, sizes=None, out=None, return_sizes=False):
+    x = array(x)
+    counts, res = check_args(g, x, sizes, out)
+    if counts is not None:
         c = g.begin("all_to_all", 2 * (g.size - 1), _describe(x, sizes) if g.debug else None,
                     "pairwise exchange")
         return c, _pairwise_sizes(c, x, counts, return_sizes)
-    check_equal(g, x)
-    res = _result(out, x)
     c = g.begin("all_to_all", g.size - 1, _describe(x, None) if g.debug else None,
                 "pairwise exchange")
     return c, _pairwise_equal(c, x, res, return_sizes)

@@ -40,7 +40,7 @@ import functools
 
 import numpy as np
 
-from .alltoall import _describe, _offsets, _result, check_equal, check_sizes
+from .alltoall import _describe, _offsets, check_args
 from .group import array, run
 from .hierarchical import layout
 
@@ -217,15 +217,10 @@ def _variable(c, x, counts, return_sizes):
 
 def start_all_to_all(g, x, sizes=None, out=None, return_sizes=False):
     x = array(x)
-    if sizes is not None:
-        if out is not None:
-            raise ValueError("all_to_all: out= is for the equal split (the result's rows are "
-                             "known only after the counts arrive)")
-        counts = check_sizes(g, x, sizes)
+    counts, res = check_args(g, x, sizes, out)
+    if counts is not None:
         c = g.begin("all_to_all", 4, _describe(x, sizes) if g.debug else None, ALGORITHM)
         return c, _variable(c, np.ascontiguousarray(x), counts, return_sizes)
-    check_equal(g, x)
-    res = _result(out, x)
     c = g.begin("all_to_all", 2, _describe(x, None) if g.debug else None, ALGORITHM)
     return c, _equal(c, np.ascontiguousarray(x), res, return_sizes)
 

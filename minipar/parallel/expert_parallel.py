@@ -20,7 +20,8 @@ has the capacity tensor's shape, (E/P) cap rows, and nothing else needs exchangi
 Bytes one rank sends per MoE layer and micro-batch (ep_bytes), rows of C elements of the
 activations' dtype d: with a capacity 4 (P-1) (E/P) cap C d (each all-to-all (P-1)/P of the
 E cap rows, by the pairwise exchange; Bruck's figure where comm picks it, small messages on
-P >= comm.ALL_TO_ALL_BRUCK_MIN_RANKS); without one, 2 x (rows it sends to other ranks + rows
+P >= comm.ALL_TO_ALL_BRUCK_MIN_RANKS, and the hierarchical all-to-all's on an ep group that
+spans hosts, up to comm.ALL_TO_ALL_HIERARCHICAL_MAX_BYTES); without one, 2 x (rows it sends to other ranks + rows
 it receives from them) x C d,
 plus the counts: 4 x 8 (P-1) for the variable all-to-alls' own and one equal all-to-all of
 the E row counts (8 (P-1) E/P bytes pairwise).

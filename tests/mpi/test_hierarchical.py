@@ -13,6 +13,7 @@ import pytest
 from mpi4py import MPI
 
 from minipar import comm
+from named_hosts import group_on_hosts
 from minipar.comm import hierarchical, ring
 from minipar.comm.group import split_offsets
 
@@ -25,11 +26,7 @@ LAYOUTS = {"2x2": (0, 0, 1, 1), "2+1": (0, 0, 1, None), "2+1+1": (0, 0, 1, 2), "
 
 
 def group_for(name):
-    hosts = LAYOUTS[name]
-    sub = WORLD.Split(0 if hosts[RANK] is not None else MPI.UNDEFINED, RANK)
-    if sub == MPI.COMM_NULL:
-        return None
-    return comm.Group(sub, host=f"host{hosts[RANK]}")
+    return group_on_hosts(LAYOUTS[name])
 
 
 def inputs(g, n, dtype):

@@ -13,6 +13,7 @@ import pytest
 from mpi4py import MPI
 
 from minipar import comm
+from named_hosts import group_on_hosts
 from minipar.comm import alltoall, group as group_mod, hierarchical_alltoall as ha
 
 WORLD = MPI.COMM_WORLD
@@ -26,11 +27,7 @@ DTYPES = [np.float64, np.float32, np.int64, np.float16]
 
 
 def group_for(name):
-    hosts = LAYOUTS[name]
-    sub = WORLD.Split(0 if hosts[RANK] is not None else MPI.UNDEFINED, RANK)
-    if sub == MPI.COMM_NULL:
-        return None
-    return comm.Group(sub, host=f"host{hosts[RANK]}")
+    return group_on_hosts(LAYOUTS[name])
 
 
 def make(g, rows, rest, dtype, salt):
