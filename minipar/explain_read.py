@@ -823,8 +823,8 @@ def _moe_bytes(calls: dict, pic: MoEPicture, counted: list, problems: list) -> N
     """Each rank's bytes, all-to-all by all-to-all, against expert_parallel.ep_bytes for its routing
     and against what the layer itself counted (ExpertPlacement.theory_bytes)."""
     from types import SimpleNamespace                                   # noqa: PLC0415
-    from minipar.parallel.expert_parallel import ep_bytes               # noqa: PLC0415
-    group = SimpleNamespace(size=pic.P, n_nodes=1)                      # what ep_bytes asks of a group
+    from minipar.parallel.expert_parallel import Sent, ep_bytes         # noqa: PLC0415
+    group = Sent(SimpleNamespace(size=pic.P, n_nodes=1))                # what ep_bytes asks of a group
     for r in range(pic.P):
         mine = {call: a["bytes_sent"] for call, a in calls[r].items()}
         if pic.cap:

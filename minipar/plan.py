@@ -90,7 +90,9 @@ Across hosts (--ranks-per-host K: rank r on host r // K): the same calls, walked
 message on the device's real groups with the algorithm comm's dispatcher picks there (the
 hierarchical one for large messages on a group with several ranks on some host), split into
 bytes inside the host and across hosts, and timed with --inter-node-gbps, --intra-node-gbps
-and --inter-node-latency-us: minipar/plan_hosts.py (not with --cp yet: it places no cp group).
+and --inter-node-latency-us: minipar/plan_hosts.py. The cp ring and the ep group are placed too:
+every ring message goes to the next cp rank, each all-to-all's messages follow the algorithm
+comm picks (the hierarchical all-to-all for small ones on an ep group that spans hosts).
 
 Mixture of experts (--moe-experts E --moe-top-k K --moe-every N --moe-capacity-factor F,
 --ep P: moe.py, parallel/expert_parallel.py): block i is a MoE block when (i + 1) % N == 0,
@@ -436,25 +438,28 @@ def pp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, g=None):
 
 def other_parts(stage: int, lay, groups: dict) -> dict:
     """The step's 8-byte all-reduces outside the three mechanisms (train.train_step), by the
-    group they run on: {"dp", "pp", "world"}."""
+    group they run on: {"dp", "pp", "world"} (groups: the device's, placed or not; "ep" when
+    placed)."""
     dp = groups["dp"].all_reduce(1, INT64)                # the loss, summed over dp (x cp)
     if lay.zero or (lay.dp_mode != "naive" and lay.ep == 1):   # the gradient norm over dp: each rank
         dp = 2 * dp                                       # squares its ZeRO shard / bucket pieces
     elif lay.ep > 1:                                      # ExpertParallelSync: the experts' squares over
-        dp += Flat(lay.ep).all_reduce(1, INT64)           # ep only (tagged dp), in either --dp-mode
+        dp += groups.get("ep", Flat(lay.ep)).all_reduce(1, INT64)   # ep only (tagged dp), either --dp-mode
     world = groups["world"].all_reduce(1, INT64) if lay.precision != "fp32" else 0   # the overflow flag
     return {"dp": dp, "pp": groups["pp"].all_reduce(1, INT64), "world": world}       # pp: the gradient norm
 
 
-def cp_bytes(cfg: GPTConfig, stage: int, lay, compute_itemsize: int) -> int:
+def cp_bytes(cfg: GPTConfig, stage: int, lay, compute_itemsize: int, g=None):
     """Ring attention's messages of one step: context_parallel.step_traffic (one
     ring_traffic per layer of the device and micro-batch, n = b*(T/cp)*C/tp elements of its q,
-    the forward twice with --recompute full), the trainer summary's formula too."""
+    the forward twice with --recompute full), the trainer summary's formula too; on the
+    placed cp ring g (plan_hosts.Placed.ring), the bytes that leave the host."""
     if lay.cp == 1:
         return 0
-    return context_parallel.step_traffic(rank_layer_count(cfg, stage, lay.pp, chunks(lay)), lay.micro_batches,
-                                         lay.rows, cfg.block_size, cfg.n_embd // lay.tp, lay.cp,
-                                         compute_itemsize, lay.recompute)[1]
+    messages, nbytes = context_parallel.step_traffic(rank_layer_count(cfg, stage, lay.pp, chunks(lay)),
+                                                     lay.micro_batches, lay.rows, cfg.block_size,
+                                                     cfg.n_embd // lay.tp, lay.cp, compute_itemsize, lay.recompute)
+    return nbytes if g is None else g.ring(messages, nbytes)
 
 
 def shaped(shape: tuple, itemsize: int) -> np.ndarray:
@@ -463,43 +468,36 @@ def shaped(shape: tuple, itemsize: int) -> np.ndarray:
     return np.broadcast_to(np.zeros((), dtype=f"f{itemsize}"), shape)
 
 
-def ep_layer_bytes(cfg: GPTConfig, lay, itemsize: int, passes: int) -> float:
+def ep_layer_bytes(cfg: GPTConfig, lay, itemsize: int, passes: int, g=None):
     """expert_parallel.ep_bytes of one MoE layer and micro-batch on an ep rank, `passes` each
     way (2: forward and backward), n = b*T tokens routed: with a capacity the dispatched
     (E cap, C) tensor, whatever the routing; without, balanced routing's n K (P-1)/P rows to
-    other ranks and as many back (they depend on the routing), and the E row counts."""
+    other ranks and as many back (they depend on the routing), and the E row counts. g: the
+    placed ep group (plan_hosts.Placed: Traffic), else one host (bytes)."""
     P, E, K, C = lay.ep, cfg.moe_experts, cfg.moe_top_k, cfg.n_embd
     n = lay.rows * cfg.block_size
     cap = moe.capacity(n, K, E, cfg.moe_capacity_factor)
-    g = Flat(P)
+    g = expert_parallel.Sent(Flat(P)) if g is None else g
     if cap is not None:
         return expert_parallel.ep_bytes(g, C * itemsize, passes, shaped((E * cap, C), itemsize))
     rows = n * K * (P - 1) / P
     return expert_parallel.ep_bytes(g, C * itemsize, passes, None, rows, rows, shaped((E,), INT64))
 
 
-def ep_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int) -> int:
+def ep_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, g=None):
     """The all-to-alls of one step: per MoE block of the device and micro-batch
     ep_layer_bytes with 2 passes, or with --recompute full 1 (the forward, under no_grad) and
-    2 (the forward again, and backward). Exact with a capacity; without, an estimate."""
+    2 (the forward again, and backward). Exact with a capacity; without, an estimate. g: the
+    placed ep group (Traffic), else bytes on one host."""
     if lay.ep == 1:
         return 0
-    per_layer = ep_layer_bytes(cfg, lay, itemsize, 2)
+    per_layer = ep_layer_bytes(cfg, lay, itemsize, 2, g)
     if lay.recompute == "full":
-        per_layer += ep_layer_bytes(cfg, lay, itemsize, 1)
-    return round(rank_moe_count(cfg, stage, lay.pp, chunks(lay)) * lay.micro_batches * per_layer)
-
-
-def with_axis(row: dict, axis: str, sent: int) -> dict:
-    """plan_hosts.comm_row's row with an axis added (on one host: plan_hosts places no cp or
-    ep group), as the trainer's ledger tags its messages: "cp" (ring attention), "ep" (the
-    all-to-alls)."""
-    row[axis] = sent
-    row["bytes_per_step"] += sent
-    row["inter_host"][axis] = row["inter_host_messages"][axis] = 0
-    if sent:
-        row["bytes_by_axis"][axis] = sent
-    return row
+        per_layer += ep_layer_bytes(cfg, lay, itemsize, 1, g)
+    total = rank_moe_count(cfg, stage, lay.pp, chunks(lay)) * lay.micro_batches * per_layer
+    if isinstance(total, plan_hosts.Traffic):
+        return plan_hosts.Traffic(*(round(v) for v in (total.intra, total.inter, total.inter_messages)))
+    return round(total)
 
 
 # --- the plan ---------------------------------------------------------------------------------
@@ -699,9 +697,10 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
         axes = {"dp": grad_sync_bytes(tensors, lay, itemsize, groups["dp"]),
                 "tp": tp_bytes(cfg, stage, lay, itemsize, compute_itemsize, groups["tp"]),
                 "pp": pp_bytes(cfg, stage, lay, itemsize, groups["pp"])}
+        groups.update(plan_hosts.ring_and_expert_groups(lay, hosts, stage) if spread else {})
         row = plan_hosts.comm_row(stage, axes, other_parts(stage, lay, groups), bool(lay.zero), hosts)
-        row = with_axis(row, "cp", cp_bytes(cfg, stage, lay, compute_itemsize))
-        comm_st.append(with_axis(row, "ep", ep_bytes(cfg, stage, lay, itemsize)))
+        row = plan_hosts.add_axis(row, "cp", cp_bytes(cfg, stage, lay, compute_itemsize, groups.get("cp")), hosts)
+        comm_st.append(plan_hosts.add_axis(row, "ep", ep_bytes(cfg, stage, lay, itemsize, groups.get("ep")), hosts))
     whole = flop_components(cfg)
     tokens = lay.batch_size * cfg.block_size
     out["flops"] = {**flops(whole, lay.batch_size), "six_nd": 6 * out["params_active"] * tokens,
@@ -900,14 +899,6 @@ def memory_budget(args, cfg: GPTConfig | None) -> int | None:
     return int(float(m.group(1)) * UNITS[m.group(2) or ""])
 
 
-def check_hosts(lay, hosts: plan_hosts.Hosts):
-    """plan_hosts places dp x tp x pp grids: no cp or ep group yet."""
-    for flag, n in (("--cp", lay.cp), ("--ep", lay.ep)):
-        if n > 1 and (hosts.ranks_per_host is not None or hosts.timed):
-            raise PlanError(f"{flag} {n} does not combine with the host flags yet (--ranks-per-host, "
-                            f"--inter-node-gbps, --intra-node-gbps): plan_hosts.py places no {flag[2:]} group")
-
-
 # --- the table --------------------------------------------------------------------------------
 
 def _columns(pp: int) -> list:
@@ -1061,7 +1052,6 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         cfg, lay, params = resolve(args)
         hosts = plan_hosts.Hosts.from_args(args)
-        check_hosts(lay, hosts)
         budget = memory_budget(args, cfg)
     except config.ConfigError as e:
         print(f"minipar.plan: error: {e}", file=sys.stderr, flush=True)

@@ -44,8 +44,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from minipar import comm, config
-from minipar.comm import direct, doubling, hierarchical, ring, tree
+from minipar.comm import alltoall, direct, doubling, hierarchical, hierarchical_alltoall, ring, tree
 from minipar.comm.group import HEADER_BYTES, split_offsets
+from minipar.parallel.expert_parallel import COUNT_BYTES
 
 AXES = ("dp", "tp", "pp", "other")      # the planner's axes (plan.py's docstring)
 
@@ -302,6 +303,34 @@ class Placed:
         """comm.send / send_async: the header, then the payload."""
         return self._traffic([(peer, HEADER_BYTES), (peer, nbytes)])
 
+    def all_to_all(self, x) -> Traffic:
+        """comm.all_to_all of x in p equal pieces (the dispatcher's algorithm for x here)."""
+        p, r, piece = self.size, self.rank, x.nbytes // self.size
+        algorithm = comm.all_to_all_algorithm(self, x)
+        if algorithm == "hierarchical":
+            return self._traffic(hierarchical_alltoall.sends(self.nodes, r, piece))
+        if algorithm == "bruck":                          # round k: c_k(p) blocks to r + 2^k
+            return self._traffic([((r + (1 << k)) % p, alltoall.bruck_round_blocks(p, k) * piece)
+                                  for k in range((p - 1).bit_length())])
+        return self._traffic([(q, piece) for q in range(p) if q != r])
+
+    def all_to_all_rows(self, nbytes: float) -> Traffic:
+        """A variable all-to-all (pairwise) sending nbytes of rows to the other ranks, spread
+        evenly (the planner's balanced routing), after a row count to each."""
+        others = [q for q in range(self.size) if q != self.rank]
+        return self._traffic([(q, COUNT_BYTES) for q in others] + [(q, nbytes / len(others)) for q in others])
+
+    def ring(self, messages: int, nbytes: int) -> Traffic:
+        """Ring attention's sends of a step (context_parallel.step_traffic: `messages` sends of
+        nbytes in all, headers included), every one to the next rank of the ring."""
+        if self.size == 1 or not self.remote_next:
+            return Traffic(intra=nbytes)
+        return Traffic(inter=nbytes, inter_messages=2 * messages)      # header and payload each
+
+    @property
+    def remote_next(self) -> bool:
+        return self.nodes[(self.rank + 1) % self.size] != self.nodes[self.rank]
+
 
 def _array(n: int, itemsize: int):
     """What comm's dispatcher reads of an array: its element count, itemsize and bytes."""
@@ -318,6 +347,17 @@ def device_groups(lay, hosts: Hosts, stage: int, dp_rank: int = 0, tp_rank: int 
             "dp": Placed([me - dp_rank * tp + d * tp for d in range(dp)], dp_rank, K),
             "pp": Placed([s * dp * tp + dp_rank * tp + tp_rank for s in range(pp)], stage, K),
             "world": Placed(range(dp * tp * pp), me, K)}
+
+
+def ring_and_expert_groups(lay, hosts: Hosts, stage: int) -> dict:
+    """The cp ring and the ep group of the device at (stage, dp rank 0, cp rank 0, tp rank 0),
+    placed: {"cp", "ep"}, on the grid dp x cp x tp x pp (rank ((pp*dp + d)*cp + c)*tp + t):
+    the cp ring's ranks tp apart, the ep group's (P consecutive dp ranks) cp*tp apart."""
+    dp, cp, tp = lay.dp, lay.cp, lay.tp
+    K = hosts.per_host(dp * cp * tp * lay.pp)
+    first = stage * dp * cp * tp
+    return {"cp": Placed([first + c * tp for c in range(cp)], 0, K),
+            "ep": Placed([first + d * cp * tp for d in range(lay.ep)], 0, K)}
 
 
 def spanning_tp_groups(lay, hosts: Hosts) -> list:
@@ -348,6 +388,28 @@ def comm_row(stage: int, axes: dict, other: dict, zero: bool, hosts: Hosts) -> d
             "link_seconds": hosts.link_seconds(total),
             "bytes_by_axis": {k: v.bytes for k, v in ledger.items() if v.bytes},
             "inter_host_bytes_by_axis": {k: v.inter for k, v in ledger.items() if v.inter}}
+
+
+def add_axis(row: dict, axis: str, sent, hosts: Hosts) -> dict:
+    """comm_row's row with an axis of its own added ("cp": ring attention, "ep": the
+    all-to-alls, as the trainer's ledger tags them): sent, bytes (one host) or Traffic."""
+    t = as_traffic(sent)
+    row[axis] = t.bytes
+    row["bytes_per_step"] += t.bytes
+    row["inter_host"][axis] = t.inter
+    row["inter_host"]["bytes_per_step"] += t.inter
+    row["inter_host_messages"][axis] = t.inter_messages
+    row["inter_host_messages"]["per_step"] += t.inter_messages
+    if row["seconds"] is not None:                        # the times add up: linear in the traffic
+        row["seconds"][axis] = hosts.seconds(t)
+        row["seconds"]["per_step"] += hosts.seconds(t)
+    if row["link_seconds"] is not None:
+        row["link_seconds"] += hosts.link_seconds(t)
+    if t.bytes:
+        row["bytes_by_axis"][axis] = t.bytes
+    if t.inter:
+        row["inter_host_bytes_by_axis"][axis] = t.inter
+    return row
 
 
 def summary(lay, hosts: Hosts, comm_st: list | None, tp_note: dict | None) -> dict:
@@ -395,12 +457,13 @@ def table_lines(r: dict, cols: list, row, human_bytes) -> list:
     sent = [r["comm_per_stage"][stage] for stage in cols]
     heads = [f"stage {stage}" for stage in cols]
     out = ["", row("sent across hosts", heads)]
-    for key in (*AXES, "bytes_per_step"):
+    axes = (*AXES, *(a for a in ("cp", "ep") if r["layout"][a] > 1))
+    for key in (*axes, "bytes_per_step"):
         out.append(row("total" if key == "bytes_per_step" else key,
                        [human_bytes(st["inter_host"][key]) for st in sent]))
     if sent[0]["seconds"] is not None:
         out += ["", row("comm time per step", heads)]
-        for key in (*AXES, "per_step"):
+        for key in (*axes, "per_step"):
             out.append(row("total" if key == "per_step" else key, [human_seconds(st["seconds"][key]) for st in sent]))
         h = r["hosts"]
         untimed = ["inside hosts (no --intra-node-gbps)" if h["intra_node_gbps"] is None else "",

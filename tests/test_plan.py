@@ -928,7 +928,6 @@ def test_defaults_are_the_trainers():
     (["--cp", "0"], "--cp must be >= 1, got 0"),
     (["--cp", "2", "--tp", "2", "--sp"], "--sp does not combine with --cp 2"),
     (["--cp-layout", "contiguous"], "--cp-layout contiguous places the tokens of a cp group: it needs --cp > 1"),
-    (["--cp", "2", "--ranks-per-host", "2"], "--cp 2 does not combine with the host flags yet"),
     (["--memory-budget", "16XB"], "--memory-budget wants a size such as 16GiB, 512MiB or 8e9 (bytes), got '16XB'"),
     # mixture of experts: config.check_moe's lines, as the trainer prints them
     (["--ep", "2"], "--ep 2 splits the experts of a mixture of experts: it needs --moe-experts > 0"),
@@ -945,8 +944,6 @@ def test_defaults_are_the_trainers():
     (["--world", "4", "--moe-experts", "4", "--ep", "8"], "--ep 8 must divide both dp = 4"),
     (["--params", "1e9", "--moe-experts", "4"], "--params gives the size alone; drop --moe-experts"),
     (["--params", "1e9", "--ep", "2"], "--ep 2 splits the experts of a mixture of experts"),
-    (["--moe-experts", "4", "--dp", "2", "--ep", "2", "--ranks-per-host", "1"],
-     "--ep 2 does not combine with the host flags yet"),
     (["--params", "1e9", "--memory-budget", "1GiB"], "--memory-budget searches over the sequence length"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, flags, message):

@@ -29,6 +29,7 @@ from trainer_runs import MPIRUN, REPO, TINY_MPI, read_log
 
 FAKE = os.path.join(REPO, "tests", "tools", "fake_hosts.sh")
 BIG = ["--n-embd", "64", "--bucket-mb", "16"]          # one 270 KB bucket: above 64 KiB, hierarchical
+MOE = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.5"]   # a capacity: exact bytes
 
 # (ranks, ranks per host, trainer flags, the axis whose large collectives must run hierarchically
 # (checked in the run's --trace) or None); ranks 0..K-1 on host h0, K..2K-1 on h1, ...
@@ -41,6 +42,10 @@ LAYOUTS = [
             "--precision", "bf16"], None),                                # pp across; the world's flag
     (4, 2, ["--dp", "4", "--zero", "1", "--n-embd", "64"], "zero"),       # ZeRO's units: large and small
     (3, 2, ["--dp", "3", "--batch-size", "12", *BIG], "dp"),              # hosts of 2 + 1 ranks
+    (4, 2, ["--dp", "2", "--cp", "2"], None),                             # the cp ring inside a host
+    (4, 1, ["--dp", "2", "--cp", "2"], None),                             # every ring message across
+    (4, 2, ["--dp", "4", "--ep", "4", *MOE], "ep"),                       # small all-to-alls: hierarchical
+    (4, 1, ["--dp", "2", "--tp", "2", "--ep", "2", *MOE], None),          # the ep pair on two hosts: pairwise
 ]
 
 

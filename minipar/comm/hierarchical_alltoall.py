@@ -50,9 +50,10 @@ ALGORITHM = "hierarchical"
 def plan(nodes, r):
     """Rank r's routes in a group whose rank q sits on host nodes[q]:
     (peers: the other ranks on r's host, in local-rank order;
-     carry[f]: the destinations whose pieces go from r to local rank f in round 1 (f itself,
-               then the remote ranks f deputises for), for f = r too;
-     sources[h]: the ranks of host h, whose pieces for r arrive together from r's deputy there)."""
+     carry[f]: for each local rank f (r too), the destinations whose pieces go to f in round 1:
+               f itself, then the remote ranks f deputises for;
+     hosts[h]: the ranks of host h, in order: the pieces for r from host h arrive together,
+               from r's deputy there, in this order)."""
     hosts, deputy = layout(nodes)
     me = nodes[r]
     local = hosts[me]
@@ -61,27 +62,34 @@ def plan(nodes, r):
     return [f for f in local if f != r], carry, hosts
 
 
-def bytes_sent(nodes, r, piece_bytes):
-    """(bytes inside the host, bytes across hosts) group rank r sends: piece_bytes is the
-    bytes of every piece (equal split), or B[s][q], the bytes of rank s's piece for q. Round 1
-    carries r's pieces for each peer and the remote ranks that peer deputises for; round 2
-    every local rank's piece for each remote rank r deputises for. (Variable sizes: this for
-    the rows, plus this with 8-byte pieces for the counts.)"""
+def sends(nodes, r, piece_bytes):
+    """(peer, bytes) of every message group rank r sends, round 1 then round 2 (an empty one
+    included: comm posts none): piece_bytes is the bytes of every piece (equal split), or
+    B[s][q], the bytes of rank s's piece for q. Round 1 carries r's pieces for each peer and
+    the remote ranks that peer deputises for; round 2 every local rank's piece for each
+    remote rank r deputises for."""
     peers, carry, hosts = plan(nodes, r)
     B = (lambda s, q: piece_bytes) if np.isscalar(piece_bytes) else (lambda s, q: int(piece_bytes[s][q]))
-    inside = sum(B(r, q) for f in peers for q in carry[f])
-    across = sum(B(s, q) for q in carry[r][1:] for s in hosts[nodes[r]])
-    return inside, across
+    return ([(f, sum(B(r, q) for q in carry[f])) for f in peers]
+            + [(q, sum(B(s, q) for s in hosts[nodes[r]])) for q in carry[r][1:]])
+
+
+def bytes_sent(nodes, r, piece_bytes):
+    """(bytes inside the host, bytes across hosts) group rank r sends (sends' messages;
+    variable sizes: this for the rows, plus this with 8-byte pieces for the counts)."""
+    out = sends(nodes, r, piece_bytes)
+    return (sum(n for q, n in out if nodes[q] == nodes[r]), sum(n for q, n in out if nodes[q] != nodes[r]))
 
 
 def messages(nodes, r):
     """(messages inside the host, messages across hosts) group rank r sends, no piece empty."""
-    peers, carry, _ = plan(nodes, r)
-    return len(peers), len(carry[r]) - 1
+    out = sends(nodes, r, 1)
+    return (sum(nodes[q] == nodes[r] for q, _ in out), sum(nodes[q] != nodes[r] for q, _ in out))
 
 
 def _route(c, piece, size, out_piece, first_step):
-    """Generator: the two rounds. piece(q): my flat piece for q; size(s, q): elements of s's
+    """Generator: the two rounds, piece by piece (the variable sizes; the equal split takes
+    _equal, the same routes on index arrays). piece(q): my flat piece for q; size(s, q): elements of s's
     piece for q, asked where this rank can know it (s on my host, or q = me);
     out_piece(s): where s's piece for me goes. Returns held[(s, q)]: s's piece for each remote
     q I deputise for (round 1's cargo, what round 2 forwards)."""

@@ -110,19 +110,37 @@ def equal_bytes(group, x: np.ndarray) -> int:
     return alltoall.bytes_sent(group.size, x.nbytes, algorithm)
 
 
-def ep_bytes(group, row_bytes: int, passes: int, padded: np.ndarray | None = None, rows_out: int = 0,
-             rows_in: int = 0, counts: np.ndarray | None = None) -> int:
-    """Bytes one rank sends in one MoE layer's all-to-alls, `passes` each way (2 when the
-    backward runs too, 1 for a forward alone). With a capacity (padded: the dispatched
-    (E cap, C) array) four equal all-to-alls of its shape. Without, the dispatch sends the
-    rows_out rows bound for other ranks and the combine the rows_in that came from them, each
-    a variable all-to-all (pairwise) with its 8(P-1) bytes of counts, and one equal all-to-all
-    of the E row counts (counts) tells each rank its experts' rows by source."""
+class Sent:
+    """What one rank's all-to-alls send on `group` (a comm.Group, or anything with its size,
+    rank and hosts): the two costs ep_bytes adds up. The planner passes its own, which place
+    the same messages on hosts (plan_hosts.Placed)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def all_to_all(self, x) -> int:
+        """An equal all-to-all of x (equal_bytes)."""
+        return equal_bytes(self.group, x)
+
+    def all_to_all_rows(self, nbytes) -> int:
+        """A variable all-to-all (pairwise) sending nbytes of rows to the other ranks, after
+        a row count to each."""
+        return nbytes + COUNT_BYTES * (self.group.size - 1)
+
+
+def ep_bytes(sent, row_bytes: int, passes: int, padded: np.ndarray | None = None, rows_out: int = 0,
+             rows_in: int = 0, counts: np.ndarray | None = None):
+    """Bytes one rank sends in one MoE layer's all-to-alls (sent: Sent(group), or the
+    planner's placed costs), `passes` each way (2 when the backward runs too, 1 for a forward
+    alone). With a capacity (padded: the dispatched (E cap, C) array) four equal all-to-alls
+    of its shape. Without, the dispatch sends the rows_out rows bound for other ranks and the
+    combine the rows_in that came from them, each a variable all-to-all with its 8(P-1) bytes
+    of counts, and one equal all-to-all of the E row counts (counts) tells each rank its
+    experts' rows by source."""
     if padded is not None:
-        return 2 * passes * equal_bytes(group, padded)
-    P = group.size
-    return (passes * (rows_out + rows_in) * row_bytes + 2 * passes * COUNT_BYTES * (P - 1)
-            + equal_bytes(group, counts))
+        return 2 * passes * sent.all_to_all(padded)
+    return (passes * (sent.all_to_all_rows(rows_out * row_bytes) + sent.all_to_all_rows(rows_in * row_bytes))
+            + sent.all_to_all(counts))
 
 
 def expert_major(counts: np.ndarray) -> np.ndarray:
@@ -156,7 +174,7 @@ def run_experts(placement: ExpertPlacement, P: dict, i: int, x2: Tensor, tokens,
     passes = 2 if is_grad_enabled() and x2.requires_grad else 1
     rows_out = 0 if cap is not None else int(rows.sum() - rows.reshape(Pn, El)[mine].sum())
     rows_in = 0 if cap is not None else int(counts.sum() - counts[mine].sum())
-    placement.theory_bytes += ep_bytes(placement.group, C * x2.dtype.itemsize, passes,
+    placement.theory_bytes += ep_bytes(Sent(placement.group), C * x2.dtype.itemsize, passes,
                                        sent.data if cap is not None else None, rows_out, rows_in,
                                        rows.astype(np.int64))
     order = expert_major(counts)
