@@ -187,3 +187,18 @@ def test_bad_input_before_any_message():
     with pytest.raises(ValueError, match="out="):
         ha.all_to_all(g, np.ones(4), sizes=[1, 1, 1, 1], out=np.empty(4))
     assert comm.traffic() == {}
+
+
+def test_debug_catches_a_mismatch_across_hosts():
+    """MINIPAR_DEBUG on a group that spans hosts: both forms pass when the ranks agree; an
+    equal split on rank 0 against sizes= on the others is a CollectiveMismatch on every rank."""
+    g = group_for("2x2")
+    x = np.ones((2 * g.size, 3), np.float32)
+    g.debug = True
+    try:
+        assert np.array_equal(ha.all_to_all(g, x), x)
+        ha.all_to_all(g, x, sizes=[2] * g.size)
+        with pytest.raises(comm.CollectiveMismatch, match="all_to_all"):
+            ha.all_to_all(g, x, sizes=None if g.rank == 0 else [2] * g.size)
+    finally:
+        g.debug = False
