@@ -4,9 +4,10 @@
 
 What is placed: rank r on host r // K (K = --ranks-per-host; when K does not divide the
 world the last host holds the rest, as `mpirun -ppn K` fills hosts), the ranks in the
-grid's order (parallel/grid.py, docs/design.md §6: tp fastest, then dp, then pp). So a tp
-group stays inside a host when K is a multiple of tp, and dp and pp groups, whose ranks are
-tp and dp*tp apart, are the first to cross.
+grid's order (parallel/grid.py, docs/design.md §6: tp fastest, then cp, then dp, then pp).
+So a tp group stays inside a host when K is a multiple of tp, a cp ring (ranks tp apart)
+when K is a multiple of cp*tp, and dp and pp groups, whose ranks are cp*tp and dp*cp*tp
+apart, are the first to cross; an ep group is P consecutive dp ranks.
 
 What is sent: plan.py's axis functions (dp_bytes, tp_bytes, pp_bytes, other_parts) name
 every collective and message a device makes in one step, on a group (plan.Flat on one
@@ -19,7 +20,10 @@ peers follow its code:
     ring                 p - 1 pieces, all to rank r + 1
     Bruck                min(2^k, p - 2^k) pieces to rank r - 2^k, step by step
     hierarchical         inside the host, then to the owners or deputies on other hosts
-                         (hierarchical.layout: the same deputies)
+                         (hierarchical.layout: the same deputies; the all-to-all's messages:
+                         hierarchical_alltoall.sends)
+    pairwise all-to-all  a piece to every other rank (sizes=: a count, then the rows)
+    ring attention       every message to the next rank of the cp ring
     binomial tree        the header, then the payload, to each child (tree._children)
     send, recv           a 128-byte header and the payload to the peer
 
