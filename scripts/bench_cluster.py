@@ -1,7 +1,7 @@
 """Communication across hosts, on the emulated cluster (scripts/cluster.py: 2 hosts x 2 ranks,
 a rate-limited link per host), in one run:
 
-    python scripts/bench_cluster.py                 # needs root and ip netns; ~5 minutes (parts 1-4, measured 5 min 0 s)
+    python scripts/bench_cluster.py                 # needs root and ip netns; 5 minutes here
     python scripts/bench_cluster.py --rate 1gbit --sizes 1 4 16 64 --steps 12
 
 1. all-reduce of 1 to 64 MiB float32: the flat ring, flat direct exchange (what p = 4 runs on
