@@ -59,7 +59,9 @@ def storage_dtype(precision: str):
     """The 2-byte dtype parameters and gradients are stored in, or None for fp32."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r} ({', '.join(PRECISIONS)})")
-    return {"fp32": None, "fp16": np.dtype(np.float16)}.get(precision) or bfloat16()
+    if precision == "fp32":
+        return None
+    return np.dtype(np.float16) if precision == "fp16" else bfloat16()
 
 
 def bfloat16() -> np.dtype:

@@ -280,3 +280,13 @@ def test_resume_with_another_precision_or_a_new_loss_scale_is_refused(tmp_path, 
         with pytest.raises(SystemExit) as e:
             train.main(TINY + ["--steps", "6", "--resume", d] + flags)
         assert e.value.code == 2 and needle in capsys.readouterr().err, flags
+
+
+def test_storage_dtype_of_each_precision():
+    """fp32 stores nothing in 2 bytes; fp16 and bf16 their dtypes (bf16's ml_dtypes imported
+    only here, when asked for); an unknown name is a ValueError naming the choices."""
+    assert precision.storage_dtype("fp32") is None
+    assert precision.storage_dtype("fp16") == np.dtype(np.float16)
+    assert precision.storage_dtype("bf16") == np.dtype(ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match="fp32, fp16, bf16"):
+        precision.storage_dtype("fp8")
