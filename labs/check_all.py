@@ -21,11 +21,11 @@ import importlib
 import os
 import re
 import sys
-import tempfile
 import time
 
 from labs import framework
 from labs.grade import grade, run_criterion
+from labs.sandbox import Sandbox
 
 MIN_MUTANTS = 3
 
@@ -78,40 +78,45 @@ def hint_findings(lab) -> list[str]:
     return found
 
 
-def trainer_findings(lab, lab_dir: str, mutants: list[str]) -> list[str]:
+def trainer_findings(lab, lab_dir: str, mutants: list[str], sandbox: Sandbox) -> list[str]:
     """Each trainer criterion, graded alone on the mutants in turn, must fail on one."""
     found = []
     for c in lab.CRITERIA:
         if not c.trainer:
             continue
-        with tempfile.TemporaryDirectory(prefix="minipar-lab-") as scratch:
-            copy = os.path.join(scratch, "student.py")
-            for path in mutants:
-                with open(copy, "w", encoding="utf-8") as f:
-                    f.write(framework.materialize(lab_dir, path))
-                if not run_criterion(lab_dir, c, copy)["ok"]:
-                    break
-            else:
-                found.append(f"no mutant fails {c.name!r}: it is not shown that it can fail")
+        for path in mutants:
+            text = framework.materialize(lab_dir, path)
+            if not run_criterion(lab_dir, lab, c, text, "mutant.py", sandbox).ok:
+                break
+        else:
+            found.append(f"no mutant fails {c.name!r}: it is not shown that it can fail")
     return found
 
 
-def check_lab(lab_dir: str, say, quick: bool = False) -> tuple[list[str], int, float]:
+def graded(lab_dir: str, path: str, sandbox: Sandbox, **kw):
+    """The verdicts on the file at `path` (a .mutant: the file it stands for), quietly."""
+    text = framework.materialize(lab_dir, path)
+    return grade(lab_dir, text.encode("utf-8"), os.path.basename(path), sandbox, say=lambda line: None, **kw)
+
+
+def check_lab(lab_dir: str, say, sandbox: Sandbox, quick: bool = False) -> tuple[list[str], int, float]:
     """-> (findings, mutants caught, seconds to grade the solution)."""
     lab = framework.load_lab(lab_dir)
     names = [c.name for c in lab.CRITERIA]
-    quiet = lambda line: None                                       # noqa: E731
     findings = stub_findings(lab_dir) + hint_findings(lab)
+    if not hasattr(lab, "ALLOWED"):
+        findings.append("lab.py has no ALLOWED: the scan would not know what a solution may use")
     # --quick grades the hand-written solution only: minipar's own code is what tests/ checks
     for who in ("solution.py",) if quick else ("reference.py", "solution.py"):
         start = time.monotonic()
-        for r in grade(lab_dir, os.path.join(lab_dir, who), say=quiet):
-            if not r["ok"]:
-                findings.append(f"{who} fails {r['name']!r}: {r['message']}")
+        for v in graded(lab_dir, os.path.join(lab_dir, who), sandbox, trusted=who == "reference.py"):
+            if not v.ok:
+                findings.append(f"{who} fails {v.name!r}: {v.message}")
         solution_seconds = time.monotonic() - start                  # the last: solution.py
-    stub = grade(lab_dir, os.path.join(lab_dir, "student.py"), first_failure=True, say=quiet)
-    if stub[-1]["ok"] or "NotImplementedError" not in stub[-1]["message"]:
-        findings.append(f"the stub does not fail with its NotImplementedError: {stub[-1]}")
+    stub = [v for v in graded(lab_dir, os.path.join(lab_dir, "student.py"), sandbox, first_failure=True)
+            if v.status == "fail"]
+    if not stub or "NotImplementedError" not in stub[0].message:
+        findings.append(f"the stub does not fail with its NotImplementedError: {stub[:1]}")
     folders = [os.path.join(lab_dir, "mutants")]
     if framework.extra_dir(lab_dir):                                  # a teacher's private mutants
         folders.append(os.path.join(framework.extra_dir(lab_dir), "mutants"))
@@ -119,26 +124,26 @@ def check_lab(lab_dir: str, say, quick: bool = False) -> tuple[list[str], int, f
                      for m in os.listdir(d) if m.endswith((".py", ".mutant")))
     if len(mutants) < MIN_MUTANTS:
         findings.append(f"{len(mutants)} mutants, at least {MIN_MUTANTS} wanted")
-    graded = mutants[:1] if quick else mutants
+    chosen = mutants[:1] if quick else mutants
     caught = 0
-    for path in graded:
+    from labs.grade import SCAN                                       # noqa: PLC0415
+    for path in chosen:
         m = os.path.relpath(path, lab_dir)
         want = framework.mutant_criterion(path)
-        if want not in names:
-            findings.append(f"{m} names {want!r}, not a criterion ({names})")
+        if want not in names + [SCAN]:
+            findings.append(f"{m} names {want!r}, not a criterion ({[SCAN] + names})")
             continue
-        results = grade(lab_dir, path, first_failure=True, say=quiet)
-        failed = next((r for r in results if not r["ok"]), None)
+        failed = next((v for v in graded(lab_dir, path, sandbox, first_failure=True) if v.status == "fail"), None)
         if failed is None:
             findings.append(f"{m} passes every criterion")
-        elif failed["name"] != want:
-            findings.append(f"{m} fails {failed['name']!r} first, its header names {want!r}")
+        elif failed.name != want:
+            findings.append(f"{m} fails {failed.name!r} first, its header names {want!r}: {failed.message[:200]}")
         else:
             caught += 1
     if not quick:
-        findings += trainer_findings(lab, lab_dir, mutants)
+        findings += trainer_findings(lab, lab_dir, mutants, sandbox)
     say(f"{os.path.basename(lab_dir)}: {len(names)} criteria; {'solution' if quick else 'reference and solution'} pass "
-        f"(solution graded in {solution_seconds:.1f} s); stub fails; {caught} of {len(graded)} mutants caught"
+        f"(solution graded in {solution_seconds:.1f} s); stub fails; {caught} of {len(chosen)} mutants caught"
         + (f" (--quick: {len(mutants)} in all)" if quick else "")
         + ("" if not findings else f"; {len(findings)} finding(s)"))
     return findings, caught, solution_seconds
@@ -151,10 +156,15 @@ def main(argv=None):
     dirs = [framework.find(w) for w in wanted] if wanted else framework.lab_dirs()
     start = time.monotonic()
     all_findings, caught = [], 0
-    for d in dirs:
-        findings, n, _ = check_lab(d, say=lambda line: print(line, flush=True), quick=quick)
-        all_findings += [f"{os.path.basename(d)}: {f}" for f in findings]
-        caught += n
+    sandbox = Sandbox()
+    print(sandbox.mode_line(), flush=True)
+    try:
+        for d in dirs:
+            findings, n, _ = check_lab(d, say=lambda line: print(line, flush=True), sandbox=sandbox, quick=quick)
+            all_findings += [f"{os.path.basename(d)}: {f}" for f in findings]
+            caught += n
+    finally:
+        sandbox.close()
     for f in all_findings:
         print(f"  FINDING {f}")
     print(f"labs-check: {len(dirs)} lab(s), {caught} mutants caught, {len(all_findings)} finding(s), "

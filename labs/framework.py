@@ -8,24 +8,33 @@ A lab is a folder labs/NN_name/:
                    `raise NotImplementedError("lab NN: ... see labs/NN_name/README.md")`
     solution.py    a solution written by hand, as a student would (CI grades it)
     reference.py   minipar's own code behind the stub's signatures (grade --solution)
-    lab.py         the seam and the criteria (below)
+    drive.py       the student's side: the cases, run on the student's code in a child
+                   process (never the oracle), and the seam
+    lab.py         the grader's side: the criteria, the oracle and the judges
     mutants/*.mutant  typical mistakes, each a patch of solution.py: its first line names the
                    criterion that must catch it, `# criterion: <name>`, comment lines say the
                    mistake, then blocks `--- solution.py` (lines of the solution) and
                    `+++ mutant` (what replaces them). A mutant may also be a whole student
                    file, mutants/*.py (a teacher's private ones usually are).
 
-lab.py defines
-    TITLE          one line
-    CRITERIA       [Criterion, ...] in the order they are graded
+drive.py defines
+    OWN            ["module:name", ...]: minipar's own implementations of what the student
+                   writes; while a criterion runs, reaching one from the student's file raises
     install(student) -> counter
                    puts the student's functions at the seam of minipar, on this rank, for
                    the real trainer; counter() is how many times they ran here
-    and the check functions the criteria name.
+    and one function per computing criterion, NAME(student, out): on every rank of the
+    criterion, out.case(text) before each case and out.put(key, value) for each value the
+    student's code returns (labs/child.py runs it).
+lab.py defines
+    TITLE          one line
+    ALLOWED        labs.scan.Allowed: the imports and minipar names a solution may use
+    CRITERIA       [Criterion, ...] in the order they are graded, each judged in the grader's
+                   process from what the child handed back (labs/results.py)
+    and the judges the criteria name.
 
-Every criterion runs in a subprocess of its own, under mpirun when it needs ranks, with a
-timeout that ends the whole job; inside it, the student's module is a copy in a scratch
-folder, loaded by path (never minipar's code under the student's name).
+The grader never imports the student's file: the scan (labs/scan.py) reads it, and each
+criterion runs it in a sandboxed child (labs/sandbox.py) that only returns values.
 """
 from __future__ import annotations
 
@@ -41,16 +50,29 @@ REPO = os.path.dirname(LABS)
 
 @dataclass
 class Criterion:
-    """One graded property. check(student) runs on every rank of `ranks` and raises
-    AssertionError with the numbers when the property fails; trainer: flags of
-    `python -m minipar.train` to run with the student's code at the seam instead (the run
-    must pass --verify and the student's code must have run on every rank)."""
+    """One graded property.
+
+    run: the name of drive.py's function that the child runs on every rank of `ranks`;
+    judge(results) then decides in the grader's process, raising AssertionError with the
+    numbers when the property fails (labs/results.py: results.get(rank, key)).
+    trainer: flags of `python -m minipar.train` that the child runs with the student's code at
+    the seam; the grader judges the run's log and checkpoint against the single-process twin
+    it computes itself (labs/twin.py), then calls judge(run) if one is given.
+    uses: the student's functions the criterion calls; after one of them ran out of time,
+    later criteria that use it are reported "not run"."""
     name: str
     ranks: int = 1
-    check: Callable | None = None
+    run: str | None = None
+    judge: Callable | None = None
     trainer: list = field(default_factory=list)
     timeout: float = 60.0
     hint: str = ""
+    uses: tuple = ()
+    memory_mb: int = 3072
+
+    @property
+    def is_mpi(self) -> bool:
+        return self.ranks > 1
 
 
 def lab_dirs() -> list[str]:
@@ -79,7 +101,13 @@ def load(path: str, name: str):
 
 
 def load_lab(lab_dir: str):
+    """The lab's lab.py (the grader's side); never in a process that runs the student's code."""
     return load(os.path.join(lab_dir, "lab.py"), f"lab_{os.path.basename(lab_dir)[:2]}")
+
+
+def load_drive(lab_dir: str):
+    """The lab's drive.py (the cases and the seam): what the child and the judges share."""
+    return load(os.path.join(lab_dir, "drive.py"), f"drive_{os.path.basename(lab_dir)[:2]}")
 
 
 def criterion(lab, name: str) -> Criterion:
@@ -141,10 +169,14 @@ def extra_dir(lab_dir: str) -> str | None:
 
 
 def extra_cases(lab_dir: str) -> dict:
-    """The teacher's cases.json for this lab ({} without one): e.g. {"sizes": [...], "seeds": [...]}."""
+    """The teacher's cases.json for this lab ({} without one): e.g. {"sizes": [...], "seeds": [...]}.
+    In a criterion's child the grader hands over its copy ($MINIPAR_LAB_CASES): the child's
+    unprivileged user may not read the teacher's folder."""
     import json                                 # noqa: PLC0415
-    d = extra_dir(lab_dir)
-    path = os.path.join(d, "cases.json") if d else None
+    path = os.environ.get("MINIPAR_LAB_CASES")
+    if not path:
+        d = extra_dir(lab_dir)
+        path = os.path.join(d, "cases.json") if d else None
     if not path or not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
@@ -152,39 +184,12 @@ def extra_cases(lab_dir: str) -> dict:
 
 
 def trainer_flags(*extra, **change) -> list[str]:
-    """The tiny float64 model the trainer criteria run (3 steps, --verify), with `change`
+    """The tiny float64 model the trainer criteria run (3 steps), with `change`
     (n_head=4 -> --n-head 4) and `extra` flags: e.g. trainer_flags("--dp", "4", batch_size=12)."""
     values = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "batch_size": 8, "steps": 3,
               "dtype": "float64", "sample": 0, **change}
     flags = [x for k, v in values.items() if v is not None for x in (f"--{k.replace('_', '-')}", str(v))]
-    return [*extra, *flags, "--verify"]
-
-
-def collective_uses(student, dispatcher=()) -> list[str]:
-    """'line N: code' of each MPI collective the student's file references (the scan minipar's
-    own code passes), and of each comm.<name> for a name in `dispatcher` (minipar.comm's own
-    collectives: calling them would grade minipar, not the student)."""
-    import ast                                  # noqa: PLC0415
-
-    from minipar.comm.static_check import mpi_collective_uses  # noqa: PLC0415
-    with open(student.__file__, encoding="utf-8") as f:
-        source = f.read()
-    found = [f"line {line}: {text}" for line, text in mpi_collective_uses(source)]
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "comm" \
-                and node.attr in dispatcher:
-            found.append(f"line {node.lineno}: {ast.unparse(node)} (minipar's own collective)")
-    return found
-
-
-def gathered(g, x):
-    """Every rank's x, stacked (p, *x.shape), by MPI's own Allgather: an oracle's inputs (a
-    grader may use MPI's collectives; the student may not). Equal shapes on every rank."""
-    import numpy as np                          # noqa: PLC0415
-    x = np.ascontiguousarray(x)
-    out = np.empty((g.size, *x.shape), dtype=x.dtype)
-    g.comm.Allgather(x, out)
-    return out
+    return [*extra, *flags]
 
 
 class Done:
@@ -213,7 +218,15 @@ def first_difference(got, want, rtol: float = 1e-12, atol: float = 0.0) -> str |
     """None when got equals want within tolerance (shapes and dtypes too), else a line
     naming the largest difference and the first bad index."""
     import numpy as np                          # noqa: PLC0415 - keep `import labs` light
-    got, want = np.asarray(got), np.asarray(want)
+    if not isinstance(got, (np.ndarray, np.generic, int, float, bool, list, tuple)):
+        return f"got {type(got).__name__} {got!r:.200}, want an array of {np.asarray(want).dtype}"
+    try:
+        got = np.asarray(got)
+    except (ValueError, TypeError) as e:
+        return f"got a value NumPy cannot make an array of ({e})"
+    want = np.asarray(want)
+    if got.dtype.kind not in "biufc":
+        return f"got an array of {got.dtype}, want {want.dtype}"
     if got.shape != want.shape:
         return f"shape {got.shape}, want {want.shape}"
     if got.dtype != want.dtype:

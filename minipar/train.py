@@ -477,6 +477,7 @@ def main(argv=None):
         raise
     if "verify" in summary and not summary["verify"]["ok"]:
         sys.exit(1)
+    return summary
 
 
 if __name__ == "__main__":
