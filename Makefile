@@ -8,7 +8,7 @@ export OMP_NUM_THREADS := 1
 export OPENBLAS_NUM_THREADS := 1
 export MKL_NUM_THREADS := 1
 
-.PHONY: install run test test-serial test-mpi labs-check labs-check-full lab bench clean bytecode
+.PHONY: install run test test-serial test-mpi labs-check labs-check-full lab lab-run bench clean bytecode
 
 install: $(VENV)/.installed
 
@@ -53,14 +53,21 @@ test-mpi: bytecode
 labs-check: bytecode
 	timeout -k 10 600 $(PY) -m labs.check_all --quick
 
-# Every mutant of every lab (run before changing a lab; about 9 minutes here).
+# Every mutant of every lab, then the whole hostile corpus (tests/hostile/), with the hand
+# solution graded after each hostile file (run before changing a lab or the grader).
 labs-check-full: install
-	timeout -k 10 1500 $(PY) -m labs.check_all
+	timeout -k 10 1800 $(PY) -m labs.check_all
+	MINIPAR_HOSTILE_ALL=1 timeout -k 10 2400 $(PY) -m pytest -q -p no:cacheprovider tests/test_hostile.py
 
 # Grade one lab: make lab L=02 (labs/02_*/student.py), or STUDENT=path/to/file.py.
 lab: install
 	@test -n "$(L)" || { echo "make lab L=NN [STUDENT=file.py]: which lab? see labs/README.md"; exit 2; }
 	$(PY) -m labs.grade $(L) $(if $(STUDENT),--student $(STUDENT),)
+
+# The student's code in the real trainer: make lab-run L=02 NP=4 STUDENT=ring.py FLAGS="--dp 4 --zero 2 --verify"
+lab-run: install
+	@test -n "$(L)" || { echo "make lab-run L=NN NP=4 [STUDENT=file.py] FLAGS='...': which lab?"; exit 2; }
+	$(PY) -m labs.run $(L) -n $(NP) $(if $(STUDENT),--student $(STUDENT),) -- $(FLAGS)
 
 bench: install
 	@for s in scripts/bench_*.py; do echo "== $$s"; $(PY) $$s || exit 1; done

@@ -63,7 +63,8 @@ def student_line(tb, student_file: str) -> str:
     the innermost frame anywhere when none is the student's."""
     frames = traceback.extract_tb(tb)
     mine = [f for f in frames if f.filename == student_file]
-    f = (mine or frames or [None])[-1]
+    others = [f for f in frames if not f.filename.startswith(framework.LABS + os.sep)]
+    f = (mine or others or [None])[-1]
     if f is None:
         return ""
     code = (f.line or "").strip()
@@ -110,6 +111,7 @@ def guard(dotted: str, student_file: str):
         return original(*args, **kwargs)
 
     guarded.__name__ = getattr(original, "__name__", attr)
+    guarded.__module__ = getattr(original, "__module__", module_name)
     guarded.__doc__ = getattr(original, "__doc__", None)
     if isinstance(owner, type) and not isinstance(original, type):
         guarded = staticmethod(guarded) if isinstance(owner.__dict__.get(attr), staticmethod) else guarded
@@ -119,6 +121,29 @@ def guard(dotted: str, student_file: str):
 def load_student(path: str):
     """The student's module, loaded from its file under its own name (tracebacks show it)."""
     return framework.load(path, "student")
+
+
+def contract_names(lab_dir: str) -> list[str]:
+    """The functions and classes the lab's stub (student.py) defines at its top level."""
+    import ast                                  # noqa: PLC0415
+    with open(os.path.join(lab_dir, "student.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+
+
+def check_own_definitions(student, names: list[str], student_file: str):
+    """Every function and class of the contract is defined in the student's own file, not
+    taken from elsewhere (minipar, a lab's answer): AttributeError or TypeError naming it."""
+    for name in names:
+        obj = getattr(student, name, None)
+        if obj is None:
+            raise AttributeError(f"the file defines no {name} (the stub's contract names it)")
+        code = getattr(obj, "__code__", None)
+        mine = (isinstance(obj, type) and obj.__module__ == student.__name__) or             (code is not None and code.co_filename == student_file)
+        if not mine:
+            where = getattr(obj, "__module__", None) or type(obj).__name__
+            raise TypeError(f"{name} is not defined in {os.path.basename(student_file)} (it comes from "
+                            f"{where}): write it yourself")
 
 
 def run_trainer(drive, student, flags: list[str]) -> tuple[int, object, dict]:
@@ -163,6 +188,8 @@ def main(argv=None):
                 guard(dotted, student_file)
         out.case("importing the file")
         student = load_student(student_file)
+        if not args.trusted:
+            check_own_definitions(student, contract_names(args.lab_dir), student_file)
         out.case("")
         if args.trainer:
             flags += ["--log", os.path.join(args.results, "log.jsonl"),

@@ -238,6 +238,7 @@ def first_difference(got, want, rtol: float = 1e-12, atol: float = 0.0) -> str |
     if not bad.any():
         return None
     first = int(np.argmax(bad))
-    worst = float(np.nanmax(np.abs(g - w)))
+    d = np.abs(g - w)
+    worst = float(np.max(d[~np.isnan(d)])) if (~np.isnan(d)).any() else float("nan")
     return f"largest |difference| {worst:.3g}; first bad index {first}: got {g[first].item()!r}, " \
            f"want {w[first].item()!r}"

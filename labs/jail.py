@@ -6,7 +6,8 @@ labs/sandbox.py starts it in a session and process group of its own; it then, in
   1. as root, with "uid" in CONFIG: enters new mount and network namespaces (the network has
      only a loopback, so ranks can still talk to each other and to nothing else); gives /tmp
      and /dev/shm fresh size-capped file systems, so nothing written there outlives the
-     child; binds the scratch folder back in; lays a read-only view over the repository; and
+     child; binds the scratch folder back in; lays a read-only view over the repository and
+     empties, in that view, the labs' answers (solution.py, reference.py, mutants/); and
      opens the way to the few folders that a directory only root may enter hides (a Python
      under /root, say) by covering that directory with an empty one holding just them;
   2. sets no_new_privs (no set-user-id program can give privileges back) and the resource
@@ -94,6 +95,11 @@ def namespaces(cfg: dict):
         os.close(fd)
     for path in cfg["read_only"]:
         bind(path, path, read_only=True)
+    for path in cfg.get("hide", []):                       # the answers: an empty file or folder
+        if os.path.isdir(path):
+            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=0755,size=4k")
+        elif os.path.exists(path):
+            bind("/dev/null", path)
     loopback_up()
 
 

@@ -78,6 +78,8 @@ def main(argv=None):
     mine = np.array([calls()], dtype=np.int64)
     counts = [int(n) for n in (all_gather(world, mine) if world.size > 1 else mine)]
     ran = [r for r, n in enumerate(counts) if n > 0]
+    if code == 2 and not ran:                   # the trainer refused its flags: it said why
+        sys.exit(code)
     if world.rank == 0:
         if len(ran) == world.size:
             print(f"labs.run: the student's code ({os.path.basename(path)}) ran on every rank "

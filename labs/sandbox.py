@@ -8,8 +8,8 @@ process group of its own, with
   - stdout and stderr read as they come, keeping the first and last few KiB of each and
     counting the rest (a 1.5 GB flood costs the grader a few KiB);
   - when the grader runs as root ("full" mode): an unprivileged uid of its own (one per
-    grading slot), its own mount namespace (the repository read-only, /tmp and /dev/shm
-    fresh) and its own network namespace (loopback only);
+    grading slot), its own mount namespace (the repository read-only, the labs' answers
+    emptied, /tmp and /dev/shm fresh) and its own network namespace (loopback only);
 and, when the command ends or its time is up, every process it left behind is killed: in
 full mode every process of its uid (a process can leave the session and the process group,
 not its uid); otherwise every process whose parent chain leads back here (the grader is a
@@ -87,8 +87,11 @@ class Outcome:
     leftovers: int                               # processes still alive when the command had ended
 
     def last_error_line(self) -> str:
+        noise = ("[proxy:", "[mpiexec@", "[cli_", "[unset]", "===", "BAD TERMINATION", "YOU CAN IGNORE",
+                 "This typically", "Please see", "PID ", "RUNNING AT", "EXIT CODE", "CLEANING UP")
         lines = [ln.strip() for ln in self.stderr.splitlines()
-                 if ln.strip() and "Abort(" not in ln and "aborting" not in ln and not ln.startswith("[")]
+                 if ln.strip() and "Abort(" not in ln and "aborting" not in ln
+                 and not ln.strip().lstrip("= ").startswith(noise)]
         return lines[-1] if lines else ""
 
 
@@ -189,6 +192,19 @@ def reveal_plan(needs: list[str]) -> list[tuple[str, list[str]]]:
     return sorted(plan.items())
 
 
+def answers() -> list[str]:
+    """What the child never needs and a student would love to read: every lab's hand solution,
+    minipar's reference behind the stub, the planted mistakes."""
+    labs = os.path.join(REPO, "labs")
+    out = []
+    for d in sorted(os.listdir(labs)):
+        for name in ("solution.py", "reference.py", "mutants"):
+            path = os.path.join(labs, d, name)
+            if d[:2].isdigit() and os.path.exists(path):
+                out.append(path)
+    return out
+
+
 class Sandbox:
     """One grading slot. mode is "full" or "partial"; why says what a partial one lacks."""
 
@@ -272,7 +288,8 @@ class Sandbox:
         cfg = {"scratch": scratch, "env": env, "cpu_seconds": lim.cpu_seconds, "memory_bytes": lim.memory_bytes,
                "file_bytes": lim.file_bytes, "processes": lim.processes, "tmp_bytes": lim.tmp_bytes}
         if self.uid is not None:
-            cfg.update(uid=self.uid, gid=self.uid, reveal=reveal_plan(self.needs()), read_only=[REPO])
+            cfg.update(uid=self.uid, gid=self.uid, reveal=reveal_plan(self.needs()), read_only=[REPO],
+                       hide=answers())
         return cfg
 
     def base_env(self, scratch: str) -> dict:

@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "master weights (needs --dtype float32) [%(default)s]")
     t.add_argument("--loss-scale", type=float, metavar="S",
                    help="fp16: initial loss scale of the dynamic scaler [65536 = 2^16]")
+    t.add_argument("--loss-scale-window", type=int, metavar="N",
+                   help="fp16: clean steps in a row before the scaler doubles its scale "
+                        "(Megatron's --loss-scale-window, PyTorch's growth_interval) [2000]")
     io = p.add_argument_group("data, checkpoints, output")
     io.add_argument("--data", metavar="FILE",
                     help="UTF-8 text to train on (default: the built-in corpus)")
@@ -201,6 +204,11 @@ def validate(args, cfg: GPTConfig):
                 f"{'bf16 needs no loss scaling' if args.precision == 'bf16' else 'no scaling'})")
         if not (math.isfinite(args.loss_scale) and args.loss_scale > 0):
             raise ConfigError(f"--loss-scale must be a finite number > 0, got {args.loss_scale}")
+    if args.loss_scale_window is not None:
+        if args.precision != "fp16":
+            raise ConfigError(f"--loss-scale-window is for --precision fp16 (got --precision {args.precision})")
+        if args.loss_scale_window < 1:
+            raise ConfigError(f"--loss-scale-window must be >= 1, got {args.loss_scale_window}")
 
 
 def check_checkpoint(args, cfg: GPTConfig, state: dict, meta: dict):
@@ -408,6 +416,10 @@ def prepare(args, world: int) -> RunSpec:
         raise ConfigError(f"--precision {args.precision} does not match "
                           f"the checkpoint {args.resume} "
                           f"({meta.get('precision', 'fp32')})")
+    if meta is not None and args.loss_scale_window is not None:
+        raise ConfigError(f"--loss-scale-window sets a new run's scaler; --resume {args.resume} continues "
+                          f"the checkpoint's (window "
+                          f"{meta.get('loss_scaler', {}).get('growth_interval')})")
     if meta is not None and args.loss_scale is not None:
         raise ConfigError(f"--loss-scale sets a new run's initial scale; "
                           f"--resume {args.resume} continues "

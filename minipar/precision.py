@@ -125,10 +125,12 @@ class LossScaler:
         self.growth_interval, self.dynamic = int(state["growth_interval"]), bool(state["dynamic"])
 
 
-def make_scaler(precision: str, init_scale: float | None = None) -> LossScaler:
-    """fp16: dynamic, from init_scale (default 2^16); bf16: a fixed scale of 1."""
+def make_scaler(precision: str, init_scale: float | None = None, growth_interval: int | None = None) -> LossScaler:
+    """fp16: dynamic, from init_scale (default 2^16), doubling after growth_interval clean
+    steps (default 2000); bf16: a fixed scale of 1."""
     if precision == "fp16":
-        return LossScaler(scale=2.0 ** 16 if init_scale is None else float(init_scale))
+        return LossScaler(scale=2.0 ** 16 if init_scale is None else float(init_scale),
+                          growth_interval=2000 if growth_interval is None else int(growth_interval))
     return LossScaler(scale=1.0, dynamic=False)
 
 

@@ -105,7 +105,7 @@ def build_optimizer(model: Model, args) -> AdamW:
     dtype = precision.storage_dtype(args.precision)
     opt = precision.MixedPrecisionAdamW(
         model.parameters(), dtype, lr=args.lr, weight_decay=args.weight_decay,
-        scaler=precision.make_scaler(args.precision, args.loss_scale))
+        scaler=precision.make_scaler(args.precision, args.loss_scale, args.loss_scale_window))
     model.dtype = dtype
     if isinstance(model, pipeline.PipelineStage):
         model.inner.dtype = dtype

@@ -65,3 +65,18 @@ def test_a_mutant_patch_that_no_longer_applies_is_an_error(tmp_path):
                      "    this line is not in solution.py\n+++ mutant\n    pass\n")
     with pytest.raises(ValueError, match="occurs 0 times in solution.py"):
         framework.materialize(lab, str(stale))
+
+
+def test_labs_run_starts_its_ranks_says_where_the_code_ran_and_names_oversubscription():
+    """-n 4 starts mpirun itself; rank 0 names the ranks the student's code ran on and the
+    calls; with more ranks than cores, the pipeline's measured bubble is flagged and the
+    simulated one printed beside it."""
+    p = subprocess.run([sys.executable, "-m", "labs.run", "02", "-n", "4", "--student",
+                        os.path.join(REPO, "labs", "02_ring", "solution.py"), "--",
+                        "--dp", "2", "--pp", "2", "--zero", "1", "--micro-batches", "2", *TINY, "--n-layer", "2"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "the student's code (solution.py) ran on every rank [0, 1, 2, 3]" in p.stdout, p.stdout
+    if (os.cpu_count() or 1) < 4:
+        assert "ranks share" in p.stdout and "simulated" in p.stdout, p.stdout

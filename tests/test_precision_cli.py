@@ -43,6 +43,24 @@ def test_fp16_and_bf16_track_fp32_with_dp2_and_send_half_the_gradient_bytes(tmp_
     assert [mem["params"], mem["grads"], mem["optimizer"]] == [4 * P, 4 * P, 8 * P], mem
 
 
+def test_loss_scale_window_doubles_the_scale_after_that_many_clean_steps(tmp_path):
+    """--loss-scale-window 2: the scale doubles after every 2 clean steps in a row (the
+    checkpoint keeps the window); it is fp16's and a new run's only, refused otherwise."""
+    d, log = str(tmp_path / "D"), str(tmp_path / "log.jsonl")
+    p = mpirun(1, "--precision", "fp16", "--loss-scale", "64", "--loss-scale-window", "2", "--steps", "5",
+               "--log", log, "--save", d)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows, _ = read_log(log)
+    assert [r["loss_scale"] for r in rows] == [64, 64, 128, 128, 256] and not any(r["skipped"] for r in rows)
+    assert json.load(open(os.path.join(d, "meta.json")))["loss_scaler"]["growth_interval"] == 2
+    for flags, says in ((["--precision", "bf16", "--loss-scale-window", "4"], "is for --precision fp16"),
+                        (["--precision", "fp16", "--loss-scale-window", "0"], "must be >= 1, got 0"),
+                        (["--precision", "fp16", "--loss-scale-window", "4", "--resume", d, "--steps", "6"],
+                         "--loss-scale-window sets a new run's scaler")):
+        p = mpirun(1, *flags, "--steps", "6")
+        assert p.returncode == 2 and says in p.stderr, p.stderr
+
+
 def test_huge_loss_scale_skips_every_step_and_leaves_the_model_at_its_init(tmp_path):
     """--loss-scale 1e30 overflows every fp16 gradient: each step is skipped on all 4 ranks
     (dp2 x tp2) and halves the scale; the checkpoint is then the float32 init, zero moments."""

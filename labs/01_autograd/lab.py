@@ -1,29 +1,45 @@
-"""Lab 01's seam and criteria (labs/framework.py says what a lab is).
+"""Lab 01's criteria, judged in the grader's process (labs/framework.py says what a lab is).
 
-Seam: the backward of minipar.ops.LayerNorm, ops.CrossEntropy and ops.Softmax. minipar's fast
-forwards save what their own backward wants (xhat and rstd; the probabilities), not the
-inputs the student's functions start from, so install() wraps each forward to keep its input
-too (the forward itself is minipar's, untouched: the loss is bit for bit the same) and replaces
-each backward by one that calls the student's function on plain (N, C) / (N, V) arrays.
-Oracles: central finite differences of the forwards (ops.LayerNormReference.forward,
-ops.CrossEntropyReference.forward, and the softmax written here); minipar's plain reference
-backwards (ops.LayerNormReference, ops.CrossEntropyReference; ops.Softmax's own for the
-softmax), called directly, never through the seam; and a whole GPT's gradients from minipar's
-own backwards, taken before install() swaps them.
+Seam (drive.install): the backward of minipar.ops.LayerNorm, ops.CrossEntropy and ops.Softmax
+becomes a call to the student's function on plain (N, C) / (N, V) arrays; the forwards stay
+minipar's.
+Oracles, all computed here from the inputs the grader rebuilds from the cases' seeds
+(drive.*_case): central finite differences of the forwards (ops.LayerNormReference.forward,
+ops.CrossEntropyReference.forward, and the softmax); minipar's plain reference backwards
+(ops.LayerNormReference, ops.CrossEntropyReference; ops.Softmax's own for the softmax); and a
+tiny GPT's gradients from minipar's own backwards, in this process, where nothing of the
+student's is installed. The child only hands back what the student's functions returned, the
+inputs as they were afterwards, which inputs each result shares memory with, and (for the
+GPT) the loss, the gradients and how many times the seam ran.
 """
+import os
+
 import numpy as np
 
-from labs.framework import Criterion, first_difference
+from labs.framework import Criterion, first_difference, load_drive
+from labs.results import Opaque, key
+from labs.scan import Allowed
 from minipar import ops
-from minipar.model import GPT, GPTConfig
-from minipar.precision import compute, store
 
 TITLE = "autograd: the backward of LayerNorm, softmax and cross-entropy"
-EPS = 1e-5                                      # minipar's LayerNorm eps (docs/design.md §1)
+drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
+# Plain NumPy: the handout gives no minipar name, so every minipar import (minipar.ops above
+# all, whose backwards are the answers) is refused by the scan.
+ALLOWED = Allowed()
+F32_TOL = 1e-4                  # float32 results: relative to the largest entry (--verify's float32)
 
 
-def rng_for(*key):
-    return np.random.default_rng([1, *key])
+def typename(v) -> str:
+    return v.typename if isinstance(v, Opaque) else type(v).__name__
+
+
+def described(v) -> str:
+    """A returned value in a few words: 'a tuple of 2', 'a list [1, 2]', 'Thing <Thing object>'."""
+    if isinstance(v, np.ndarray):
+        return f"an array of {v.dtype} {v.shape}"
+    if isinstance(v, (tuple, list)):
+        return f"a {type(v).__name__} of {len(v)}"
+    return f"{typename(v)} {v!r:.80}"
 
 
 def expect(got, want, what, rtol, atol=0.0):
@@ -31,28 +47,80 @@ def expect(got, want, what, rtol, atol=0.0):
     assert diff is None, f"{what}: {diff}"
 
 
-def untouched(arrays, kept, what):
-    for (name, a), k in zip(arrays.items(), kept):
-        assert np.array_equal(a, k), f"{what}: the input {name} was modified"
+def scale_of(want) -> float:
+    """The largest |entry| of want (1 for an empty or all-zero array): what atol is relative to."""
+    m = float(np.abs(want).max()) if want.size else 0.0
+    return m if m > 0 else 1.0
 
 
-def returned(result, count, what, names):
-    """The student's result as a tuple of `count` arrays (a helpful message if not)."""
-    if count == 1:
-        assert isinstance(result, np.ndarray), f"{what}: returned {type(result).__name__}, not an array"
+def fd_close(got, want, what):
+    """Agreement with a finite difference: 1e-7 relative, and 1e-7 of the largest entry
+    absolute (an entry near 0 is a difference of two large terms)."""
+    expect(got, want, what, rtol=1e-7, atol=1e-7 * scale_of(want))
+
+
+def ref_close(got, want, what):
+    """Agreement with minipar's formula in float64: 1e-12 relative, and 1e-12 of the largest
+    entry absolute (the same sums, added in another order)."""
+    expect(got, want, what, rtol=1e-12, atol=1e-12 * scale_of(want))
+
+
+def f32_close(got, want, what):
+    """A float32 result (of float32 inputs) against the formula in float64 on the same inputs:
+    float32 itself, then F32_TOL relative and F32_TOL of the largest entry absolute."""
+    if isinstance(got, np.ndarray) and got.dtype != np.float32:
+        raise AssertionError(f"{what}: dtype {got.dtype}, want float32 (the inputs' dtype: a float64 constant "
+                             f"or np.zeros/np.eye without dtype= widens the result)")
+    expect(got, want.astype(np.float32), what, rtol=F32_TOL, atol=F32_TOL * scale_of(want))
+
+
+# --- what came back from one call -----------------------------------------------------------
+
+def returned(res, k, names, what):
+    """The student's result as a tuple of len(names) arrays (a helpful message if not)."""
+    result = res.get(0, k)
+    if len(names) == 1:
+        assert isinstance(result, np.ndarray), f"{what}: returned {described(result)}, not an array"
         return (result,)
-    assert isinstance(result, (tuple, list)) and len(result) == count, \
-        f"{what}: returned {type(result).__name__}, want a tuple ({', '.join(names)})"
-    return result
+    assert isinstance(result, (tuple, list)) and len(result) == len(names), \
+        f"{what}: returned {described(result)}, want a tuple ({', '.join(names)})"
+    for name, part in zip(names, result):
+        assert isinstance(part, np.ndarray), f"{what}: {name} is {described(part)}, not an array"
+    return tuple(result)
 
 
-# --- the forwards, and their derivatives by finite differences ----------------------------
+def untouched(res, k, inputs: dict, what):
+    """Every input as the child saw it after the call equals the input given."""
+    for name, a in inputs.items():
+        after = res.get(0, key(k, "after", name))
+        if not (isinstance(after, np.ndarray) and after.shape == a.shape and after.dtype == a.dtype
+                and np.array_equal(after, a)):
+            diff = first_difference(after, a, rtol=0.0)
+            raise AssertionError(f"{what}: the input {name} was modified ({diff}): compute into new arrays")
 
-def softmax(x):
-    """softmax over the last axis, stably: exp(x - max) / sum exp(x - max)."""
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
 
+def fresh(res, k, names, what):
+    """No returned array shares memory with an input."""
+    shares = res.get(0, key(k, "shares"))
+    assert isinstance(shares, list), f"{what}: the record of shared memory is {typename(shares)} (tampered with?)"
+    for name, inputs in zip(names, shares):
+        if inputs:
+            raise AssertionError(f"{what}: {name} shares memory with the input {inputs[0]} (a view of it, or the "
+                                 f"input itself): return a new array; the autograd engine keeps what you return "
+                                 f"and adds to it later")
+
+
+def result_of(res, family, i, names, inputs, what):
+    """The returned arrays of case i of `family`, once the inputs are found untouched and no
+    result aliases one."""
+    k = key(family, i)
+    got = returned(res, k, names, what)
+    untouched(res, k, inputs, what)
+    fresh(res, k, names, what)
+    return got
+
+
+# --- finite differences -----------------------------------------------------------------------
 
 def numerical_grad(f, x, h):
     """dL/dx for the scalar L = f(x), one element at a time, by the 4-point central stencil
@@ -77,108 +145,55 @@ def power_of_two(scale):
     return 2.0 ** (np.round(np.log2(scale)) - 10)
 
 
-def fd_close(got, want, what):
-    """Agreement with a finite difference: 1e-7 relative, and 1e-7 of the largest entry
-    absolute (an entry near 0 is a difference of two large terms)."""
-    size = float(np.abs(want).max()) if want.size and np.abs(want).max() > 0 else 1.0
-    expect(got, want, what, rtol=1e-7, atol=1e-7 * size)
+# --- the judges -------------------------------------------------------------------------------
+
+def layernorm_want(x, w, b, dout, eps):
+    """minipar's reference backward: (dx, dw, db)."""
+    return ops.LayerNormReference.backward(dout, ops.LayerNormReference.forward(x, w, b, eps)[1])
 
 
-def ref_close(got, want, what):
-    """Agreement with minipar's formula in float64: 1e-12 relative, and 1e-12 of the largest
-    entry absolute (the same sums, added in another order)."""
-    size = float(np.abs(want).max()) if want.size and np.abs(want).max() > 0 else 1.0
-    expect(got, want, what, rtol=1e-12, atol=1e-12 * size)
+def softmax_want(y, dout):
+    """minipar's own backward (ops.Softmax's), on a node holding y."""
+    node = ops.Softmax()
+    node.save(y)
+    node.axis, node.dtype = -1, y.dtype
+    return node.backward(dout)[0]
 
 
-# --- the cases ----------------------------------------------------------------------------
-
-# (label, N, C, x scale, x offset, eps): rows of C channels, x = offset + scale * N(0, 1)
-LAYERNORM_FD = [
-    ("N=3 C=5", 3, 5, 1.0, 0.0, EPS),
-    ("N=4 C=1 (one channel: variance 0)", 4, 1, 1.0, 0.0, EPS),
-    ("N=2 C=16 x ~ 1e3", 2, 16, 1e3, 0.0, EPS),
-    ("N=5 C=8 x ~ 1e-3 (variance below eps)", 5, 8, 1e-3, 0.0, EPS),
-    ("N=1 C=7 x ~ 3 + N(0,1)", 1, 7, 1.0, 3.0, EPS),
-    ("N=3 C=6 eps=1e-3", 3, 6, 0.1, 0.0, 1e-3),
-]
-
-# (label, shape, scale): softmax over the last axis of x = scale * N(0, 1)
-SOFTMAX_FD = [
-    ("shape (4, 6)", (4, 6), 2.0),
-    ("shape (2, 3, 5)", (2, 3, 5), 1.0),
-    ("shape (3, 4) x ~ 10 (nearly one-hot)", (3, 4), 10.0),
-]
-
-# (label, N, V, logit scale, row offset, loss_denom, dloss); offset "+-" puts each row at +1e4 or -1e4
-CROSS_ENTROPY_FD = [
-    ("N=4 V=5 loss_denom=4", 4, 5, 2.0, 0.0, 4.0, 1.0),
-    ("N=3 V=7 loss_denom=10 dloss=2.5", 3, 7, 2.0, 0.0, 10.0, 2.5),
-    ("N=4 V=6 logits +-1e4 loss_denom=8", 4, 6, 3.0, "+-", 8.0, 1.0),
-    ("N=6 V=3 repeated targets loss_denom=2.5 dloss=0.5", 6, 3, 1.0, 0.0, 2.5, 0.5),
-]
+def cross_entropy_want(logits, targets, dloss, denom):
+    cache = ops.CrossEntropyReference.forward(logits, targets, denom)[1]
+    return ops.CrossEntropyReference.backward(dloss, cache)
 
 
-def layernorm_case(N, C, scale, offset, seed):
-    r = rng_for(seed, N, C)
-    x = offset + scale * r.standard_normal((N, C))
-    w, b = 1.0 + 0.5 * r.standard_normal(C), r.standard_normal(C)
-    dout = r.standard_normal((N, C))
-    return x, w, b, dout
-
-
-def cross_entropy_case(N, V, scale, offset, seed):
-    r = rng_for(seed, N, V)
-    logits = scale * r.standard_normal((N, V))
-    if offset == "+-":
-        logits += r.choice([-1e4, 1e4], size=(N, 1))
-    targets = r.integers(0, V, size=N)
-    if N >= 3:
-        targets[1] = targets[2] = targets[0]                  # rows sharing a target
-    return logits, targets
-
-
-# --- the criteria -------------------------------------------------------------------------
-
-def check_layernorm_fd(student):
-    for label, N, C, scale, offset, eps in LAYERNORM_FD:
-        x, w, b, dout = layernorm_case(N, C, scale, offset, seed=0)
+def judge_layernorm_fd(res):
+    for i, (label, N, C, scale, offset, eps) in enumerate(drive.LAYERNORM_FD):
+        x, w, b, dout = drive.layernorm_case(N, C, scale, offset, drive.SEED["ln_fd"])
+        eps_value = drive.eps_args(eps)[2]
         what = f"layernorm_backward, {label}, float64"
-        inputs = {"dout": dout, "x": x, "w": w}
-        kept = [a.copy() for a in inputs.values()]
-        dx, dw, db = returned(student.layernorm_backward(dout, x, w, eps), 3, what, ["dx", "dw", "db"])
-        untouched(inputs, kept, what)
+        dx, dw, db = result_of(res, "ln_fd", i, ("dx", "dw", "db"), {"dout": dout, "x": x, "w": w}, what)
 
         def loss(x_, w_=w, b_=b):                             # L = sum(out * dout): dL/dout = dout
-            return float((ops.LayerNormReference.forward(x_, w_, b_, eps)[0] * dout).sum())
+            return float((ops.LayerNormReference.forward(x_, w_, b_, eps_value)[0] * dout).sum())
 
         fd_close(dx, numerical_grad(lambda v: loss(v), x, power_of_two(scale)), f"{what}: dx")
         fd_close(dw, numerical_grad(lambda v: loss(x, v), w, power_of_two(1.0)), f"{what}: dw")
         fd_close(db, numerical_grad(lambda v: loss(x, w, v), b, power_of_two(1.0)), f"{what}: db")
 
 
-def check_softmax_fd(student):
-    for label, shape, scale in SOFTMAX_FD:
-        r = rng_for(1, *shape)
-        x, dout = scale * r.standard_normal(shape), r.standard_normal(shape)
-        y = softmax(x)
+def judge_softmax_fd(res):
+    for i, (label, shape, scale) in enumerate(drive.SOFTMAX_FD):
+        x, y, dout = drive.softmax_case(shape, scale, drive.SEED["sm_fd"])
         what = f"softmax_backward, {label}, float64"
-        inputs = {"dout": dout, "y": y}
-        kept = [a.copy() for a in inputs.values()]
-        (dx,) = returned(student.softmax_backward(dout, y), 1, what, ["dx"])
-        untouched(inputs, kept, what)
-        fd_close(dx, numerical_grad(lambda v: float((softmax(v) * dout).sum()), x, power_of_two(1.0)),
+        (dx,) = result_of(res, "sm_fd", i, ("dx",), {"dout": dout, "y": y}, what)
+        fd_close(dx, numerical_grad(lambda v: float((drive.softmax(v) * dout).sum()), x, power_of_two(1.0)),
                  f"{what}: dx")
 
 
-def check_cross_entropy_fd(student):
-    for label, N, V, scale, offset, denom, dloss in CROSS_ENTROPY_FD:
-        logits, targets = cross_entropy_case(N, V, scale, offset, seed=2)
+def judge_cross_entropy_fd(res):
+    for i, (label, N, V, scale, offset, denom, dloss, tdtype) in enumerate(drive.CROSS_ENTROPY_FD):
+        logits, targets = drive.cross_entropy_case(N, V, scale, offset, drive.SEED["ce_fd"], tdtype=tdtype)
         what = f"cross_entropy_backward, {label}, float64"
-        inputs = {"logits": logits, "targets": targets}
-        kept = [a.copy() for a in inputs.values()]
-        (d,) = returned(student.cross_entropy_backward(logits, targets, dloss, denom), 1, what, ["dlogits"])
-        untouched(inputs, kept, what)
+        (d,) = result_of(res, "ce_fd", i, ("dlogits",), {"logits": logits, "targets": targets}, what)
 
         def objective(z):                                     # dloss * loss
             return dloss * float(ops.CrossEntropyReference.forward(z, targets, denom)[0])
@@ -186,137 +201,98 @@ def check_cross_entropy_fd(student):
         fd_close(d, numerical_grad(objective, logits, power_of_two(1.0)), f"{what}: dlogits")
 
 
-def check_reference(student):
-    """Bigger cases, against minipar's own formulas (called directly: the seam is not
-    installed in this process) at 1e-12."""
-    for label, N, C, scale, offset in [("N=24 C=32", 24, 32, 1.0, 0.0), ("N=6 C=1", 6, 1, 1.0, 0.0),
-                                       ("N=64 C=96 x ~ 2 + 1e3 N(0,1)", 64, 96, 1e3, 2.0),
-                                       ("N=10 C=7 x ~ 1e-3", 10, 7, 1e-3, 0.0)]:
-        x, w, b, dout = layernorm_case(N, C, scale, offset, seed=3)
-        want = ops.LayerNormReference.backward(dout, ops.LayerNormReference.forward(x, w, b, EPS)[1])
-        what = f"layernorm_backward, {label}, float64, vs ops.LayerNormReference"
-        got = returned(student.layernorm_backward(dout, x, w, EPS), 3, what, ["dx", "dw", "db"])
+def judge_families(res, suffix, dtype, close, source):
+    """The layernorm, softmax and cross-entropy cases of one family (ln_<suffix>, ...) against
+    minipar's formulas in float64 on the same inputs, compared by close()."""
+    for i, (label, N, C, scale, offset, eps) in enumerate(getattr(drive, f"LAYERNORM_{suffix.upper()}")):
+        x, w, b, dout = drive.layernorm_case(N, C, scale, offset, drive.SEED[f"ln_{suffix}"], dtype)
+        what = f"layernorm_backward, {label}, {dtype}, vs ops.LayerNormReference{source}"
+        got = result_of(res, f"ln_{suffix}", i, ("dx", "dw", "db"), {"dout": dout, "x": x, "w": w}, what)
+        want = layernorm_want(*(a.astype(np.float64) for a in (x, w, b, dout)), drive.eps_args(eps)[2])
         for name, g, wnt in zip(("dx", "dw", "db"), got, want):
-            ref_close(g, wnt, f"{what}: {name}")
+            close(g, wnt, f"{what}: {name}")
 
-    for label, shape in [("shape (8, 16, 16)", (8, 16, 16)), ("shape (5, 300)", (5, 300))]:
-        r = rng_for(4, *shape)
-        y, dout = softmax(3.0 * r.standard_normal(shape)), r.standard_normal(shape)
-        node = ops.Softmax()                                  # minipar's own backward, on a node holding y
-        node.save(y)
-        node.axis, node.dtype = -1, y.dtype
-        what = f"softmax_backward, {label}, float64, vs ops.Softmax.backward"
-        (got,) = returned(student.softmax_backward(dout, y), 1, what, ["dx"])
-        ref_close(got, node.backward(dout)[0], f"{what}: dx")
+    for i, (label, shape, scale) in enumerate(getattr(drive, f"SOFTMAX_{suffix.upper()}")):
+        _, y, dout = drive.softmax_case(shape, scale, drive.SEED[f"sm_{suffix}"], dtype)
+        what = f"softmax_backward, {label}, {dtype}, vs ops.Softmax.backward{source}"
+        (got,) = result_of(res, f"sm_{suffix}", i, ("dx",), {"dout": dout, "y": y}, what)
+        close(got, softmax_want(y.astype(np.float64), dout.astype(np.float64)), f"{what}: dx")
 
-    for label, N, V, scale, offset, denom, dloss in [
-            ("N=32 V=50 loss_denom=32", 32, 50, 2.0, 0.0, 32.0, 1.0),
-            ("N=16 V=256 logits +-1e4 loss_denom=64 dloss=0.5", 16, 256, 3.0, "+-", 64.0, 0.5),
-            ("N=5 V=3 loss_denom=2.5 dloss=3", 5, 3, 1.0, 0.0, 2.5, 3.0)]:
-        logits, targets = cross_entropy_case(N, V, scale, offset, seed=5)
-        cache = ops.CrossEntropyReference.forward(logits, targets, denom)[1]
-        want = ops.CrossEntropyReference.backward(dloss, cache)
-        what = f"cross_entropy_backward, {label}, float64, vs ops.CrossEntropyReference"
-        (got,) = returned(student.cross_entropy_backward(logits, targets, dloss, denom), 1, what, ["dlogits"])
-        ref_close(got, want, f"{what}: dlogits")
+    for i, (label, N, V, scale, offset, denom, dloss, tdtype) in \
+            enumerate(getattr(drive, f"CROSS_ENTROPY_{suffix.upper()}")):
+        logits, targets = drive.cross_entropy_case(N, V, scale, offset, drive.SEED[f"ce_{suffix}"], dtype, tdtype)
+        what = f"cross_entropy_backward, {label}, {dtype}, vs ops.CrossEntropyReference{source}"
+        (got,) = result_of(res, f"ce_{suffix}", i, ("dlogits",), {"logits": logits, "targets": targets}, what)
+        close(got, cross_entropy_want(logits.astype(np.float64), targets, dloss, denom), f"{what}: dlogits")
 
 
-GPT_CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
+def judge_reference(res):
+    """Bigger cases, against minipar's own formulas at 1e-12."""
+    judge_families(res, "ref", "float64", ref_close, "")
 
 
-def check_gpt(student):
-    """A tiny GPT in float64: every parameter's gradient with the student's backwards at the
-    seam, against minipar's own gradients taken before the swap."""
-    cfg, B = GPT_CONFIG, 3
-    T, denom = cfg.block_size, 4.0 * 3 * cfg.block_size     # loss_denom as with 4 micro-batches
-    r = rng_for(6)
-    idx, targets = r.integers(0, cfg.vocab_size, size=(B, T)), r.integers(0, cfg.vocab_size, size=(B, T))
-    model = GPT(cfg, seed=7, dtype=np.float64)
+def judge_float32(res):
+    """float32 inputs: float32 results, within F32_TOL of minipar's formulas in float64."""
+    judge_families(res, "32", "float32", f32_close, " in float64")
 
-    def gradients():
-        for p in model.params.values():
-            p.grad = None
-        loss = model(idx, targets, loss_denom=denom)
-        loss.backward()
-        return loss.item(), {name: p.grad.copy() for name, p in model.params.items()}
 
-    want_loss, want = gradients()                             # minipar's own backwards
-    calls = install(student)
-    got_loss, got = gradients()                               # the student's, at the seam
-    case = (f"GPT L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size}, B={B} T={T}, "
-            f"loss_denom={denom:g}, float64")
+def judge_gpt(res):
+    """Every parameter's gradient of the tiny GPT with the student's backwards at the seam,
+    against minipar's own gradients, computed here (nothing of the student's is installed in
+    this process)."""
+    cfg = drive.GPT_CONFIG
     ran = 2 * cfg.n_layer + 2                                 # 2L + 1 LayerNorms and the loss
-    assert calls() == ran, f"{case}: the seam ran the student's backward {calls()} times, want {ran} (a lab bug)"
-    assert got_loss == want_loss, f"{case}: the loss changed, {got_loss!r} != {want_loss!r} (a lab bug)"
-    bad = []
-    for name in reversed(list(model.params)):                 # walking back from the loss
-        size = float(np.abs(want[name]).max()) or 1.0
-        diff = first_difference(got[name], want[name], rtol=1e-12, atol=1e-12 * size)
-        if diff is not None:
-            bad.append((name, diff))
-    if bad:
-        name, diff = bad[0]
-        others = f"; {len(bad) - 1} more parameter(s) wrong" if len(bad) > 1 else ""
-        raise AssertionError(f"{case}: gradient of {name} (the first wrong one walking back from the loss): "
-                             f"{diff}{others}")
-
-
-# --- the seam -----------------------------------------------------------------------------
-
-def install(student):
-    """ops.LayerNorm, ops.CrossEntropy and ops.Softmax compute their backward with the
-    student's functions, on this process; the forwards stay minipar's. -> calls()."""
-    calls = [0]
-    ln_forward, ce_forward = ops.LayerNorm.forward, ops.CrossEntropy.forward
-
-    def layer_norm_forward(self, x, w, b, eps=EPS):
-        self.lab_input = (x, eps)                             # the fast op saves xhat and rstd, not x
-        return ln_forward(self, x, w, b, eps)
-
-    def layer_norm_backward(self, g):
-        calls[0] += 1
-        (x, eps), (_, w, _) = self.lab_input, self.saved      # w as the forward computed with it
-        C = x.shape[-1]
-        dx, dw, db = student.layernorm_backward(compute(g).reshape(-1, C), compute(x).reshape(-1, C), w, eps)
-        return store(dx.reshape(g.shape), self.dtype), store(dw, self.dtype), store(db, self.dtype), None
-
-    def cross_entropy_forward(self, logits, targets, denom=None):
-        self.lab_logits = logits                              # the fast op saves the probabilities
-        return ce_forward(self, logits, targets, denom)
-
-    def cross_entropy_backward(self, g):
-        calls[0] += 1
-        (_, t), V = self.saved, self.shape[-1]
-        d = student.cross_entropy_backward(compute(self.lab_logits).reshape(-1, V), t, float(g), self.denom)
-        return store(d.reshape(self.shape), self.dtype), None, None
-
-    def softmax_backward(self, g):
-        calls[0] += 1
-        (y,) = self.saved
-        dx = student.softmax_backward(np.moveaxis(compute(g), self.axis, -1), np.moveaxis(y, self.axis, -1))
-        return store(np.moveaxis(dx, -1, self.axis), self.dtype), None
-
-    ops.LayerNorm.forward, ops.LayerNorm.backward = layer_norm_forward, layer_norm_backward
-    ops.CrossEntropy.forward, ops.CrossEntropy.backward = cross_entropy_forward, cross_entropy_backward
-    ops.Softmax.backward = softmax_backward
-    return lambda: calls[0]
+    for dtype in drive.GPT_DTYPES:
+        _, _, denom = drive.gpt_inputs()
+        case = (f"GPT L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size}, B={drive.GPT_B} "
+                f"T={cfg.block_size}, loss_denom={denom:g}, {dtype}")
+        want_loss, want = drive.gpt_gradients(dtype)
+        calls = res.get(0, key("gpt", dtype, "calls"))
+        assert calls == ran, f"{case}: the seam ran the student's backward {calls!r} times, want {ran} (a lab bug?)"
+        loss = res.get(0, key("gpt", dtype, "loss"))
+        rtol = 1e-13 if dtype == "float64" else 1e-6          # the same forward, maybe on other BLAS threads
+        assert isinstance(loss, float) and np.isclose(loss, want_loss, rtol=rtol, atol=0.0), \
+            f"{case}: the loss changed, {loss!r} != {want_loss!r} (the forwards are minipar's: a lab bug?)"
+        got = res.get(0, key("gpt", dtype, "grads"))
+        assert isinstance(got, dict), f"{case}: the gradients came back as {typename(got)} (tampered with?)"
+        tol = 1e-12 if dtype == "float64" else F32_TOL
+        bad = []
+        for name in reversed(list(want)):                     # walking back from the loss
+            diff = first_difference(got.get(name), want[name], rtol=tol, atol=tol * scale_of(want[name]))
+            if diff is not None:
+                bad.append((name, diff))
+        if bad:
+            name, diff = bad[0]
+            others = f"; {len(bad) - 1} more parameter(s) wrong" if len(bad) > 1 else ""
+            raise AssertionError(f"{case}: gradient of {name} (the first wrong one walking back from the loss): "
+                                 f"{diff}{others}")
 
 
 CRITERIA = [
-    Criterion("layernorm by finite differences", check=check_layernorm_fd, timeout=30,
+    Criterion("layernorm by finite differences", run="layernorm_fd", judge=judge_layernorm_fd, timeout=30,
+              uses=("layernorm_backward",),
               hint="x reaches xhat three ways: directly, through the mean and through the variance; "
-                   "work one row (N=1, C=3) by hand first; the variance is biased (divided by C) and "
-                   "ops.LayerNormReference.forward is the forward"),
-    Criterion("softmax by finite differences", check=check_softmax_fd, timeout=30,
+                   "work one row (N=1, C=3) by hand first; the variance is biased (divided by C), eps "
+                   "defaults to 1e-5, and ops.LayerNormReference.forward is the forward"),
+    Criterion("softmax by finite differences", run="softmax_fd", judge=judge_softmax_fd, timeout=30,
+              uses=("softmax_backward",),
               hint="dx_i = sum_j dout_j dy_j/dx_i with dy_j/dx_i = y_j (delta_ij - y_i): write the "
-                   "Jacobian for 3 entries by hand, then vectorise"),
-    Criterion("cross-entropy by finite differences", check=check_cross_entropy_fd, timeout=30,
+                   "Jacobian for 3 entries by hand, then vectorise over any leading axes (1-D too)"),
+    Criterion("cross-entropy by finite differences", run="cross_entropy_fd", judge=judge_cross_entropy_fd,
+              timeout=30, uses=("cross_entropy_backward",),
               hint="subtract each row's max before exp (exp(1e4) overflows); the loss is divided by "
                    "loss_denom and scaled by dloss; ops.CrossEntropyReference.forward is the forward"),
-    Criterion("against minipar's reference formulas", check=check_reference, timeout=30,
+    Criterion("against minipar's reference formulas", run="reference", judge=judge_reference, timeout=30,
+              uses=("layernorm_backward", "softmax_backward", "cross_entropy_backward"),
               hint="right to 1e-7 but not to 1e-12 is a numerical gradient or a float32 step: "
                    "write the closed form, in float64 throughout"),
-    Criterion("whole GPT gradients, float64", check=check_gpt, timeout=60,
+    Criterion("float32 inputs", run="float32", judge=judge_float32, timeout=30,
+              uses=("layernorm_backward", "softmax_backward", "cross_entropy_backward"),
+              hint="float32 in, float32 out: make new arrays with np.zeros_like / np.empty_like or "
+                   "dtype=x.dtype, and compute the variance as the mean of (x - mean)^2, not "
+                   "mean(x^2) - mean^2 (two large numbers that cancel when the mean is large next to the spread)"),
+    Criterion("whole GPT gradients, float64 and float32", run="gpt", judge=judge_gpt, timeout=60,
+              uses=("layernorm_backward", "cross_entropy_backward"),
               hint="return new arrays each call: the autograd engine (minipar.tensor.backward) keeps "
                    "a gradient you return, and adds to it later"),
 ]

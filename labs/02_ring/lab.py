@@ -100,10 +100,10 @@ def judge_ledger(res):
 
 CRITERIA = [
     Criterion("reduce_scatter against NumPy", ranks=5, run="reduce_scatter", judge=judge_reduce_scatter,
-              timeout=60, uses=("reduce_scatter",),
+              timeout=30, uses=("reduce_scatter",),
               hint="print the piece indices you send and receive at each step for p = 3; "
                    "MINIPAR_TRACE=1 prints every message"),
-    Criterion("all_gather against NumPy", ranks=5, run="all_gather", judge=judge_all_gather, timeout=60,
+    Criterion("all_gather against NumPy", ranks=5, run="all_gather", judge=judge_all_gather, timeout=30,
               uses=("all_gather",), hint="the piece a rank sends at step s is the one it received at step s-1"),
     Criterion("bytes in the ledger", ranks=5, run="ledger", judge=judge_ledger, timeout=30,
               uses=("reduce_scatter", "all_gather"),

@@ -14,7 +14,7 @@ send_buf and recv_buf are contiguous NumPy arrays (slices of a 1-D array are); a
 0 elements sends nothing. g.rank and g.size are this rank's place and the ring's length.
 Use nothing else to communicate: no MPI collective, and none of minipar.comm's own.
 
-Check:  make lab L=02        (or: python -m labs.grade 02 --student this_file.py)
+Check:  make lab L=02        (or: .venv/bin/python -m labs.grade 02 --student this_file.py)
 """
 import numpy as np  # noqa: F401 - you will want it
 

@@ -17,7 +17,8 @@ sends nothing. Messages between two ranks arrive in the order they were sent. g.
 g.size are this rank's place and the group's size p. Use nothing else to communicate: no MPI
 collective, and none of minipar.comm's own.
 
-Check:  make lab L=03        (or: python -m labs.grade 03 --student this_file.py)
+Check:  make lab L=03
+        (or: .venv/bin/python -m labs.grade 03 --student labs/03_all_reduce/student.py)
 """
 import numpy as np  # noqa: F401 - you will want it
 

@@ -14,7 +14,7 @@ MiB = 1024 * 1024
 class DataParallelNaive(NoSync):
 
     def __init__(self, params, group):
-        super().__init__([p for p in params if p.requires_grad])
+        self.params = [p for p in params if p.requires_grad]      # NoSync's zero_grad clears them
         self.group = group
 
     def finish(self):
@@ -43,7 +43,7 @@ def plan_buckets(nbytes, bucket_mb):
 class DataParallelBucketed(NoSync):
 
     def __init__(self, params, group, bucket_mb=1.0):
-        super().__init__([p for p in params if p.requires_grad])
+        self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.plan = plan_buckets([p.data.nbytes for p in self.params], bucket_mb)
         self.flat = []          # bucket k's buffer

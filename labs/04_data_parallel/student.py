@@ -30,7 +30,7 @@ Parameters with requires_grad False are frozen: never synchronised, their .grad 
 (None). Every parameter that requires grad receives a gradient in every backward, once (a
 tied parameter used twice, like wte.weight, too: autograd adds both uses before the hook).
 
-Check:  make lab L=04        (or: python -m labs.grade 04 --student this_file.py)
+Check:  make lab L=04        (or: .venv/bin/python -m labs.grade 04 --student this_file.py)
 """
 import time  # noqa: F401 - you will want it
 

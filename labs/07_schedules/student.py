@@ -19,14 +19,18 @@ posts them and moves on); a Recv waits until its message has arrived. Messages b
 stages arrive in the order they were sent.
 
 Build the lists yourself: import the instruction classes, not minipar's own gpipe,
-one_f_one_b or schedule(). You can check and draw your lists without MPI:
+one_f_one_b, schedule(), SCHEDULES or check() (the grader's scan refuses them in this file).
+Return a new list on every call. You can check and draw your lists without MPI, beside this
+file (in a shell or a script of your own that imports it):
+
+    .venv/bin/python -m labs.07_schedules.show 1f1b 4 8 --student this_file.py
 
     from minipar.parallel import schedules
     from minipar import draw
     report = schedules.check(4, 8, one_f_one_b)         # raises ScheduleError on a deadlock
     print(draw.ascii_gantt(report.timeline, 4))
 
-Check:  make lab L=07        (or: python -m labs.grade 07 --student this_file.py)
+Check:  make lab L=07        (or: .venv/bin/python -m labs.grade 07 --student this_file.py)
 """
 from minipar.parallel.schedules import (Backward, Forward, RecvActivation, RecvGrad,  # noqa: F401
                                         SendActivation, SendGrad)

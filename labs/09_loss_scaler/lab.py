@@ -1,31 +1,42 @@
-"""Lab 09's seam and criteria (labs/framework.py says what a lab is).
+"""Lab 09's criteria, judged in the grader's process (labs/framework.py says what a lab is).
 
-Seam: minipar.precision.LossScaler and make_scaler build the student's LossScaler (a subclass
-that counts update calls); make_scaler keeps minipar's rule (fp16: dynamic from --loss-scale,
-default 2^16; bf16: a fixed scale of 1). The trainer's skip decision, inline in
-minipar.train.train_step as `comm.all_reduce(world_group, flag, op="max")` on a one-element
-int64 flag, is the only such all-reduce in minipar: comm.all_reduce is wrapped so that that
-call becomes student.step_is_skipped(world_group, flag) (every other all-reduce, and the
-student's own calls from inside step_is_skipped, go to minipar's).
+Seam (drive.install): minipar.precision.LossScaler and make_scaler build the student's
+LossScaler (a subclass that counts and records its updates); make_scaler keeps minipar's
+rule (fp16: dynamic from --loss-scale, default 2^16; bf16: a fixed scale of 1). The
+trainer's skip decision, inline in minipar.train.train_step as `comm.all_reduce(world_group,
+flag, op="max")` on a one-element int64 flag, is the only such all-reduce in minipar:
+comm.all_reduce is wrapped so that that call becomes student.step_is_skipped(world_group,
+flag) (every other all-reduce, and the student's own calls from inside step_is_skipped, go
+to minipar's).
 Oracle: `oracle` below, GradScaler's rule written again in a few lines (not the student's,
-not minipar's class); for the skip, the OR of the local flags every rank handed in, gathered
-by minipar's own all_gather (the student's code is only behind the one all-reduce).
+not minipar's class); for the skip, the OR of the local flags every rank recorded; for the
+trainer, the grader's own single-process twin (labs/twin.py: the losses, at fp16's
+tolerance) and, per step, the oracle's scale and the OR of the ranks' flags.
 """
-import contextlib
-import io
-import json
+import numbers
+import os
 
 import numpy as np
-from mpi4py import MPI
 
-from labs.framework import Criterion, collective_uses, first_difference
-from minipar import comm, precision, train
+from labs.framework import Criterion, first_difference, load_drive, trainer_flags
+from labs.results import key
+from labs.scan import ANY, Allowed
 
 TITLE = "the dynamic loss scaler and the all-rank skip"
-SEAM = {"calls": 0, "inside": False, "flags": [], "scalers": [], "group": None}
+drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
+ALLOWED = Allowed(
+    modules={"minipar.comm": ANY, "minipar.precision": set()},
+    refused={"minipar.precision.LossScaler": "minipar's own loss scaler: this lab grades yours",
+             "minipar.precision.make_scaler": "builds minipar's own loss scaler: this lab grades yours"})
+DEFAULTS = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, good_steps=0,
+                dynamic=True)
+STATE_KEYS = ("scale", "good_steps", "growth_interval", "dynamic")
+# what each attribute and state_dict() value must be (the trainer, its log and meta.json read them)
+KINDS = {"scale": (float,), "growth_factor": (float, int), "backoff_factor": (float, int),
+         "growth_interval": (int,), "good_steps": (int,), "dynamic": (bool,)}
 
 
-def oracle(pattern, scale, growth_interval, growth_factor=2.0, backoff_factor=0.5, dynamic=True, good=0):
+def oracle(pattern, scale, growth_interval=2000, growth_factor=2.0, backoff_factor=0.5, dynamic=True, good=0):
     """[(scale, good_steps) after each update] for found_inf flags `pattern` ("FFT..." or
     bools): an inf backs off and restarts the count; the growth_interval-th clean step in a
     row grows and restarts it; a fixed (non-dynamic) scaler never changes."""
@@ -41,280 +52,229 @@ def oracle(pattern, scale, growth_interval, growth_factor=2.0, backoff_factor=0.
     return out
 
 
-def trajectory(scaler, pattern):
-    """(scales, good_steps) of the student's scaler after each update of `pattern`."""
-    scales, goods = [], []
-    for c in pattern:
-        scaler.update(c == "T")
-        scales.append(float(scaler.scale))
-        goods.append(int(scaler.good_steps))
-    return np.array(scales), np.array(goods, dtype=np.int64)
+def oracle_of(kw: dict, pattern: str, **state):
+    """The oracle for LossScaler(**kw) (then `state` loaded) over `pattern`."""
+    args = {**{k: DEFAULTS[k] for k in ("scale", "growth_interval", "growth_factor", "backoff_factor", "dynamic")},
+            **{k: v for k, v in kw.items() if k != "good_steps"}, **state}
+    return oracle(pattern, args["scale"], args["growth_interval"], args["growth_factor"], args["backoff_factor"],
+                  args["dynamic"], args.get("good_steps", kw.get("good_steps", 0)))
 
 
-def expect_trajectory(scaler, pattern, want, what):
-    """The student's scaler, run over `pattern`, against oracle's `want`: the first update
-    where the scale or the clean-step count differs."""
-    scales, goods = trajectory(scaler, pattern)
-    for name, got, w in (("scale", scales, np.array([s for s, _ in want])),
-                         ("good_steps", goods, np.array([g for _, g in want], dtype=np.int64))):
+def of_kind(v, kinds) -> bool:
+    if bool in kinds:
+        return type(v) is bool
+    if int in kinds and float not in kinds:
+        return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, (float, int) if int in kinds else float) and not isinstance(v, bool)
+
+
+def marked(pattern: str, i: int) -> str:
+    return f"{pattern[:i]}[{pattern[i]}]{pattern[i + 1:]}" if len(pattern) <= 80 else \
+        f"...{pattern[max(0, i - 30):i]}[{pattern[i]}]{pattern[i + 1:i + 30]}... (update {i} of {len(pattern)})"
+
+
+def expect_trajectory(res, rank: int, k: str, pattern: str, want: list, what: str):
+    """The scale and good_steps the child recorded after each update against the oracle's:
+    the first update where either differs, with the pattern marked there; and their types."""
+    for name, w, dtype in (("scale", [s for s, _ in want], np.float64), ("good_steps", [g for _, g in want], np.int64)):
+        got = res.get(rank, key(k, name))
+        w = np.array(w, dtype=dtype)
         diff = first_difference(got, w)
-        if diff is not None:
-            i = int(np.argmax(~np.isclose(got, w, rtol=1e-12, atol=0)))
-            raise AssertionError(f"{what}: {name} after each update: {diff} (update {i}, found_inf pattern "
-                                 f"{pattern[:i]}[{pattern[i]}]{pattern[i + 1:]})")
-
-
-# --- the criteria ---------------------------------------------------------------------------
-
-def check_static(student):
-    """The student's file references no MPI collective (the scan minipar's own code passes)."""
-    found = collective_uses(student)
-    assert not found, "uses MPI's own collectives: " + "; ".join(found[:3])
-
-
-RULE_CASES = [  # (name, LossScaler keyword arguments, found_inf pattern)
-    ("minipar's test", dict(scale=8.0, growth_interval=3), "FFFFTFFF"),
-    ("an inf in the middle of a count", dict(scale=2.0 ** 16, growth_interval=4), "FFFTFFFFFFFFTTFFF"),
-    ("growth_interval 1", dict(scale=1.0, growth_interval=1), "FFTFTTFFF"),
-    ("factors 4 and 1/4", dict(scale=2.0 ** 10, growth_factor=4.0, backoff_factor=0.25, growth_interval=2),
-     "FFFTFFTTFFFFF"),
-    ("backing off below 1", dict(scale=4.0, growth_interval=5), "TTTTTTFFFFFFFFFFT"),
-    ("the default interval, 2000", dict(scale=2.0 ** 16), "F" * 1999 + "FTF" + "F" * 1998 + "FF"),
-]
-
-
-def check_rule(student):
-    s = student.LossScaler()
-    defaults = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, good_steps=0,
-                    dynamic=True)
-    for name, want in defaults.items():
-        assert hasattr(s, name), f"LossScaler() has no attribute {name!r} (minipar's trainer and report read it)"
-        assert getattr(s, name) == want, f"LossScaler().{name} = {getattr(s, name)!r}, want {want!r}"
-    given = dict(scale=8.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3, dynamic=False)
-    s = student.LossScaler(**given)
-    for name, want in given.items():
-        assert getattr(s, name) == want, f"LossScaler(**{given}).{name} = {getattr(s, name)!r}, want {want!r}"
-    rng = np.random.default_rng(9)
-    cases = RULE_CASES + [("200 random steps, 1 in 5 an inf", dict(scale=2.0 ** 16, growth_interval=3),
-                           "".join(rng.choice(["T", "F"], p=[0.2, 0.8], size=200)))]
-    for name, kw, pattern in cases:
-        want = oracle(pattern, kw["scale"], kw.get("growth_interval", 2000), kw.get("growth_factor", 2.0),
-                      kw.get("backoff_factor", 0.5))
-        expect_trajectory(student.LossScaler(**kw), pattern, want, f"case {name!r}, LossScaler(**{kw})")
-
-
-def check_fixed(student):
-    """dynamic=False never changes the scale nor counts; the trainer still skips the step."""
-    for kw in (dict(scale=1.0, dynamic=False), dict(scale=1024.0, growth_interval=1, dynamic=False)):
-        pattern = "TTFFFFTFT"
-        want = oracle(pattern, kw["scale"], kw.get("growth_interval", 2000), dynamic=False)
-        expect_trajectory(student.LossScaler(**kw), pattern, want, f"LossScaler(**{kw})")
-    # bf16 in the trainer, one process: a NaN planted in one gradient skips the step
-    install(student)
-    args = train.build_parser().parse_args(["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size",
-                                            "16", "--batch-size", "4", "--steps", "2", "--sample", "0",
-                                            "--precision", "bf16"])
-    spec = train.prepare(args, 1)
-    model, opt = train.init_model(spec, args)
-    assert SEAM["scalers"] and opt.scaler is SEAM["scalers"][0], "the optimizer did not get the student's scaler"
-    poison = [True]
-    model.params["h.0.mlp.c_fc.weight"].register_grad_hook(
-        lambda p: p.grad.flat.__setitem__(0, np.nan) if poison[0] else None)
-    sampler = train.data.Sampler(spec.tokens, spec.cfg.block_size, args.batch_size, args.seed)
-    s = train.Session(args, model, opt, sampler, world_group=comm.Group(MPI.COMM_SELF))
-    what = "bf16 trainer step, one process, a NaN planted in h.0.mlp.c_fc.weight's gradient"
-    for step, planted in ((0, True), (1, False)):
-        poison[0] = planted
-        with train.quiet_overflow(True):
-            row = train.train_step(s, step)
-        case = what if planted else "the next bf16 step, no inf planted"
-        assert row["skipped"] == planted, f"{case}: skipped={row['skipped']}, want {planted}"
-        assert float(opt.scaler.scale) == 1.0 and opt.scaler.good_steps == 0, \
-            f"step {step} (found_inf={planted}): scale {opt.scaler.scale!r}, good_steps {opt.scaler.good_steps!r}; " \
-            "a fixed scaler stays at 1.0 and 0"
-    assert opt.step_count == 1, f"{what}: {opt.step_count} optimizer steps in 2 (1 skipped), want 1"
-
-
-def check_state_dict(student):
-    """Stop anywhere, save (through JSON, as a checkpoint's meta.json), load into a fresh
-    LossScaler(), and go on: the same scales as never stopping."""
-    kw, pattern = dict(scale=2.0 ** 20, growth_interval=3), "FTFFFFTFFFFFFF"
-    for cut in range(len(pattern) + 1):
-        a = student.LossScaler(**kw)
-        trajectory(a, pattern[:cut])
-        try:
-            state = json.loads(json.dumps(a.state_dict()))
-        except TypeError as e:
-            raise AssertionError(f"state_dict() is not JSON (a checkpoint's meta.json holds it): {e}") from None
-        b = student.LossScaler()
-        b.load_state_dict(state)
-        before = oracle(pattern[:cut], kw["scale"], 3)
-        scale0, good0 = before[-1] if before else (kw["scale"], 0)
-        want = oracle(pattern[cut:], scale0, 3, good=good0)
-        expect_trajectory(b, pattern[cut:], want,
-                          f"LossScaler(**{kw}) after {pattern[:cut]!r}, state_dict() {state} loaded into "
-                          f"LossScaler(), then {pattern[cut:]!r}")
-    fixed = student.LossScaler()
-    fixed.load_state_dict(json.loads(json.dumps(student.LossScaler(scale=1.0, dynamic=False).state_dict())))
-    expect_trajectory(fixed, "TFT", oracle("TFT", 1.0, 2000, dynamic=False),
-                      "LossScaler() loaded from LossScaler(scale=1.0, dynamic=False).state_dict()")
-    # minipar's checkpoint format: the same keys both ways
-    a = student.LossScaler(**kw)
-    trajectory(a, "FF")
-    want = {"scale": kw["scale"], "good_steps": 2, "growth_interval": 3, "dynamic": True}
-    got = a.state_dict()
-    missing = sorted(set(want) - set(got))
-    assert not missing, f"state_dict() {got} lacks {missing}: minipar's checkpoints hold {sorted(want)}"
-    bad = {k: got[k] for k in want if got[k] != want[k]}
-    assert not bad, f"LossScaler(**{kw}) after 'FF': state_dict() has {bad}, want {want}"
-    theirs = precision.LossScaler(scale=2.0 ** 5, growth_interval=3, good_steps=2).state_dict()
-    b = student.LossScaler()
-    b.load_state_dict(theirs)
-    expect_trajectory(b, "FFFFT", oracle("FFFFT", 2.0 ** 5, 3, good=2),
-                      f"LossScaler() loaded from minipar's state_dict {theirs}")
-
-
-def groups():
-    """(p, Group or None) for p = 1..4 of the world's ranks 0..p-1; the others sit it out."""
-    world = MPI.COMM_WORLD
-    yield 1, comm.Group(MPI.COMM_SELF) if world.Get_rank() == 0 else None
-    for p in range(2, world.Get_size() + 1):
-        sub = world.Split(0 if world.Get_rank() < p else MPI.UNDEFINED, world.Get_rank())
-        yield p, (comm.Group(sub) if sub != MPI.COMM_NULL else None)
-
-
-def check_agree(student):
-    for p, g in groups():
-        if g is None:
+        if diff is None:
             continue
-        plantings = [()] + [(r,) for r in range(p)] + [tuple(sorted({0, p - 1})), tuple(range(p))]
-        for planted in dict.fromkeys(plantings):
-            for kind in (bool, np.bool_):
-                mine = kind(g.rank in planted)
-                got = student.step_is_skipped(g, mine)
-                what = (f"group of p={p} (world ranks 0..{p - 1}), inf planted on rank(s) {list(planted)}, "
-                        f"local_found_inf a {kind.__name__}: rank {g.rank}")
-                assert isinstance(got, (bool, np.bool_)), f"{what} got {got!r}, a {type(got).__name__}, not a bool"
-                assert got == bool(planted), f"{what} got {got}, want {bool(planted)} " \
-                                             f"({'any rank' if planted else 'no rank'} found an inf)"
+        if isinstance(got, np.ndarray) and got.shape == w.shape and got.size:
+            i = int(np.argmax(~np.isclose(got.astype(np.float64), w, rtol=1e-12, atol=0)))
+            raise AssertionError(f"{what}: {name} after update {i}: {got[i].item()!r}, want {w[i].item()!r} (found_inf "
+                                 f"{marked(pattern, i)}); {diff}")
+        raise AssertionError(f"{what}: {name} after each update: {diff}")
+    types = res.get(rank, key(k, "types"))
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise AssertionError(f"{what}: the child recorded no types of scale and good_steps")
+    bad = [t for t in types if t not in ("scale: float", "scale: numpy.float64", "good_steps: int")]
+    assert not bad, f"{what}: after an update {', '.join(bad)}; scale must stay a Python float (exactly what " \
+                    f"--loss-scale gave and the factors made of it) and good_steps a Python int"
 
 
-TRAINER_STEPS, TRAINER_GROWTH, TRAINER_SCALE = 50, 4, 1e15     # 1e15 / 2^33 ~ 1e5 fits fp16
-TRAINER = ["--dp", "2", "--tp", "2", "--precision", "fp16", "--loss-scale", "1e15", "--n-layer", "1",
-           "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
-           "--steps", str(TRAINER_STEPS), "--sample", "0", "--verify"]
+def expect_attributes(res, k: str, want: dict, what: str):
+    for name, w in want.items():
+        assert res.get(0, key(k, "has", name)) is True, \
+            f"{what} has no attribute {name!r} (minipar's trainer, its report and checkpoints read it)"
+        got = res.get(0, key(k, "attr", name))
+        assert of_kind(got, KINDS[name]), \
+            f"{what}.{name} is {got!r}, a {type(got).__name__}; it must be a Python " \
+            f"{' or '.join(t.__name__ for t in KINDS[name])}"
+        assert got == w, f"{what}.{name} = {got!r}, want {w!r}"
 
 
-def check_trainer(student):
-    """The trainer with the student's scaler (growth_interval 4, so the run grows too) and
-    skip: the skips are the OR of every rank's flag, each step's loss_scale (the log rows),
-    the final scale and the summary's counts are the oracle's."""
-    install(student, growth_interval=TRAINER_GROWTH)
-    rows, step_fn = [], train.train_step
+def judge_rule(res):
+    expect_attributes(res, "default", DEFAULTS, "LossScaler()")
+    expect_attributes(res, "given", {**drive.GIVEN, "good_steps": 0}, f"LossScaler(**{drive.GIVEN})")
+    for i, (name, kw, pattern) in enumerate(drive.RULE_CASES):
+        expect_trajectory(res, 0, key("rule", i), pattern, oracle_of(kw, pattern),
+                          f"case {name!r}, LossScaler(**{kw})")
 
-    def recorded(s, step):
-        row = step_fn(s, step)
-        if s.world_group is not None:                   # not the --verify twin's steps
-            rows.append(row)
-        return row
 
-    train.train_step = recorded
-    with contextlib.redirect_stdout(io.StringIO()):
-        summary = train.run(train.build_parser().parse_args(TRAINER))
-    what = f"--dp 2 --tp 2 fp16 --loss-scale 1e15 (growth_interval {TRAINER_GROWTH})"
-    flags = SEAM["flags"]
-    assert len(flags) == len(rows) == TRAINER_STEPS, \
-        f"{what}: step_is_skipped ran {len(flags)} times in {len(rows)} steps, want once a step"
-    # every rank's own flags, gathered by minipar's all_gather on the trainer's world group (it
-    # polls politely while rank 0 runs the --verify twin; MPI's own Allgather would spin)
-    local = np.array([f[0] for f in flags], dtype=np.int64)
-    every = comm.all_gather(SEAM["group"], local).reshape(-1, local.size)
-    want_skip = every.any(axis=0)
-    got_skip = np.array([bool(r["skipped"]) for r in rows])
+def judge_fixed(res):
+    for i, (kw, pattern) in enumerate(drive.FIXED_CASES):
+        expect_trajectory(res, 0, key("fixed", i), pattern, oracle_of(kw, pattern), f"LossScaler(**{kw})")
+    what = f"a bf16 trainer step, one process, a NaN planted in {drive.NAN_IN}'s gradient"
+    built = res.get(0, "bf16|scalers built")
+    assert built == 1 and res.get(0, "bf16|the optimizer's is the student's") is True, \
+        f"{what}: the seam built {built!r} scaler(s) and the optimizer did not get the student's"
+    for step, planted in ((0, True), (1, False)):
+        case = what if planted else "the next bf16 step, no NaN planted"
+        skipped = res.get(0, key("bf16", step, "skipped"))
+        assert skipped is planted, f"{case}: the step's log row has skipped={skipped!r}, want {planted}"
+        scale, good = res.get(0, key("bf16", step, "scale")), res.get(0, key("bf16", step, "good_steps"))
+        assert isinstance(scale, float) and scale == 1.0 and type(good) is int and good == 0, \
+            f"{case}: after update({planted}) scale {scale!r}, good_steps {good!r}; a fixed scaler (bf16: " \
+            f"scale=1.0, dynamic=False) stays at 1.0 and 0"
+    flags = res.get(0, "bf16|flags")
+    want = [(True, True), (False, False)]
+    assert flags == want, f"{what}: (local flag, step_is_skipped) of the two steps {flags!r}, want {want} " \
+                          f"(a group of one rank: its own flag)"
+    steps = res.get(0, "bf16|optimizer steps")
+    assert steps == 1, f"{what}: {steps!r} optimizer steps in 2 (1 skipped), want 1"
+
+
+def expect_state(res, k: str, want: dict, what: str):
+    """state_dict() as returned: a dict of minipar's four keys, plain Python values equal to
+    want's; and json.dumps took it."""
+    got = res.get(0, key(k, "state"))
+    assert isinstance(got, dict), f"{what}: state_dict() returned {got!r}, a {type(got).__name__}, not a dict"
+    missing = [n for n in STATE_KEYS if n not in got]
+    assert not missing, f"{what}: state_dict() {got} lacks {missing}: minipar's checkpoints hold {list(STATE_KEYS)}"
+    why = res.get(0, key(k, "json"))
+    assert why == "", f"{what}: json.dumps(state_dict()) fails ({why}): a checkpoint's meta.json holds it; " \
+                      f"state_dict() {got}"
+    for n in STATE_KEYS:
+        assert of_kind(got[n], KINDS[n]), f"{what}: state_dict()[{n!r}] is {got[n]!r}, a " \
+                                          f"{type(got[n]).__name__}, not a Python {KINDS[n][0].__name__}"
+    bad = {n: got[n] for n in STATE_KEYS
+           if not (got[n] == want[n] or (n == "scale" and np.isclose(got[n], want[n], rtol=1e-12, atol=0)))}
+    assert not bad, f"{what}: state_dict() has {bad}, want {({n: want[n] for n in bad})}"
+
+
+def judge_state_dict(res):
+    kw, pattern = drive.STATE_KW, drive.STATE_PATTERN
+    for cut in range(len(pattern) + 1):
+        what = f"LossScaler(**{kw}) after {pattern[:cut]!r}"
+        before = oracle_of(kw, pattern[:cut])
+        scale, good = before[-1] if before else (kw["scale"], 0)
+        expect_state(res, key("cut", cut), {"scale": scale, "good_steps": good, "growth_interval": 3,
+                                            "dynamic": True}, what)
+        state = res.get(0, key("cut", cut, "state"))
+        expect_trajectory(res, 0, key("cut", cut), pattern[cut:], oracle_of(kw, pattern[cut:], good_steps=good,
+                                                                             scale=scale),
+                          f"{what}: state_dict() {state} loaded into LossScaler(), then {pattern[cut:]!r}")
+    expect_state(res, "fixed", {"scale": 1.0, "good_steps": 0, "growth_interval": 2000, "dynamic": False},
+                 "LossScaler(scale=1.0, dynamic=False)")
+    expect_trajectory(res, 0, "fixed", "TFT", oracle("TFT", 1.0, dynamic=False),
+                      "LossScaler() loaded from LossScaler(scale=1.0, dynamic=False).state_dict()")
+    scale, good = oracle_of(drive.KEYS_KW, "FFFFT")[-1]
+    expect_state(res, "keys", {"scale": scale, "good_steps": good, "growth_interval": 3, "dynamic": True},
+                 f"LossScaler(**{drive.KEYS_KW}) after 'FFFFT'")
+    theirs = drive.minipar_state()
+    expect_trajectory(res, 0, "minipar", "FFFFT", oracle_of({}, "FFFFT", **theirs),
+                      f"LossScaler() loaded from minipar's own state_dict {theirs}")
+    what = f"LossScaler(**{drive.FACTORS}) loaded from minipar's own state_dict {theirs} (the factors are not state)"
+    expect_attributes(res, "factors", {**drive.FACTORS, **{n: theirs[n] for n in STATE_KEYS}}, what)
+    expect_trajectory(res, 0, "factors", "FFFFTFFF", oracle_of(drive.FACTORS, "FFFFTFFF", **theirs), what)
+
+
+def judge_agree(res):
+    for p in range(1, 5):
+        for planted in drive.plantings(p):
+            for kind in drive.KINDS:
+                for r in range(p):
+                    what = (f"group of p={p} (world ranks 0..{p - 1}), inf planted on rank(s) {list(planted)}, "
+                            f"local_found_inf a {kind}: rank {r}")
+                    got = res.get(r, key("agree", p, planted, kind, r))
+                    assert isinstance(got, (bool, np.bool_)), \
+                        f"{what} got {got!r}, a {type(got).__name__}, not a bool"
+                    who = f"rank(s) {list(planted)}" if planted else "no rank"
+                    assert bool(got) == bool(planted), f"{what} got {got}, want {bool(planted)} ({who} found an inf)"
+
+
+TRAINER_STEPS, TRAINER_SCALE, TRAINER_WINDOW = 50, 1e15, 4     # 1e15 / 2^33 ~ 1e5 fits fp16
+TRAINER = trainer_flags("--dp", "2", "--tp", "2", "--precision", "fp16", "--loss-scale", "1e15",
+                        "--loss-scale-window", str(TRAINER_WINDOW), n_layer=1, n_embd=16, steps=TRAINER_STEPS,
+                        dtype=None)
+RANKS = 4
+
+
+def judge_trainer(run):
+    """Beyond the twin's losses: every rank's step_is_skipped answered the OR of the four ranks'
+    own flags, the log's skipped and loss_scale of every step, every rank's scaler after every
+    update and the summary's counts are the oracle's."""
+    res = run.results
+    what = "--dp 2 --tp 2 fp16 --loss-scale 1e15"
+    flags = []
+    for r in range(RANKS):
+        f = res.get(r, "flags")
+        ok = isinstance(f, list) and len(f) == TRAINER_STEPS and all(
+            isinstance(x, tuple) and len(x) == 2 and all(type(b) is bool for b in x) for x in f)
+        assert ok, f"{what}: rank {r}'s step_is_skipped ran {len(f) if isinstance(f, list) else f!r} times in " \
+                   f"{TRAINER_STEPS} steps, want once a step"
+        flags.append(f)
+    local = np.array([[x[0] for x in f] for f in flags])            # (rank, step)
+    want_skip = local.any(axis=0)
+    for r in range(RANKS):
+        said = np.array([x[1] for x in flags[r]])
+        bad = np.nonzero(said != want_skip)[0]
+        assert not bad.size, f"{what}: step {bad[0]}: rank {r}'s step_is_skipped returned {bool(said[bad[0]])}, " \
+                             f"but the ranks' own flags were {local[:, bad[0]].tolist()}"
+    got_skip = np.array([r.get("skipped") is True for r in run.rows])
     bad = np.nonzero(got_skip != want_skip)[0]
-    assert not bad.size, f"{what}: step {bad[0]} skipped={got_skip[bad[0]]}, but the ranks' own flags were " \
-                         f"{every[:, bad[0]].tolist()}"
-    pattern = "".join("T" if x else "F" for x in got_skip)
+    assert not bad.size, f"{what}: step {bad[0]}: the log says skipped={run.rows[bad[0]].get('skipped')!r}, but the " \
+                         f"ranks' own flags were {local[:, bad[0]].tolist()}"
+    pattern = "".join("T" if x else "F" for x in want_skip)
     assert pattern[0] == "T" and "F" in pattern, \
         f"{what}: skips {pattern}: 1e15 must overflow at first, and a backed-off scale must fit"
-    want = oracle(pattern, TRAINER_SCALE, TRAINER_GROWTH)
-    used = np.array([float(r["loss_scale"]) for r in rows])
+    want = oracle(pattern, TRAINER_SCALE, TRAINER_WINDOW)
+    used = np.array([float(r["loss_scale"]) if isinstance(r.get("loss_scale"), numbers.Real) else np.nan
+                     for r in run.rows])
     diff = first_difference(used, np.array([TRAINER_SCALE] + [sc for sc, _ in want[:-1]]))
-    assert diff is None, f"{what}: the loss_scale of each step (log rows; skips {pattern}): {diff}"
-    sc = SEAM["scalers"][0]
-    final = (float(sc.scale), int(sc.good_steps))
-    assert final == want[-1], f"{what}: after the run scale {final[0]!r}, good_steps {final[1]}, want {want[-1]}"
-    p = summary["precision"]
-    got = (p["skipped_steps"], p["optimizer_steps"], float(p["loss_scale_final"]))
+    if diff is not None:
+        i = int(np.argmax(~np.isclose(used, [TRAINER_SCALE] + [sc for sc, _ in want[:-1]], rtol=1e-12, atol=0)))
+        raise AssertionError(f"{what}: the loss_scale of step {i} (log rows; skips {marked(pattern, i)}): {diff}")
+    for r in range(RANKS):
+        built = res.get(r, "scalers built")
+        assert built == 1, f"{what}: rank {r} built {built!r} scalers, want 1"
+        updates = res.get(r, key("updates", 0))
+        assert isinstance(updates, list) and len(updates) == TRAINER_STEPS, \
+            f"{what}: rank {r}'s scaler was updated {len(updates) if isinstance(updates, list) else updates!r} " \
+            f"times in {TRAINER_STEPS} steps, want once a step"
+        for i, (u, (ws, wg)) in enumerate(zip(updates, want)):
+            ok = isinstance(u, tuple) and len(u) == 3 and u[0] is want_skip[i].item() and isinstance(u[1], float) \
+                and np.isclose(u[1], ws, rtol=1e-12, atol=0) and type(u[2]) is int and u[2] == wg
+            assert ok, f"{what}: rank {r}'s scaler after update {i} (found_inf, scale, good_steps) = {u!r}, " \
+                       f"want ({bool(want_skip[i])}, {ws!r}, {wg}) (skips {marked(pattern, i)})"
+    prec = run.summary.get("precision") if isinstance(run.summary, dict) else None
+    assert isinstance(prec, dict), f"{what}: the run's summary has no precision section"
+    got = (prec.get("skipped_steps"), prec.get("optimizer_steps"), prec.get("loss_scale_final"))
     n = pattern.count("T")
     expected = (n, TRAINER_STEPS - n, want[-1][0])
-    assert got == expected, f"{what}: the summary's skipped_steps, optimizer_steps, loss_scale_final = {got}, " \
-                            f"want {expected}"
-    if "verify" in summary:                             # rank 0
-        assert summary["verify"]["ok"], f"{what}: --verify failed: {summary['verify']}"
-
-
-def install(student, growth_interval=None):
-    """precision.LossScaler and make_scaler build the student's scaler; the trainer's max
-    all-reduce of its skip flag runs student.step_is_skipped. -> calls of either, here."""
-    base = student.LossScaler
-
-    class Counted(base):
-        def update(self, found_inf):
-            SEAM["calls"] += 1
-            return base.update(self, found_inf)
-
-    extra = {} if growth_interval is None else {"growth_interval": growth_interval}
-
-    def make_scaler(mode, init_scale=None):             # minipar's rule, the student's class
-        if mode == "fp16":
-            scaler = Counted(scale=2.0 ** 16 if init_scale is None else float(init_scale), **extra)
-        else:
-            scaler = Counted(scale=1.0, dynamic=False)
-        SEAM["scalers"].append(scaler)
-        return scaler
-
-    all_reduce = comm.all_reduce                        # minipar's own
-
-    def seam_all_reduce(g, x, op="sum", *, out=None):
-        flag = isinstance(x, np.ndarray) and op == "max" and x.dtype == np.int64 and x.size == 1
-        if SEAM["inside"] or not flag:
-            return all_reduce(g, x, op, out=out)
-        SEAM["inside"] = True                           # the student may call comm.all_reduce
-        try:
-            local = bool(x.flat[0])
-            skip = bool(student.step_is_skipped(g, local))
-        finally:
-            SEAM["inside"] = False
-        SEAM["calls"] += 1
-        SEAM["flags"].append((local, skip))
-        SEAM["group"] = g
-        y = np.array([int(skip)], dtype=np.int64)
-        if out is None:
-            return y
-        out[...] = y
-        return out
-
-    precision.LossScaler, precision.make_scaler, comm.all_reduce = Counted, make_scaler, seam_all_reduce
-    return lambda: SEAM["calls"]
+    ok = got[:2] == expected[:2] and isinstance(got[2], numbers.Real) and np.isclose(got[2], expected[2], rtol=1e-12)
+    assert ok, f"{what}: the summary's skipped_steps, optimizer_steps, loss_scale_final = {got}, want {expected}"
 
 
 CRITERIA = [
-    Criterion("no MPI collective", check=check_static, timeout=30,
-              hint="agree through minipar.comm.all_reduce (op=\"max\") or comm.all_gather, or by "
-                   "sending and receiving; never through MPI's own allreduce"),
-    Criterion("the scaler rule against the oracle", check=check_rule, timeout=30,
+    Criterion("the scaler rule against the oracle", run="rule", judge=judge_rule, timeout=30, uses=("LossScaler",),
               hint="minipar.precision.LossScaler's docstring: an inf backs off and restarts the count; "
-                   "the growth_interval-th clean step in a row grows and restarts it"),
-    Criterion("fixed scale (bf16) never moves", check=check_fixed, timeout=30,
+                   "the growth_interval-th clean step in a row grows and restarts it; keep scale a Python float"),
+    Criterion("fixed scale (bf16) never moves", run="fixed", judge=judge_fixed, timeout=30,
+              uses=("LossScaler", "step_is_skipped"),
               hint="dynamic=False: update changes nothing, not even good_steps; the skip is "
                    "minipar.train.train_step's, whatever the scaler says"),
-    Criterion("state_dict round trip", check=check_state_dict, timeout=30,
+    Criterion("state_dict round trip", run="state_dict", judge=judge_state_dict, timeout=30, uses=("LossScaler",),
               hint="everything update reads and writes goes in the dict: scale, good_steps, "
-                   "growth_interval, dynamic (minipar.checkpoint writes it into meta.json)"),
-    Criterion("every rank agrees on a skip", ranks=4, check=check_agree, timeout=30,
+                   "growth_interval, dynamic (minipar.checkpoint writes it into meta.json); the factors are not state"),
+    Criterion("every rank agrees on a skip", ranks=4, run="agree", judge=judge_agree, timeout=30,
+              uses=("step_is_skipped",),
               hint="a max over the group of each rank's 0/1 flag: minipar.comm.all_reduce(g, flag, op=\"max\")"),
-    Criterion("trainer --dp 2 --tp 2 fp16 backoff", ranks=4, check=check_trainer, timeout=60,
+    Criterion("trainer --dp 2 --tp 2 fp16 backoff", ranks=RANKS, trainer=TRAINER, judge=judge_trainer, timeout=90,
+              uses=("LossScaler", "step_is_skipped"),
               hint="the scale is a Python float, as --loss-scale gives it; minipar.train.train_step logs "
-                   "the scale each step used before update()"),
+                   "the scale each step used before update(); the grader compares the run with one process"),
 ]

@@ -15,7 +15,8 @@ send_buf and recv_buf are contiguous 1-D NumPy arrays (slices of a 1-D array are
 of 0 elements sends nothing (both sides know it is empty). Use nothing else to communicate:
 no MPI collective, and none of minipar.comm's own.
 
-Check:  make lab L=11        (or: python -m labs.grade 11 --student this_file.py)
+Check:  make lab L=11
+        (or: .venv/bin/python -m labs.grade 11 --student labs/11_all_to_all/student.py)
 """
 import numpy as np  # noqa: F401 - you will want it
 
@@ -23,12 +24,13 @@ import numpy as np  # noqa: F401 - you will want it
 def all_to_all(g, x, sizes=None):
     """Rank r's piece j of x (along its first axis) goes to rank j. Returns (y, received): y
     the pieces every rank sent to this one, concatenated along the first axis in source-rank
-    order (x's dtype and trailing dimensions), and received[s] the rows that came from rank s.
+    order (x's dtype and trailing dimensions; a new array, never x or a view of it), and
+    received[s] the rows that came from rank s.
 
     sizes=None: x.shape[0] is divisible by p and piece j is x[j*m:(j+1)*m], m = x.shape[0]/p.
     sizes: p row counts adding up to x.shape[0], piece j has sizes[j] rows; the counts must
     reach their destinations first (rank j cannot size its receive otherwise), by the same
-    exchange on one int64 each. x is never modified.
+    exchange on one int64 each, in the same Call as the rows. x is never modified.
 
     The pairwise exchange: in round k = 1 .. p-1 rank r sends its piece for r+k and receives
     the piece rank r-k has for it (mod p); its own piece is a copy. Each rank sends (p-1)/p of

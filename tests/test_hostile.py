@@ -1,0 +1,37 @@
+"""The hostile corpus (tests/hostile/, its runner corpus.py): each file must fail with its named
+reason, scanned and (with the full sandbox) unscanned, leaving no process, no file outside its
+scratch folder and an intact report; the hand solution passes after them. `make test` runs a
+sample; MINIPAR_HOSTILE_ALL=1 (make labs-check-full) runs every file, the hand solution after each."""
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests", "hostile"))
+
+import corpus  # noqa: E402
+
+ALL = os.environ.get("MINIPAR_HOSTILE_ALL") == "1"
+SAMPLE = ["exit_in_function.py", "system_exit.py", "patch_numpy.py", "forge_results.py",
+          "rewrite_report_later.py", "wrap_ring.py", "flood_output.py", "not_utf8.py"]
+CASES = corpus.cases() if ALL else corpus.cases(SAMPLE)
+
+
+def test_the_corpus_is_large_and_every_file_says_what_stops_it():
+    every = corpus.cases()
+    assert len(every) >= 25
+    for c in every:
+        assert c.tries and c.lab and c.scan and c.sandbox, c.path
+
+
+@pytest.mark.parametrize("case", CASES, ids=[os.path.basename(c.path) for c in CASES])
+def test_a_hostile_file_fails_with_its_reason_and_harms_nothing(case):
+    rows = corpus.run([os.path.basename(case.path)], solution_each=ALL, say=lambda line: None)
+    (_, scanned, bare), = rows
+    assert scanned.ok, f"scanned: {scanned.reason} {scanned.problems}"
+    assert bare is None or bare.ok, f"without the scan: {bare.reason} {bare.problems}"
+
+
+def test_the_hand_solution_still_passes_after_the_corpus():
+    assert corpus.solution_passes("02") == []
