@@ -139,7 +139,9 @@ def check_own_definitions(student, names: list[str], student_file: str):
         if obj is None:
             raise AttributeError(f"the file defines no {name} (the stub's contract names it)")
         code = getattr(obj, "__code__", None)
-        mine = (isinstance(obj, type) and obj.__module__ == student.__name__) or             (code is not None and code.co_filename == student_file)
+        # a class or a decorated function (functools.lru_cache, wraps) carries its module
+        mine = getattr(obj, "__module__", None) == student.__name__ or \
+            (code is not None and code.co_filename == student_file)
         if not mine:
             where = getattr(obj, "__module__", None) or type(obj).__name__
             raise TypeError(f"{name} is not defined in {os.path.basename(student_file)} (it comes from "

@@ -138,8 +138,18 @@ def exit_note(out) -> str:
 
 
 def run_criterion(lab_dir: str, lab, c: framework.Criterion, text: str, filename: str, sandbox: Sandbox,
-                  trusted: bool = False) -> Verdict:
+                  trusted: bool = False, shared: dict | None = None) -> Verdict:
+    """Run the criterion's child and judge what it handed back. `shared`: the records of
+    drive functions already run for this file ({run name: (outcome, results)}): criteria that
+    name the same drive function judge one record."""
+    if shared is not None and c.run and c.run in shared:
+        out, results = shared[c.run]
+        start = time.monotonic()
+        v = judge(c, out, results)
+        v.seconds = time.monotonic() - start
+        return v
     scratch = sandbox.scratch()
+    keep = shared is not None and bool(c.run)
     try:
         student = os.path.join(scratch, "home", filename)
         with open(student, "w", encoding="utf-8") as f:
@@ -156,7 +166,10 @@ def run_criterion(lab_dir: str, lab, c: framework.Criterion, text: str, filename
             for p in (student, *([env["MINIPAR_LAB_CASES"]] if cases else [])):
                 os.chown(p, sandbox.uid, sandbox.uid)
         out = sandbox.run(child_command(lab_dir, c, student, results_dir, trusted), scratch, env, c.timeout)
-        return judge(c, out, Results(results_dir, c.ranks, exit_note(out)))
+        results = Results(results_dir, c.ranks, exit_note(out))
+        if keep:
+            shared[c.run] = (out, results)
+        return judge(c, out, results)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -215,6 +228,7 @@ def grade(lab_dir: str, data: bytes, filename: str, sandbox: Sandbox, *, trusted
         add(scan_verdict(lab, text, name))
     stopped = "" if verdicts[0].ok else "the file was refused before it ran"
     hung: dict[str, str] = {}                  # a student function -> the criterion it hung in
+    shared: dict = {}                          # drive function -> its record, for criteria sharing it
     for c in lab.CRITERIA:
         blocked = sorted(set(c.uses) & set(hung))
         if stopped:
@@ -223,7 +237,7 @@ def grade(lab_dir: str, data: bytes, filename: str, sandbox: Sandbox, *, trusted
         if blocked:
             add(Verdict(c.name, "not run", 0.0, f"({blocked[0]} did not finish in {hung[blocked[0]]!r})"))
             continue
-        v = run_criterion(lab_dir, lab, c, text, name, sandbox, trusted)
+        v = run_criterion(lab_dir, lab, c, text, name, sandbox, trusted, shared)
         add(v)
         if v.status == "fail" and v.message.startswith("did not finish"):
             hung.update({u: c.name for u in c.uses})
