@@ -192,6 +192,20 @@ def trainer_flags(*extra, **change) -> list[str]:
     return [*extra, *flags]
 
 
+def rank_groups(sizes):
+    """(p, Group or None) for each p of `sizes`: ranks 0..p-1 of the world make the group, the
+    others get None and sit that p out (a collective lab's groups, cut from its world)."""
+    from mpi4py import MPI                      # noqa: PLC0415 - only the children need MPI
+
+    from minipar import comm                    # noqa: PLC0415
+    world = MPI.COMM_WORLD
+    for p in sizes:
+        if p > world.Get_size():
+            continue
+        sub = world.Split(0 if world.Get_rank() < p else MPI.UNDEFINED, world.Get_rank())
+        yield p, (comm.Group(sub) if sub != MPI.COMM_NULL else None)
+
+
 class Done:
     """A comm.Handle that finished when it was made: what a lab's seam returns for the
     non-blocking collectives when the student's functions block."""

@@ -81,8 +81,8 @@ class Encoder:
             return {"str": v[:MAX_TEXT]}
         if v is None:
             return {"none": True}
-        if type(v) is np.ndarray and v.dtype.kind in "biufcUSM":
-            return {"ndarray": self.array(np.ascontiguousarray(v))}
+        if type(v) is np.ndarray and v.dtype.kind in "biufcUSM":   # a copy: the student may reuse it
+            return {"ndarray": self.array(np.array(v, copy=True, order="C"))}
         if isinstance(v, np.generic) and type(v).__module__ == "numpy" and np.asarray(v).dtype.kind in "biufc":
             return {"npscalar": self.array(np.asarray(v))}
         if type(v) in (list, tuple):

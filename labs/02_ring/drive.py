@@ -9,9 +9,8 @@ is drawn from its own seed, so the grader rebuilds every rank's input without be
 import os
 
 import numpy as np
-from mpi4py import MPI
 
-from labs.framework import Done, extra_cases
+from labs.framework import Done, extra_cases, rank_groups
 from labs.results import key
 from minipar import comm
 
@@ -64,10 +63,7 @@ def ledger_sizes(p: int) -> list[int]:
 
 def groups():
     """(p, Group or None) for p = 1..5: ranks 0..p-1 of the world, the rest sit it out."""
-    world = MPI.COMM_WORLD
-    for p in range(1, min(P_MAX, world.Get_size()) + 1):
-        sub = world.Split(0 if world.Get_rank() < p else MPI.UNDEFINED, world.Get_rank())
-        yield p, (comm.Group(sub) if sub != MPI.COMM_NULL else None)
+    return rank_groups(range(1, P_MAX + 1))
 
 
 def call_and_record(out, k: str, fn, x):

@@ -10,9 +10,8 @@ rebuilds every rank's input without being told.
 import os
 
 import numpy as np
-from mpi4py import MPI
 
-from labs.framework import Done, extra_cases
+from labs.framework import Done, extra_cases, rank_groups
 from labs.results import key
 from minipar import comm
 
@@ -97,10 +96,7 @@ def ledger_cases(name, p):
 
 def groups(smallest=1):
     """(p, Group or None) for p = smallest..5: ranks 0..p-1 of the world, the rest sit it out."""
-    world = MPI.COMM_WORLD
-    for p in range(smallest, min(P_MAX, world.Get_size()) + 1):
-        sub = world.Split(0 if world.Get_rank() < p else MPI.UNDEFINED, world.Get_rank())
-        yield p, (comm.Group(sub) if sub != MPI.COMM_NULL else None)
+    return rank_groups(range(smallest, P_MAX + 1))
 
 
 def snapshot(v):
