@@ -124,26 +124,37 @@ def load_student(path: str):
 
 
 def contract_names(lab_dir: str) -> list[str]:
-    """The functions and classes the lab's stub (student.py) defines at its top level."""
+    """The functions and classes the lab's stub (student.py) defines at its top level, and
+    each class's methods as "Class.method"."""
     import ast                                  # noqa: PLC0415
     with open(os.path.join(lab_dir, "student.py"), encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    names = []
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+            names.append(n.name)
+        if isinstance(n, ast.ClassDef):
+            names += [f"{n.name}.{m.name}" for m in n.body if isinstance(m, ast.FunctionDef)]
+    return names
 
 
 def check_own_definitions(student, names: list[str], student_file: str):
-    """Every function and class of the contract is defined in the student's own file, not
-    taken from elsewhere (minipar, a lab's answer): AttributeError or TypeError naming it."""
+    """Every function, class and method of the contract is defined in the student's own file,
+    not taken from elsewhere (minipar, a lab's answer) nor inherited from it: AttributeError
+    or TypeError naming it."""
     for name in names:
-        obj = getattr(student, name, None)
+        obj = student
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
         if obj is None:
             raise AttributeError(f"the file defines no {name} (the stub's contract names it)")
-        code = getattr(obj, "__code__", None)
+        fn = getattr(obj, "__func__", None) or getattr(obj, "fget", None) or obj   # static, class, property
+        code = getattr(fn, "__code__", None)
         # a class or a decorated function (functools.lru_cache, wraps) carries its module
-        mine = getattr(obj, "__module__", None) == student.__name__ or \
+        mine = getattr(fn, "__module__", None) == student.__name__ or \
             (code is not None and code.co_filename == student_file)
         if not mine:
-            where = getattr(obj, "__module__", None) or type(obj).__name__
+            where = getattr(fn, "__module__", None) or type(fn).__name__
             raise TypeError(f"{name} is not defined in {os.path.basename(student_file)} (it comes from "
                             f"{where}): write it yourself")
 

@@ -123,8 +123,27 @@ def leftovers() -> list[str]:
         except OSError:
             pass
     for uid in range(FIRST_UID, FIRST_UID + 16):
-        found += [f"process {p} of sandbox uid {uid}" for p in processes_of_uid(uid)]
+        if not held_by_a_grader(uid):
+            found += [f"process {p} of sandbox uid {uid}" for p in processes_of_uid(uid)]
     return found
+
+
+def held_by_a_grader(uid: int) -> bool:
+    """Is a grader running now with this sandbox uid (another grading, not the one checked)?"""
+    import fcntl
+    path = os.path.join(tempfile.gettempdir(), f"minipar-sandbox-uid-{uid}.lock")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def grade(case: Case, scanned: bool, port: int, student_path: str | None = None) -> tuple:
