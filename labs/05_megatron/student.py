@@ -17,15 +17,18 @@ The one all-reduce you may call is minipar's, through tensor parallelism's ledge
     tp_all_reduce(group, array, "sum", "f")     # in f's backward
     tp_all_reduce(group, array, "sum", "g")     # in g's forward
 
-It sums the array over the tp ranks of `group` (every rank gets the same result, a new array)
+It sums the array over the tp ranks of `group` (every rank gets the same result, in the
+array's dtype: a new array, or the array itself in a group of one rank, which sends nothing)
 and counts the call under its kind in tensor_parallel.traffic(), which the grader and the
 trainer's summary hold against Megatron's 4L + 5 all-reduces per micro-batch. No MPI
-collective, and no other all-reduce.
+collective, and no other all-reduce (the scan refuses comm.all_reduce).
 
+Every array keeps its dtype: float64, float32, or float16 (--precision fp16's buffers).
 The layers get tensors that already hold this rank's shard (TensorParallelGPT cuts them).
-ops.linear(x, w, b) is y = x @ w + b with its backward; ops.linear(x, w) has no bias.
+ops.linear(x, w, b) is y = x @ w + b with its backward, for x of any shape (..., Cin);
+ops.linear(x, w) has no bias.
 
-Check:  make lab L=05        (or: python -m labs.grade 05 --student this_file.py)
+Check:  make lab L=05        (or: .venv/bin/python -m labs.grade 05 --student this_file.py)
 """
 from dataclasses import dataclass
 
@@ -39,14 +42,14 @@ class CopyToTP(Function):
     of the gradient backward. Use: y = CopyToTP.apply(x, group)."""
 
     def forward(self, x, group):
-        """x: this rank's (replicated) input array, any shape. Returns x unchanged, without
-        communicating; keep group for backward. Never modify x."""
+        """x: this rank's (replicated) input array, any shape. Returns x unchanged (x itself
+        will do), without communicating; keep group for backward. Never modify x."""
         raise NotImplementedError("lab 05: f's forward (identity), see labs/05_megatron/README.md")
 
     def backward(self, grad):
         """grad: dL/dy on this rank, a partial gradient (each rank's columns saw only their
-        share of the loss). Returns (the sum of grad over the tp ranks, None): one all-reduce,
-        tp_all_reduce(group, grad, "sum", "f"). Never modify grad."""
+        share of the loss). Returns (the sum of grad over the tp ranks, None), in grad's
+        dtype: one all-reduce, tp_all_reduce(group, grad, "sum", "f"). Never modify grad."""
         raise NotImplementedError("lab 05: f's backward (all-reduce), see labs/05_megatron/README.md")
 
 
@@ -56,8 +59,8 @@ class ReduceFromTP(Function):
 
     def forward(self, x, group):
         """x: this rank's partial sum, any shape. Returns the sum of x over the tp ranks (the
-        same on every rank): one all-reduce, tp_all_reduce(group, x, "sum", "g"). Never
-        modify x."""
+        same on every rank), in x's dtype: one all-reduce, tp_all_reduce(group, x, "sum", "g").
+        Never modify x."""
         raise NotImplementedError("lab 05: g's forward (all-reduce), see labs/05_megatron/README.md")
 
     def backward(self, grad):
@@ -76,10 +79,11 @@ class ColumnParallelLinear:
     group: comm.Group     # the tp group
 
     def __call__(self, x):
-        """x: Tensor (B, t, Cin), the same on every tp rank. Returns a Tensor (B, t, Cout/tp),
-        this rank's columns of x @ W + b. No communication forward; in backward the gradient
-        of x must be the whole dL/dx (the sum over ranks: that is f's job), and the weight's
-        and bias's gradients this rank's columns of the full ones."""
+        """x: Tensor (..., Cin), the same on every tp rank: (B, t, Cin) in the model, (N, Cin)
+        too. Returns a Tensor (..., Cout/tp), this rank's columns of x @ W + b. No
+        communication forward; in backward the gradient of x must be the whole dL/dx (the sum
+        over ranks: that is f's job), and the weight's and bias's gradients this rank's
+        columns of the full ones. Never modify x, the weight or the bias."""
         raise NotImplementedError("lab 05: column-parallel linear from f, see labs/05_megatron/README.md")
 
 
@@ -93,8 +97,10 @@ class RowParallelLinear:
     group: comm.Group     # the tp group
 
     def __call__(self, x):
-        """x: Tensor (B, t, Cin/tp), this rank's columns of the input (a column-parallel
-        layer's output). Returns a Tensor (B, t, Cout), X @ W + b, the same on every tp rank:
-        one all-reduce forward (g), none backward. The bias's gradient is the whole dL/db on
-        every rank; the weight's is this rank's rows of dL/dW; x's this rank's columns."""
+        """x: Tensor (..., Cin/tp), this rank's columns of the input (a column-parallel
+        layer's output): (B, t, Cin/tp) in the model, (N, Cin/tp) too. Returns a Tensor
+        (..., Cout), X @ W + b, the same on every tp rank (tp = 1 included): one all-reduce
+        forward (g), none backward. The bias's gradient is the whole dL/db on every rank; the
+        weight's is this rank's rows of dL/dW; x's this rank's columns. Never modify x, the
+        weight or the bias."""
         raise NotImplementedError("lab 05: row-parallel linear from g, see labs/05_megatron/README.md")
