@@ -135,4 +135,6 @@ def test_a_handout_command_works_as_printed(handout, command):
     out = p.stdout + p.stderr
     stub = "student.py" in command or command.startswith("make lab ") and "STUDENT=" not in command
     assert p.returncode in ((0, 1) if stub else (0,)), f"exit {p.returncode}: {out[-2000:]}"
-    assert "Traceback" not in out and "error: " not in out.replace("NotImplementedError", ""), out[-2000:]
+    if stub and "NotImplementedError: lab " in out:
+        return                                  # the untouched stub says what to write, and where
+    assert "Traceback" not in out and "error: " not in out, out[-2000:]

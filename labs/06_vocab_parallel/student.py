@@ -21,12 +21,18 @@ as -inf (minipar's MaskColumns puts them there before the loss).
 
 The one all-reduce you may call is minipar's, through tensor parallelism's ledger:
 
-    tp_all_reduce(group, array, op, kind)   # op "sum" or "max"; a new array, the same on every rank
+    tp_all_reduce(group, array, op, kind)   # op "sum" or "max"; the same on every rank
 
 with kind "g" for the embedding's sum and "cross_entropy" for the loss's three. No MPI
-collective, and no other all-reduce.
+collective, and no other all-reduce. It returns a new array when the group has several ranks;
+in a group of one rank (tp = 1: Vp = V, vocab_start = 0) there is nothing to add and it hands
+back the array you gave it, the very object: do not write into it afterwards.
 
-Check:  make lab L=06        (or: python -m labs.grade 06 --student this_file.py)
+Arrays come in float64 or float32 (the trainer's dtypes): every array you return (outputs and
+gradients) has the dtype of the weight or the logits. Ids and targets may be of any integer
+dtype (int64, int32, int16, ...).
+
+Check:  make lab L=06        (or: .venv/bin/python -m labs.grade 06 --student this_file.py)
 """
 from dataclasses import dataclass
 
