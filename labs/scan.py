@@ -47,6 +47,9 @@ REFUSED_CALLS = {
     "delattr": "deletes attributes by name", "exit": "ends the process", "quit": "ends the process",
     "help": "starts the interactive help", "memoryview": "reaches raw memory",
 }
+# The underscore names a plain solution writes (super().__init__(...), fn.__name__): none
+# of them reaches the interpreter's insides by itself (__globals__, __subclasses__ ... stay refused).
+PLAIN_DUNDERS = {"__init__", "__name__", "__call__", "__doc__"}
 # Attribute names refused on any object: files, pointers, frames, the interpreter's insides.
 REFUSED_ATTRIBUTES = {
     **{n: "reads or writes files" for n in ("load", "loads", "save", "savez", "savez_compressed", "savetxt",
@@ -114,8 +117,13 @@ class Scanner(ast.NodeVisitor):
             return REFUSED_ATTRIBUTES[name]
         if name in MPI_COLLECTIVES:
             return "an MPI collective: communicate only as the handout says"
-        names = self.modules.get(module, ANY)
-        if dotted in self.modules or names is ANY or name in names:
+        if dotted in self.modules:                            # a listed submodule
+            return None
+        if module not in self.modules:                        # a package named only for its submodules
+            subs = sorted(m for m in self.modules if m.startswith(module + "."))
+            return f"{dotted} is not part of this lab's API (of {module} it gives {', '.join(subs) or 'nothing'})"
+        names = self.modules[module]
+        if names is ANY or name in names:
             return None
         given = ", ".join(sorted(names)) or "none of its names"
         return f"{dotted} is not part of this lab's API ({module} offers it: {given})"
@@ -186,7 +194,7 @@ class Scanner(ast.NodeVisitor):
             why = self.name_ok(module, attr)
             if why:
                 self.refuse(node, f"{module}.{attr}: {why}")
-        elif attr.startswith("_"):
+        elif attr.startswith("_") and attr not in PLAIN_DUNDERS:
             self.refuse(node, f".{attr}: a private or interpreter attribute (it starts with an underscore)")
         elif attr in REFUSED_ATTRIBUTES:
             self.refuse(node, f".{attr}: {REFUSED_ATTRIBUTES[attr]}")
@@ -204,6 +212,11 @@ class Scanner(ast.NodeVisitor):
                 self.refuse(node, f"{f.id} with a name that is not a plain string literal")
             elif name.value.startswith("_") or name.value in REFUSED_ATTRIBUTES:
                 self.refuse(node, f"{f.id}(..., {name.value!r}): a refused attribute")
+            else:
+                module = self.module_of(node.args[0]) if node.args else None
+                why = self.name_ok(module, name.value) if module else None
+                if why:
+                    self.refuse(node, f"{f.id}({ast.unparse(node.args[0])}, {name.value!r}): {why}")
         if isinstance(f, ast.Attribute) and f.attr in ("format", "format_map"):
             receiver = f.value
             if not (isinstance(receiver, ast.Constant) and isinstance(receiver.value, str)):

@@ -367,14 +367,16 @@ def watching(watch):
 # naive: (dp, micro-batches, dtype)
 NAIVE = [(dp, m, "float64") for dp in (2, 4) for m in (1, 2, 4)] + [(2, 2, "float32"), (4, 4, "float32")]
 # bucketed: (dp, bucket_mb, micro-batches, dtype)
-BUCKETED = [(dp, mb, m, "float64") for dp in (2, 4) for mb in BUCKET_CASES for m in ((1, 2, 4) if dp == 2 else (1, 4))] + \
+BUCKETED = [(dp, mb, m, "float64") for dp in (2, 4) for mb in BUCKET_CASES
+            for m in ((1, 2, 4) if dp == 2 else (1, 4))] + \
            [(2, 1e3, 2, "float32"), (4, 0.004, 1, "float32"), (4, EXACT_32, 4, "float32")]
 # bytes: (mode, bucket_mb, n_embd, micro-batches, dtype). C=32 float64 holds 171,776 B in one
 # bucket (direct exchange, 2(p-1)/p n); at C=16 every bucket is <= 64 KiB (recursive
 # doubling, log2(p) n). 0.0272 MiB cuts C=16 into wte and the rest. C=32 float32: 85,888 B.
-BYTES = [("naive", None, 16, 4, "float64"), ("bucketed", 1e3, 32, 4, "float64"), ("bucketed", 0.0272, 16, 4, "float64"),
-         ("bucketed", 1e-9, 16, 4, "float64"), ("bucketed", 0.004, 16, 1, "float64"),
-         ("bucketed", 1e3, 32, 2, "float32"), ("bucketed", EXACT_32, 16, 4, "float32"), ("naive", None, 16, 2, "float32")]
+BYTES = [("naive", None, 16, 4, "float64"), ("bucketed", 1e3, 32, 4, "float64"),
+         ("bucketed", 0.0272, 16, 4, "float64"), ("bucketed", 1e-9, 16, 4, "float64"),
+         ("bucketed", 0.004, 16, 1, "float64"), ("bucketed", 1e3, 32, 2, "float32"),
+         ("bucketed", EXACT_32, 16, 4, "float32"), ("naive", None, 16, 2, "float32")]
 # events, at dp = 4: (mode, bucket_mb, micro-batches, dtype)
 EVENTS = [("bucketed", 0.004, 1, "float64"), ("bucketed", 0.004, 2, "float64"), ("bucketed", EXACT_64, 1, "float64"),
           ("bucketed", EXACT_32, 2, "float32"), ("naive", None, 2, "float64")]
@@ -384,7 +386,7 @@ FREEZE = ("wpe.weight",)
 
 
 def mb_text(bucket_mb):
-    return f"{bucket_mb:.10g}" + (f" (= {round(bucket_mb * MiB)} B exactly)" if bucket_mb in (EXACT_64, EXACT_32) else "")
+    return f"{bucket_mb:.10g}" + (f" = {round(bucket_mb * MiB)}/2**20" if bucket_mb in (EXACT_64, EXACT_32) else "")
 
 
 # --- what the child runs ----------------------------------------------------------------------

@@ -25,7 +25,10 @@ TITLE = "data parallelism: naive, then bucketed all-reduce started from gradient
 drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
 OWN_SYNC = "minipar's own synchroniser: this lab grades yours"
 ALLOWED = Allowed(
-    modules={"minipar.comm": {"all_reduce", "all_reduce_async", "traffic", "reset_traffic", "CommTimeout"},
+    # "minipar" and "minipar.parallel" listed so that after `import minipar.parallel.data_parallel`
+    # the dotted path minipar.parallel.data_parallel.X is checked name by name too
+    modules={"minipar": {"comm", "parallel"}, "minipar.parallel": {"data_parallel"},
+             "minipar.comm": {"all_reduce", "all_reduce_async", "traffic", "reset_traffic", "CommTimeout"},
              "minipar.parallel.data_parallel": {"NoSync"}},
     refused={"minipar.parallel.data_parallel.DataParallelNaive": OWN_SYNC,
              "minipar.parallel.data_parallel.DataParallelBucketed": OWN_SYNC,
@@ -374,7 +377,8 @@ CRITERIA = [
                    "so its bucket would never be ready"),
     Criterion("trainer --dp 4 bucketed", ranks=4,
               trainer=trainer_flags("--dp", "4", "--dp-mode", "bucketed", "--bucket-mb", "0.05",
-                                    "--micro-batches", "2"), timeout=90, uses=("DataParallelBucketed",),
+                                    "--micro-batches", "2"), timeout=90,
+              uses=("DataParallelBucketed",),
               hint="the real trainer on 4 ranks with your buckets of 0.05 MiB and 2 micro-batches; "
                    "the grader compares it with its own single-process run"),
     Criterion("trainer --dp 2 naive", ranks=2, trainer=trainer_flags("--dp", "2", "--dp-mode", "naive"),
