@@ -193,8 +193,9 @@ def trainer_flags(*extra, **change) -> list[str]:
 
 
 def rank_groups(sizes):
-    """(p, Group or None) for each p of `sizes`: ranks 0..p-1 of the world make the group, the
-    others get None and sit that p out (a collective lab's groups, cut from its world)."""
+    """(p, Group) for each p of `sizes` whose group holds this rank: ranks 0..p-1 of the world
+    make the group (every rank takes part in cutting it; the others sit that p out), and its
+    communicator is freed once the caller's loop body is done with it."""
     from mpi4py import MPI                      # noqa: PLC0415 - only the children need MPI
 
     from minipar import comm                    # noqa: PLC0415
@@ -203,7 +204,10 @@ def rank_groups(sizes):
         if p > world.Get_size():
             continue
         sub = world.Split(0 if world.Get_rank() < p else MPI.UNDEFINED, world.Get_rank())
-        yield p, (comm.Group(sub) if sub != MPI.COMM_NULL else None)
+        if sub == MPI.COMM_NULL:
+            continue
+        yield p, comm.Group(sub)
+        sub.Free()
 
 
 class Done:
