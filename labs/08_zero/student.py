@@ -3,7 +3,7 @@
 minipar cuts a rank's parameters into units (wte, each transformer block, the rest), and
 flattens each unit into one vector of n elements, padded with zeros to n_pad, a multiple of
 the dp group's size N. You write what happens to one unit; minipar's Zero (through the seam
-of labs/08_zero/lab.py) calls your functions for every unit, in the same order on every
+of labs/08_zero/drive.py) calls your functions for every unit, in the same order on every
 rank. labs/08_zero/README.md has the picture and the hints.
 
 A unit, as your functions see it (g is the dp group: g.size = N ranks, this one g.rank):
@@ -15,6 +15,7 @@ A unit, as your functions see it (g is the dp group: g.size = N ranks, this one 
     unit.param_shard    (hi - lo,) stage 3: the parameters this rank owns (None in stages 1, 2)
     unit.grad_flat      (n_pad,) a full gradient, or None when not held
     unit.grad_shard     (hi - lo,) this rank's summed gradient shard, or None when not held
+Every array in the parameters' dtype (float64 or float32: np.zeros(k) alone is float64).
 
 The model's parameters are views of unit.param_flat (minipar re-points them after your
 update and gather, so assigning a new array is fine). Adam's m and v are this rank's shards,
@@ -31,7 +32,7 @@ Communicate with minipar's collectives only (no MPI collective):
     piece = comm.reduce_scatter(g, x)     rank r: piece r of np.array_split(sum over ranks of x, N)
     whole = comm.all_gather(g, piece)     every rank's piece, concatenated in rank order
 
-Check:  make lab L=08        (or: python -m labs.grade 08 --student this_file.py)
+Check:  make lab L=08        (or: .venv/bin/python -m labs.grade 08 --student this_file.py)
 """
 import numpy as np  # noqa: F401 - you will want it
 
@@ -81,7 +82,9 @@ def update(g, stage, unit, adamw):
 
 def gather(g, unit):
     """Stage 3, before the unit's forward and again before its backward: all-gather every
-    rank's unit.param_shard over g into unit.param_flat, the full (n_pad,) parameters."""
+    rank's unit.param_shard over g into unit.param_flat, the full (n_pad,) parameters, an
+    array of its own: never the shard itself (not even when g.size == 1), since release
+    drops param_flat and the rank must keep its shard."""
     raise NotImplementedError("lab 08: gather, see labs/08_zero/README.md")
 
 
