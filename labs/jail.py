@@ -81,14 +81,14 @@ def namespaces(cfg: dict):
     descriptors."""
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET), "unshare")
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    keep = [cfg["scratch"], *[n for _, needs in cfg["reveal"] for n in needs]]
-    held = [(os.open(path, os.O_PATH), path) for path in keep]
+    keep = sorted({cfg["scratch"], *cfg["keep"], *[n for _, needs in cfg["reveal"] for n in needs]}, key=len)
+    held = [(os.open(path, os.O_PATH), path) for path in keep]     # parents first
     mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={cfg['tmp_bytes']}")
     if os.path.isdir("/dev/shm"):
         mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={cfg['tmp_bytes']}")
     for blocking, _ in cfg["reveal"]:
         mount("tmpfs", blocking, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
-    for fd, path in held:                                  # the scratch first, then the revealed
+    for fd, path in held:                                  # the scratch, the repository, Python
         src = f"/proc/self/fd/{fd}"
         make_like(src, path)
         bind(src, path)

@@ -288,12 +288,12 @@ class Sandbox:
         cfg = {"scratch": scratch, "env": env, "cpu_seconds": lim.cpu_seconds, "memory_bytes": lim.memory_bytes,
                "file_bytes": lim.file_bytes, "processes": lim.processes, "tmp_bytes": lim.tmp_bytes}
         if self.uid is not None:
-            cfg.update(uid=self.uid, gid=self.uid, reveal=reveal_plan(self.needs()), read_only=[REPO],
-                       hide=answers())
+            cfg.update(uid=self.uid, gid=self.uid, keep=self.needs(), reveal=reveal_plan(self.needs()),
+                       read_only=[REPO], hide=answers())
         return cfg
 
     def base_env(self, scratch: str) -> dict:
-        keep = ("PATH", "LANG", "LC_ALL", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "MINIPAR_LAB_EXTRA")
+        keep = ("PATH", "LANG", "LC_ALL", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
         env = {k: os.environ[k] for k in keep if k in os.environ}
         env.update(HOME=os.path.join(scratch, "home"), TMPDIR=os.path.join(scratch, "tmp"),
                    PYTHONPATH=REPO, PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1",
