@@ -55,10 +55,12 @@ labs-check: bytecode
 	timeout -k 10 600 $(PY) -m labs.check_all --quick
 
 # Every mutant of every lab, then the whole hostile corpus (tests/hostile/), with the hand
-# solution graded after each hostile file (run before changing a lab or the grader).
+# solution graded after each hostile file, and every command the handouts print, run as printed
+# (run before changing a lab or the grader).
 labs-check-full: install
 	timeout -k 10 1800 $(PY) -m labs.check_all
-	MINIPAR_HOSTILE_ALL=1 timeout -k 10 2400 $(PY) -m pytest -q -p no:cacheprovider tests/test_hostile.py
+	MINIPAR_HOSTILE_ALL=1 MINIPAR_HANDOUTS_RUN=1 timeout -k 10 3600 $(PY) -m pytest -q -p no:cacheprovider \
+		tests/test_hostile.py tests/test_handouts.py
 
 # Grade one lab: make lab L=02 (labs/02_*/student.py), or STUDENT=path/to/file.py.
 lab: install

@@ -71,7 +71,12 @@ def main(argv=None):
     if not os.path.isfile(path):
         p.error(f"--student {path}: no such file")
     drive = framework.load_drive(lab_dir)
-    student = child.load_student(os.path.abspath(path))
+    try:
+        student = child.load_student(os.path.abspath(path))
+    except Exception as e:                      # noqa: BLE001 - one line naming the student's own line
+        print(f"labs.run: {child.describe(e, os.path.abspath(path), 'importing ' + os.path.basename(path))}",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
     all_gather = comm.all_gather                # minipar's own, kept before the seam may replace it
     code, calls, summary = child.run_trainer(drive, student, flags)
     world = comm.Group(MPI.COMM_WORLD)

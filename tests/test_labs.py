@@ -80,3 +80,16 @@ def test_labs_run_starts_its_ranks_says_where_the_code_ran_and_names_oversubscri
     assert "the student's code (solution.py) ran on every rank [0, 1, 2, 3]" in p.stdout, p.stdout
     if (os.cpu_count() or 1) < 4:
         assert "ranks share" in p.stdout and "simulated" in p.stdout, p.stdout
+
+
+def test_a_syntax_error_names_the_students_own_file_and_line(tmp_path):
+    """Not student.py, not <frozen importlib._bootstrap>: the file as the student named it."""
+    bad = tmp_path / "my_ring.py"
+    bad.write_text("import numpy as np\n\n\ndef reduce_scatter(g, x, op='sum'):\n    return x +\n")
+    for cmd in (["labs.run", "02", "--student", str(bad), "--", *TINY],
+                ["labs.grade", "02", "--student", str(bad), "--first-failure"]):
+        p = subprocess.run([sys.executable, "-m", *cmd], cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": REPO})
+        out = p.stdout + p.stderr
+        assert p.returncode == 1 and "SyntaxError" in out and "(my_ring.py, line 5)" in out, out
+        assert "frozen importlib" not in out and "Traceback" not in out, out
