@@ -53,8 +53,9 @@ def max_diff(a, b) -> tuple[float, float]:
     keep = ~(np.isinf(a) & (a == b))
     if not keep.any():
         return 0.0, 0.0
-    d = np.abs(a[keep] - b[keep])
-    return float(d.max()), float(np.max(d / np.maximum(np.abs(b[keep]), 1e-300)))
+    with np.errstate(invalid="ignore"):         # inf - inf: a NaN difference, which fails
+        d = np.abs(a[keep] - b[keep])
+        return float(d.max()), float(np.max(d / np.maximum(np.abs(b[keep]), 1e-300)))
 
 
 def compare(losses, ref_losses, state, ref_state, norms=(), ref_norms=()) -> dict:

@@ -1,7 +1,7 @@
 # hostile: appends to the lab's grader so that it passes this file and every later student's
 # lab: 02
-# scan: open: opens files
-# sandbox: Read-only file system
+# scan: import of os
+# sandbox: Permission denied
 import os
 
 import numpy as np

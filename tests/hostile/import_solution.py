@@ -1,7 +1,7 @@
 # hostile: loads the lab's hand solution with importlib
 # lab: 02
 # scan: import of importlib
-# sandbox: is not defined in import_solution.py
+# sandbox: No module named 'labs.02_ring.solution'
 import importlib
 
 _solution = importlib.import_module("labs.02_ring.solution")

@@ -1,7 +1,7 @@
-# hostile: kills its parent (mpirun) and every process it is allowed to signal
+# hostile: kills its parent (mpirun's proxy), then its new parent, the grader, and everything it may signal
 # lab: 02
 # scan: import of os
-# sandbox: exited before returning its results
+# sandbox: PermissionError
 import os
 import signal
 

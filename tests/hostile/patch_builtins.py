@@ -1,7 +1,7 @@
 # hostile: monkeypatches builtins so that every isinstance and every comparison is true
 # lab: 02
 # scan: import of builtins
-# sandbox: largest |difference|
+# sandbox: exited before returning its results
 import builtins
 
 import numpy as np
