@@ -13,8 +13,9 @@ sys.path.insert(0, os.path.join(REPO, "tests", "hostile"))
 import corpus  # noqa: E402
 
 ALL = os.environ.get("MINIPAR_HOSTILE_ALL") == "1"
-SAMPLE = ["exit_in_function.py", "system_exit.py", "patch_numpy.py", "forge_results.py",
-          "rewrite_report_later.py", "wrap_ring.py", "flood_output.py", "not_utf8.py"]
+# the detached report rewriter runs in tests/test_classroom.py; the flood and the hangs only here
+SAMPLE = ["exit_in_function.py", "system_exit.py", "patch_numpy.py", "forge_results.py", "wrap_ring.py",
+          "not_utf8.py"]
 CASES = corpus.cases() if ALL else corpus.cases(SAMPLE)
 
 
