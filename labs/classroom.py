@@ -3,7 +3,7 @@
 Every regular file in DIR (not its subfolders; a link is refused, not followed) is one
 student's submission. Each is graded by a worker process of its own (`python -m labs.grade NN
 --student FILE --json REPORTS/<name>.json`), which makes its own sandbox (labs/sandbox.py: as
-root, an unprivileged uid per worker slot, and DIR and REPORTS/ empty in the child's view),
+root, an unprivileged uid per worker slot, and a root of its own without DIR and REPORTS/),
 fresh scratch folders and children: a submission
 that hangs, floods, forks, crashes or tampers reaches nothing of another's. N workers run at
 once. Then REPORTS/ holds:
@@ -114,11 +114,10 @@ def write_text(path: str, text: str):
 
 
 def worker(lab_dir: str, path: str, report: str, slot: int, first_failure: bool) -> list[str]:
-    """One student's grading; in the full sandbox the class's folder and the reports folder
-    are empty in the child's view (no student reads another's file or verdict)."""
+    """One student's grading (in the full sandbox its child sees neither the class's folder
+    nor the reports: they are outside the child's root)."""
     cmd = [sys.executable, "-m", "labs.grade", os.path.basename(lab_dir), "--student", path, "--json", report,
-           "--slot", str(slot), "--hide", os.path.dirname(os.path.abspath(path)),
-           "--hide", os.path.dirname(os.path.abspath(report))]
+           "--slot", str(slot)]
     return cmd + (["--first-failure"] if first_failure else [])
 
 

@@ -288,7 +288,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-scan", action="store_true",
                    help="run the file without the scan (to see what the sandbox alone holds; never for a grade)")
     p.add_argument("--slot", type=int, default=0, help=argparse.SUPPRESS)   # --class: this worker's sandbox uid
-    p.add_argument("--hide", action="append", default=[], help=argparse.SUPPRESS)  # --class: the class's folders
     return p
 
 
@@ -320,7 +319,7 @@ def main(argv=None):
     if args.json and os.path.isdir(args.json):
         p.error(f"--json {args.json}: is a directory")
     graded_as = "solution" if trusted else "mutant" if args.mutant else "student"
-    sandbox = Sandbox(slot=args.slot, hide=tuple(args.hide))
+    sandbox = Sandbox(slot=args.slot)
     try:
         print(f"lab {os.path.basename(lab_dir)}: grading {path} as {graded_as} "
               f"(sha256 {hashlib.sha256(data).hexdigest()[:16]})", flush=True)

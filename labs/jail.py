@@ -4,12 +4,11 @@
 
 labs/sandbox.py starts it in a session and process group of its own; it then, in order:
   1. as root, with "uid" in CONFIG: enters new mount and network namespaces (the network has
-     only a loopback, so ranks can still talk to each other and to nothing else); gives /tmp
-     and /dev/shm fresh size-capped file systems, so nothing written there outlives the
-     child; binds the scratch folder back in; lays a read-only view over the repository and
-     empties, in that view, the labs' answers (solution.py, reference.py, mutants/); and
-     opens the way to the few folders that a directory only root may enter hides (a Python
-     under /root, say) by covering that directory with an empty one holding just them;
+     only a loopback, so ranks can still talk to each other and to nothing else) and changes
+     its root to a new, empty one that holds only what a child needs (namespaces() below):
+     the rest of the machine is not there, the repository is read-only with the labs'
+     answers (solution.py, reference.py, mutants/) emptied, and /tmp and /dev/shm are fresh
+     and size-capped, so nothing written there outlives the child;
   2. sets no_new_privs (no set-user-id program can give privileges back) and the resource
      limits: CPU seconds, address space, file size, processes, no core files;
   3. as root: drops every group and becomes CONFIG's unprivileged uid and gid;
@@ -66,41 +65,64 @@ def bind(src: str, dst: str, read_only: bool = False):
         mount(None, dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC)
 
 
-def make_like(src: str, dst: str):
-    """An empty directory or file at dst to bind src onto."""
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/sys")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+
+
+def place(path: str, root: str) -> str:
+    """`path` inside the new root, its parent folders made."""
+    inside = root + path
+    os.makedirs(os.path.dirname(inside), exist_ok=True)
+    return inside
+
+
+def graft(src: str, root: str, read_only: bool = True):
+    """src bound at the same path inside the new root (a link is copied as a link)."""
+    at = place(src, root)
+    if os.path.islink(src):
+        if not os.path.lexists(at):
+            os.symlink(os.readlink(src), at)
+        return
     if os.path.isdir(src):
-        os.makedirs(dst, exist_ok=True)
-    else:
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        open(dst, "a").close()
+        os.makedirs(at, exist_ok=True)
+    elif not os.path.exists(at):
+        open(at, "a").close()
+    bind(src, at, read_only)
 
 
 def namespaces(cfg: dict):
-    """Step 1: the child's own view of the file system and its own network. The folders to
-    keep are held open (O_PATH) before anything covers them, then bound back from the open
-    descriptors."""
+    """Step 1: the child's own file system and its own network. A new, empty root holds only
+    what a child needs, bound at the paths it has outside: the system's programs, libraries
+    and settings, Python, the repository (read-only, the labs' answers emptied) and the
+    scratch folder (writable); a fresh /tmp, /dev/shm and /dev of the few plain devices, and
+    /proc. Everything else on the machine (other checkouts, homes, a teacher's folders) is
+    not there at all."""
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET), "unshare")
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    keep = sorted({cfg["scratch"], *cfg["keep"], *[n for _, needs in cfg["reveal"] for n in needs]}, key=len)
-    held = [(os.open(path, os.O_PATH), path) for path in keep]     # parents first
-    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={cfg['tmp_bytes']}")
-    if os.path.isdir("/dev/shm"):
-        mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={cfg['tmp_bytes']}")
-    for blocking, _ in cfg["reveal"]:
-        mount("tmpfs", blocking, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
-    for fd, path in held:                                  # the scratch, the repository, Python
-        src = f"/proc/self/fd/{fd}"
-        make_like(src, path)
-        bind(src, path)
-        os.close(fd)
-    for path in cfg["read_only"]:
-        bind(path, path, read_only=True)
+    root = cfg["root"]
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=16m")
+    for path in SYSTEM:
+        if os.path.lexists(path):
+            graft(path, root)
+    for path in sorted(set(cfg["keep"]), key=len):         # the repository, Python: parents first
+        graft(path, root)
     for path in cfg.get("hide", []):                       # the answers: an empty file or folder
-        if os.path.isdir(path):
-            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=0755,size=4k")
-        elif os.path.exists(path):
-            bind("/dev/null", path)
+        at = root + path
+        if os.path.isdir(at):
+            mount("tmpfs", at, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=0755,size=4k")
+        elif os.path.exists(at):
+            bind("/dev/null", at)
+    for path in ("/tmp", "/dev/shm"):
+        os.makedirs(root + path, exist_ok=True)
+        mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={cfg['tmp_bytes']}")
+    for name in DEVICES:
+        graft(f"/dev/{name}", root, read_only=False)
+    os.makedirs(root + "/proc", exist_ok=True)
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV)
+    graft(cfg["scratch"], root, read_only=False)           # under the fresh /tmp: bound last
     loopback_up()
+    os.chroot(root)
+    os.chdir("/")
 
 
 def limits(cfg: dict):

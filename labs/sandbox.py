@@ -8,8 +8,9 @@ process group of its own, with
   - stdout and stderr read as they come, keeping the first and last few KiB of each and
     counting the rest (a 1.5 GB flood costs the grader a few KiB);
   - when the grader runs as root ("full" mode): an unprivileged uid of its own (one per
-    grading slot), its own mount namespace (the repository read-only, the labs' answers
-    emptied, /tmp and /dev/shm fresh) and its own network namespace (loopback only);
+    grading slot), its own mount namespace with a root of its own that holds only the
+    system's programs and libraries, Python, the repository (read-only, the labs' answers
+    emptied) and its scratch folder, and its own network namespace (loopback only);
 and, when the command ends or its time is up, every process it left behind is killed: in
 full mode every process of its uid (a process can leave the session and the process group,
 not its uid); otherwise every process whose parent chain leads back here (the grader is a
@@ -171,27 +172,6 @@ def _in_use(uid: int) -> bool:
     return bool(processes_of_uid(uid))
 
 
-def _traversable_by_others(path: str) -> bool:
-    st = os.stat(path)
-    return bool(st.st_mode & stat.S_IXOTH)
-
-
-def reveal_plan(needs: list[str]) -> list[tuple[str, list[str]]]:
-    """[(a directory others may not enter, [the needed paths beneath it])]: what jail.py
-    covers and binds back so that the child's uid reaches the needed paths."""
-    plan: dict[str, list[str]] = {}
-    for need in sorted(set(needs)):
-        parts = need.strip("/").split("/")
-        for i in range(1, len(parts)):
-            d = "/" + "/".join(parts[:i])
-            if not _traversable_by_others(d):
-                plan.setdefault(d, [])
-                if not any(need.startswith(n + "/") or need == n for n in plan[d]):
-                    plan[d].append(need)
-                break
-    return sorted(plan.items())
-
-
 def answers() -> list[str]:
     """What the child never needs and a student would love to read: every lab's hand solution,
     minipar's reference behind the stub, the planted mistakes."""
@@ -208,12 +188,13 @@ def answers() -> list[str]:
 class Sandbox:
     """One grading slot. mode is "full" or "partial"; why says what a partial one lacks."""
 
-    def __init__(self, slot: int = 0, limits: Limits | None = None, want_full: bool = True, hide: tuple = ()):
+    def __init__(self, slot: int = 0, limits: Limits | None = None, want_full: bool = True):
         self.limits = limits or Limits()
-        self.hide = [os.path.realpath(d) for d in hide if os.path.isdir(d)]   # e.g. a class's other files
         self.subreaper = _set_subreaper()
         self.top = tempfile.mkdtemp(prefix="minipar-grade-")
         os.chmod(self.top, 0o711)
+        self.root = os.path.join(self.top, "root")          # where each child's new root is mounted
+        os.mkdir(self.root, 0o755)
         self.uid = None
         self.why = ""
         self.count = 0
@@ -254,7 +235,7 @@ class Sandbox:
 
     def mode_line(self) -> str:
         if self.mode == "full":
-            return (f"sandbox: full (uid {self.uid}, the repository read-only, no network, limits "
+            return (f"sandbox: full (uid {self.uid}, a root of its own, the repository read-only, no network, limits "
                     f"{self.limits.cpu_seconds} CPU s, {self.limits.memory_bytes >> 20} MiB, "
                     f"{self.limits.processes} processes)")
         return f"sandbox: partial: {self.why}"
@@ -289,8 +270,7 @@ class Sandbox:
         cfg = {"scratch": scratch, "env": env, "cpu_seconds": lim.cpu_seconds, "memory_bytes": lim.memory_bytes,
                "file_bytes": lim.file_bytes, "processes": lim.processes, "tmp_bytes": lim.tmp_bytes}
         if self.uid is not None:
-            cfg.update(uid=self.uid, gid=self.uid, keep=self.needs(), reveal=reveal_plan(self.needs()),
-                       read_only=[REPO], hide=answers() + self.hide)
+            cfg.update(uid=self.uid, gid=self.uid, keep=self.needs(), hide=answers(), root=self.root)
         return cfg
 
     def base_env(self, scratch: str) -> dict:

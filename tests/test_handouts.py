@@ -128,7 +128,7 @@ def test_a_handout_command_works_as_printed(handout, command):
     check(command)
     if not RUN:
         return
-    if "--class" in command or "submissions/" in command or "ring.py" in command.split():
+    if "--class" in command or re.search(r"(^|[\s=/])ring\.py\b", command):
         pytest.skip("names the reader's own files")
     p = subprocess.run(command, shell=True, cwd=REPO, capture_output=True, text=True, timeout=900,
                        env={k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")})
