@@ -104,14 +104,6 @@ def namespaces(cfg: dict):
     for path in SYSTEM:
         if os.path.lexists(path):
             graft(path, root)
-    for path in sorted(set(cfg["keep"]), key=len):         # the repository, Python: parents first
-        graft(path, root)
-    for path in cfg.get("hide", []):                       # the answers: an empty file or folder
-        at = root + path
-        if os.path.isdir(at):
-            mount("tmpfs", at, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=0755,size=4k")
-        elif os.path.exists(at):
-            bind("/dev/null", at)
     for path in ("/tmp", "/dev/shm"):
         os.makedirs(root + path, exist_ok=True)
         mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={cfg['tmp_bytes']}")
@@ -119,7 +111,15 @@ def namespaces(cfg: dict):
         graft(f"/dev/{name}", root, read_only=False)
     os.makedirs(root + "/proc", exist_ok=True)
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV)
-    graft(cfg["scratch"], root, read_only=False)           # under the fresh /tmp: bound last
+    for path in sorted(set(cfg["keep"]), key=len):         # after /tmp: a checkout may live there
+        graft(path, root)
+    for path in cfg.get("hide", []):                       # the answers: an empty file or folder
+        at = root + path
+        if os.path.isdir(at):
+            mount("tmpfs", at, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=0755,size=4k")
+        elif os.path.exists(at):
+            bind("/dev/null", at)
+    graft(cfg["scratch"], root, read_only=False)
     loopback_up()
     os.chroot(root)
     os.chdir("/")
