@@ -51,7 +51,7 @@ import traceback
 
 import numpy as np
 
-from minipar import data, precision
+from minipar import data, outputs, precision
 from minipar.model import param_specs
 from minipar.parallel import expert_parallel, zero
 
@@ -63,6 +63,16 @@ _SHARD_NAME = re.compile(r"optim/rank-\d{5,}\.npz")
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, or does not match the run."""
+
+
+class NotFinite(CheckpointError):
+    """A state with NaN or inf in it: never written, never loaded."""
+
+
+def non_finite(arrays: dict) -> list[str]:
+    """The names of the float arrays holding a NaN or an inf."""
+    return [n for n, a in arrays.items()
+            if np.asarray(a).dtype.kind == "f" and not np.isfinite(np.asarray(a)).all()]
 
 
 class SaveFailed(CheckpointError):
@@ -122,10 +132,26 @@ def save(directory: str, model_state: dict | None, shard: dict | None, meta: dic
     directory = os.path.abspath(directory)
     tmp = directory + ".tmp"
     rank = group.rank if group is not None else 0
+    bad = non_finite({**(model_state or {}), **({f"optimizer {k}": shard[k] for k in ("m", "v")} if shard else {})})
+    if group is not None and group.size > 1:       # every rank learns whether any holds a NaN
+        from minipar import comm                   # noqa: PLC0415
+        with comm.untracked():
+            anywhere = int(comm.all_reduce(group, np.array([len(bad)], dtype=np.int64), op="max")[0])
+    else:
+        anywhere = len(bad)
+    if anywhere:
+        raise NotFinite(f"checkpoint {directory} not written: " + (
+            f"{len(bad)} tensor(s) hold NaN or inf ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})"
+            if bad else "another rank's tensors hold NaN or inf") + f"; {directory} keeps the last good checkpoint")
 
-    def create():                                  # rank 0: a fresh DIR.tmp/optim
+    def create():                                  # rank 0: a fresh DIR.tmp/optim, marked minipar's
+        for p in (tmp, directory + ".old", directory):   # what a save replaces must be minipar's
+            if os.path.lexists(p) and not outputs.is_minipar_checkpoint(p):
+                raise CheckpointError(f"{p} exists and is not a checkpoint minipar wrote: not replaced")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, SHARD_DIR))
+        with open(os.path.join(tmp, outputs.MARKER), "w") as f:
+            f.write("a checkpoint folder written by minipar (python -m minipar.train --save)\n")
         return 0
 
     def write():                                   # every rank: its shard; rank 0: the model
@@ -181,6 +207,15 @@ def _swap(directory: str):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def describe_error(e: BaseException) -> str:
+    """An OSError as 'No space left on device (ENOSPC): FILE'; anything else as its message."""
+    if isinstance(e, OSError) and e.errno is not None:
+        import errno as _errno                       # noqa: PLC0415
+        name = _errno.errorcode.get(e.errno, str(e.errno))
+        return f"{e.strerror} ({name})" + (f": {e.filename}" if e.filename else "")
+    return str(e)
+
+
 def _together(group, directory: str, what: str, fn) -> list:
     """Run fn on this rank (None: nothing to do here), then agree with every rank of the
     group: -> every rank's result (ints >= 0), in rank order. If fn raised on any rank, every
@@ -195,12 +230,16 @@ def _together(group, directory: str, what: str, fn) -> list:
     except Exception as e:                           # reported here, then SaveFailed everywhere
         error, mine = e, -1
         me = group.world_ranks[group.rank]
-        frames = traceback.extract_stack()[:-1] + traceback.extract_tb(e.__traceback__)   # the whole stack
-        text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) \
-            + "".join(traceback.format_exception_only(type(e), e))
-        sys.stderr.write("".join(f"[rank {me}] {line}\n" for line in text.splitlines()))
-        sys.stderr.write(f"[rank {me}] checkpoint {directory} not written: this rank failed to {what}; "
-                         f"{directory} keeps the last good checkpoint\n")
+        if isinstance(e, (OSError, CheckpointError)):  # a full disk, an I/O error: one line
+            sys.stderr.write(f"[rank {me}] checkpoint {directory} not written: this rank failed to {what}: "
+                             f"{describe_error(e)}; {directory} keeps the last good checkpoint\n")
+        else:                                        # a bug: the whole stack
+            frames = traceback.extract_stack()[:-1] + traceback.extract_tb(e.__traceback__)
+            text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) \
+                + "".join(traceback.format_exception_only(type(e), e))
+            sys.stderr.write("".join(f"[rank {me}] {line}\n" for line in text.splitlines()))
+            sys.stderr.write(f"[rank {me}] checkpoint {directory} not written: this rank failed to {what}; "
+                             f"{directory} keeps the last good checkpoint\n")
         sys.stderr.flush()
     status = comm.all_gather(group, np.array([mine], dtype=np.int64))
     failed = [r for r, s in enumerate(status.tolist()) if s < 0]
@@ -268,16 +307,25 @@ def check_model(directory: str, model_state: dict, params) -> None:
 def load(directory: str):
     """-> (model_state, optim_state, meta): the canonical model {name: array}, the canonical
     optimizer state {"step", "m": {name: array}, "v": {...}} rebuilt from the shards, and
-    meta.json. Raises CheckpointError naming the file and the problem. Sends no message."""
+    meta.json, with "loaded_from": the folder read (DIR.old when a save was cut off between
+    its two renames). Raises CheckpointError naming the file and the problem (NotFinite for
+    a NaN or an inf in any tensor). Sends no message."""
     directory = os.path.abspath(directory)
     if not os.path.isdir(directory):
         if os.path.isdir(directory + ".old"):        # crashed between the two renames of save()
-            directory += ".old"
+            directory += ".old"                      # meta["loaded_from"] says so (the trainer prints it)
         else:
             raise CheckpointError(f"checkpoint directory {directory} not found")
     meta = _read_meta(directory)
+    meta["loaded_from"] = directory
     model_state = _read_npz(os.path.join(directory, "model.npz"))
-    return model_state, _load_shards(directory, meta, model_state), meta
+    optim_state = _load_shards(directory, meta, model_state)
+    bad = non_finite({**model_state, **{f"optimizer m {n}": a for n, a in optim_state["m"].items()},
+                      **{f"optimizer v {n}": a for n, a in optim_state["v"].items()}})
+    if bad:
+        raise NotFinite(f"checkpoint {directory} holds NaN or inf in {len(bad)} tensor(s) "
+                        f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): not loaded")
+    return model_state, optim_state, meta
 
 
 def _optimizer_toc(directory: str, meta: dict):

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minipar import checkpoint, comm, data, precision
+from minipar import checkpoint, comm, data, faults, outputs, precision
 from minipar.model import GPTConfig, param_specs
 from minipar.parallel import schedules
 from minipar.parallel.grid import LayoutError, check_layout
 from minipar.parallel.ring_attention import LAYOUTS
+from minipar.perf import human_bytes
 
 MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64,
                       moe_experts=0, moe_top_k=2, moe_every=1, moe_capacity_factor=0.0)
@@ -127,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--loss-scale-window", type=int, metavar="N",
                    help="fp16: clean steps in a row before the scaler doubles its scale "
                         "(Megatron's --loss-scale-window, PyTorch's growth_interval) [2000]")
+    t.add_argument("--max-skipped-steps", type=int, default=50, metavar="N",
+                   help="fp16/bf16: stop the run (exit code 3) after more than N skipped steps in a row "
+                        "(docs/debugging.md) [%(default)s]")
+    t.add_argument("--min-loss-scale", type=float, default=1.0, metavar="S",
+                   help="fp16: stop the run (exit code 3) when the loss scale falls below S "
+                        "(Megatron's --min-loss-scale) [%(default)s]")
+    t.add_argument("--max-memory", metavar="SIZE",
+                   help="refuse a layout whose planned peak per rank is larger (8GiB, 512MiB, 2e9) "
+                        "[this machine's memory / the ranks on it]")
     io = p.add_argument_group("data, checkpoints, output")
     io.add_argument("--data", metavar="FILE",
                     help="UTF-8 text to train on (default: the built-in corpus)")
@@ -173,6 +183,47 @@ def resolve_model(args, meta: dict | None) -> GPTConfig:
     return GPTConfig(vocab_size=256, tie_embeddings=tied, **values)
 
 
+def check_numbers(args):
+    """Every number a flag gives is finite: NaN passes every `<= 0` check (NaN is not > 0, nor
+    <= 0), and inf every upper bound."""
+    for name, v in vars(args).items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {v}")
+
+
+def memory_limit(args) -> tuple[int, str]:
+    """(bytes a rank may use, where that figure comes from): --max-memory, or this machine's
+    memory (MemTotal) shared by the ranks the launcher started on it."""
+    if args.max_memory is not None:
+        from minipar.plan import parse_size  # noqa: PLC0415 - the planner, only for this check
+        size = parse_size(args.max_memory)
+        if size is None:
+            raise ConfigError(f"--max-memory wants a size such as 8GiB, 512MiB or 2e9 (bytes), got {args.max_memory!r}")
+        return size, f"--max-memory {args.max_memory}"
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    local = int(os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or 1)
+    return total // max(local, 1), (f"this machine's {human_bytes(total)} (MemTotal)" +
+                                     (f" shared by the {local} ranks on it" if local > 1 else ""))
+
+
+def check_memory(args, cfg: GPTConfig, dp: int, tp: int, pp: int):
+    """The planner's peak bytes for a rank of this layout (model states and saved activations,
+    python -m minipar.plan's figure) against what a rank may use: a layout that cannot fit is
+    refused before anything is allocated, instead of ending in a MemoryError."""
+    from minipar import plan  # noqa: PLC0415 - the planner, only for this check
+    lay = plan.Layout(dp=dp, tp=tp, pp=pp, zero=args.zero, micro_batches=args.micro_batches,
+                      batch_size=args.batch_size, precision=args.precision, dtype=args.dtype,
+                      schedule=args.schedule, dp_mode=args.dp_mode, bucket_mb=args.bucket_mb, sp=args.sp,
+                      recompute=args.recompute, virtual_stages=args.virtual_stages, cp=args.cp,
+                      cp_layout=args.cp_layout, ep=args.ep)
+    need = plan.peak_memory(cfg, lay)
+    limit, source = memory_limit(args)
+    if need > limit:
+        raise ConfigError(f"this layout needs {human_bytes(need)} per rank by the planner's count (model states "
+                          f"and activations, as python -m minipar.plan prints them), more than {source}: "
+                          f"{human_bytes(limit)} per rank (--max-memory sets another limit)")
+
+
 def validate(args, cfg: GPTConfig):
     for flag in ("n_layer", "n_head", "n_embd", "block_size"):
         if getattr(cfg, flag) <= 0:
@@ -189,6 +240,10 @@ def validate(args, cfg: GPTConfig):
                           f"--micro-batches {args.micro_batches}")
     if args.lr <= 0:
         raise ConfigError(f"--lr must be > 0, got {args.lr}")
+    if args.max_skipped_steps < 1:
+        raise ConfigError(f"--max-skipped-steps must be >= 1, got {args.max_skipped_steps}")
+    if args.min_loss_scale <= 0:
+        raise ConfigError(f"--min-loss-scale must be > 0, got {args.min_loss_scale}")
     for flag in ("min_lr", "grad_clip", "warmup", "save_every", "weight_decay", "seed", "log_every",
                  "sample", "eval_every"):
         if getattr(args, flag) < 0:
@@ -226,18 +281,6 @@ def check_checkpoint(args, cfg: GPTConfig, state: dict, meta: dict):
         raise ConfigError(
             f"checkpoint file {os.path.join(os.path.abspath(args.resume), 'model.npz')} holds "
             f"{'/'.join(dtypes)} arrays, its meta.json says {meta.get('dtype', args.dtype)}")
-
-
-def check_save_dir(path: str):
-    """--save DIR: every rank writes its optimizer shard into DIR.tmp, beside DIR, so DIR's
-    parent must be a writable directory here (checked on every rank, before any message)."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ConfigError(f"--save {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--save {path}: directory {parent} is not writable")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"--save {path} exists and is not a directory")
 
 
 def check_split(cfg: GPTConfig | None, dp: int, tp: int, pp: int, batch_size: int,
@@ -374,8 +417,17 @@ class RunSpec:
 
 
 def prepare(args, world: int) -> RunSpec:
-    """Validate flags, layout, checkpoint and data. Raises ConfigError; sends nothing."""
+    """Validate flags, outputs, layout, checkpoint and data. Raises ConfigError; sends nothing."""
     meta = state = ostate = None
+    check_numbers(args)
+    try:
+        faults.load()
+    except faults.FaultSpecError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        outputs.check(args)
+    except outputs.OutputError as e:
+        raise ConfigError(str(e)) from None
     if args.resume:
         try:
             state, ostate, meta = checkpoint.load(args.resume)
@@ -390,8 +442,6 @@ def prepare(args, world: int) -> RunSpec:
     validate(args, cfg)
     if meta is not None:
         check_checkpoint(args, cfg, state, meta)
-    if args.save:
-        check_save_dir(args.save)
     try:
         dp, tp, pp = check_layout(world, args.dp, args.tp, args.pp, args.cp)
     except LayoutError as e:
@@ -404,6 +454,7 @@ def prepare(args, world: int) -> RunSpec:
     check_moe(cfg, args, dp)
     check_schedule(cfg, pp, args.schedule, args.virtual_stages, args.micro_batches)
     resolve_dp_flags(args)
+    check_memory(args, cfg, dp, tp, pp)
     if args.zero == 3 and pp > 1:
         raise ConfigError(f"--zero 3 does not combine with --pp {pp}: it would all-gather and "
                           f"release every stage's parameters around every micro-batch's forward "

@@ -24,6 +24,7 @@ step k needs no saved RNG state: the step number is the data position.
 import functools
 import hashlib
 import math
+import os
 
 import numpy as np
 
@@ -76,6 +77,9 @@ def load_tokens(path: str | None, block_size: int) -> np.ndarray:
                             f"--block-size {block_size} needs at least {need}")
         return tokens
 
+    if os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path):
+        raise DataError(f"data file '{path}' is not a regular file (a FIFO, a socket or a device): "
+                        f"minipar reads its data from a file")
     try:
         with open(path, "rb") as f:
             raw = f.read()

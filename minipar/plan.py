@@ -884,19 +884,27 @@ UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 **
          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
 
+def parse_size(text: str) -> int | None:
+    """'16GiB', '512MiB', '8e9', '8GB' as bytes; None if it is no positive, finite size."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([kmgt]i?b|b)?\s*", text.lower())
+    if not m or not math.isfinite(float(m.group(1))) or float(m.group(1)) <= 0:
+        return None
+    return int(float(m.group(1)) * UNITS[m.group(2) or ""])
+
+
 def memory_budget(args, cfg: GPTConfig | None) -> int | None:
     """--memory-budget as bytes (16GiB, 512MiB, 8e9, 8GB), or None; PlanError if it is no
     size or there is no model shape to search over."""
     text = args.memory_budget
     if text is None:
         return None
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([kmgt]i?b|b)?\s*", text.lower())
-    if not m or not math.isfinite(float(m.group(1))) or float(m.group(1)) <= 0:
+    size = parse_size(text)
+    if size is None:
         raise PlanError(f"--memory-budget wants a size such as 16GiB, 512MiB or 8e9 (bytes), got {text!r}")
     if cfg is None:
         raise PlanError("--memory-budget searches over the sequence length: it needs the model's shape, "
                         "not --params")
-    return int(float(m.group(1)) * UNITS[m.group(2) or ""])
+    return size
 
 
 # --- the table --------------------------------------------------------------------------------

@@ -39,8 +39,9 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
-import os
 import time
+
+from minipar import outputs
 
 RECORDER = None             # this process's Recorder while tracing, else None
 
@@ -257,9 +258,8 @@ def finish(world, path: str | None, meta: dict | None = None):
             comm.send(world, np.frombuffer(json.dumps(rec.events).encode(), np.uint8), 0)
         return None
     origin = rec.t0
-    tmp = f"{path}.tmp"
     ledgers, names = [], []
-    with open(tmp, "w") as f:
+    with outputs.replaced_atomically(path) as f:
         f.write('{"traceEvents": [\n')
         first = True
         for r in range(size):
@@ -284,5 +284,4 @@ def finish(world, path: str | None, meta: dict | None = None):
                  **(meta or {})}
         f.write('\n], "displayTimeUnit": "ms", "otherData": {"minipar": '
                 + json.dumps(about) + "}}\n")
-    os.replace(tmp, path)
     return path

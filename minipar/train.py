@@ -23,14 +23,15 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO
 
 import numpy as np
 
-from minipar import checkpoint, comm, data, moe, precision, report, trace, verify
+from minipar import checkpoint, comm, data, faults, moe, outputs, precision, report, stop, trace, verify
 from minipar.config import ConfigError, RunSpec, agree_on_errors, build_parser, prepare
 from minipar.interfaces import GradSync, Model
 from minipar.model import GPT, train_flops_per_token
@@ -73,6 +74,9 @@ class Session:
     logf: IO | None = None                      # the --log file on rank 0
     peak: float = 0.0                           # the ranks' aggregate matmul peak, FLOP/s
     flops_step: float = 0.0                     # model FLOPs of one training step
+    requests: stop.Requests = field(default_factory=stop.Requests)   # signals, a failed output
+    checkpoint: tuple | None = None             # (the last good checkpoint, its step), for the stop line
+    lock: outputs.SaveLock | None = None        # rank 0's hold on --save DIR
 
     def __post_init__(self):
         if self.sync is None:
@@ -167,6 +171,7 @@ def train_step(s: Session, step: int) -> dict:
     all-reduce of each rank's flag over the world) skips the step on all of them; otherwise
     opt.step unscales and clips in fp32 with one factor, clip_coef / S."""
     args, model, opt, sync = s.args, s.model, s.opt, s.sync
+    faults.inject(s, step, s.grid.rank if s.grid is not None else 0)     # MINIPAR_FAULT (tests)
     B, T, M = args.batch_size, model.cfg.block_size, args.micro_batches
     lo, hi = s.rows
     mb = (hi - lo) // M
@@ -242,9 +247,10 @@ def moe_row(model) -> dict:
     return row
 
 
-def train_steps(s: Session, start: int, stop: int):
-    """Steps start..stop-1, one log row per yield."""
-    for step in range(start, stop):
+def train_steps(s: Session, start: int, end: int):
+    """Steps start..end-1, one log row per yield."""
+    for step in range(start, end):
+        s.requests.step = step
         with quiet_overflow(s.args.precision != "fp32"), trace.span(f"step {step}", "step", step=step):
             row = train_step(s, step)
         yield row                                       # outside the errstate: the caller runs here
@@ -270,7 +276,9 @@ def open_rank0_outputs(args):
     """The files only rank 0 writes, opened (--log) or checked (--timeline, --trace) before the ranks
     agree on the configuration: a path rank 0 cannot write then stops every rank at once with
     exit code 2, where a failure later, on rank 0 alone, would leave the others waiting.
-    --dry-run checks --log the same way without creating it. -> the open --log file, or None."""
+    --dry-run checks --log the same way without creating it. With --save, rank 0 takes the
+    save lock (outputs.SaveLock), unless it is a dry run. -> (the open --log file or None,
+    the lock or None)."""
     for flag, path in (("--timeline", args.timeline), ("--trace", args.trace), ("--log", args.log)):
         if not path or (flag == "--log" and not args.dry_run):
             continue
@@ -281,16 +289,26 @@ def open_rank0_outputs(args):
                 f"directory {parent} " \
                 f"{'is not writable' if os.path.isdir(parent) else 'does not exist'}"
             raise ConfigError(f"{flag} {path}: {why}")
-    if not args.log or args.dry_run:
-        return None
+    if args.dry_run:
+        return None, None
+    lock = None
+    if args.save:
+        try:
+            lock = outputs.SaveLock(args.save)
+        except (outputs.OutputError, OSError) as e:
+            raise ConfigError(str(e)) from None
+    if not args.log:
+        return None, lock
     try:
         # line-buffered: each step's row is on disk at once
-        return open(args.log, "w", buffering=1)
+        return open(args.log, "w", buffering=1), lock
     except OSError as e:
+        if lock is not None:
+            lock.release()
         raise ConfigError(f"--log {args.log}: {e.strerror}") from None
 
 
-def set_up(args) -> Session:
+def set_up(args, requests: stop.Requests) -> Session:
     """Validate on every rank, agree, then build the grid, the model of this rank, its
     optimizer and the data-parallel / ZeRO / pipeline machinery."""
     from mpi4py import MPI                                   # noqa: PLC0415 - keep import light
@@ -298,11 +316,11 @@ def set_up(args) -> Session:
     world, rank = world_comm.Get_size(), world_comm.Get_rank()
     if world > 1:                  # from here on an exception on any rank ends the whole job
         comm.abort_on_error()
-    err, spec, logf = None, None, None
+    err, spec, logf, lock = None, None, None, None
     try:
         spec = prepare(args, world)
         if rank == 0:
-            logf = open_rank0_outputs(args)
+            logf, lock = open_rank0_outputs(args)
     except ConfigError as e:
         err = e
     if world == 1:
@@ -312,6 +330,9 @@ def set_up(args) -> Session:
         if err is not None:
             err.agreed = True      # main(): every rank learns of it below and exits 2
         agree_on_errors(world_comm, err)
+    if rank == 0 and spec.meta is not None and spec.meta["loaded_from"] != os.path.abspath(args.resume):
+        print(f"checkpoint: {os.path.abspath(args.resume)} is missing (a save was cut off between its two "
+              f"renames): resuming from the one before it, {spec.meta['loaded_from']}", flush=True)
     grid = ProcessGrid(world_comm, spec.dp, spec.tp, spec.pp, spec.cp, args.ep)
     model, opt = init_model(spec, args, grid)
     sync = None
@@ -335,15 +356,19 @@ def set_up(args) -> Session:
                    spec=spec, grid=grid, say=Printer(rank == 0), logf=logf,
                    peak=(0.0 if args.dry_run
                          else matmul_peak_flops(spec.dtype, seconds=0.1) * world),  # all ranks
-                   flops_step=train_flops_per_token(spec.cfg, T) * B * T)
+                   flops_step=train_flops_per_token(spec.cfg, T) * B * T, lock=lock, requests=requests,
+                   checkpoint=(args.resume, spec.start) if args.resume else None)
 
 
 def train_loop(s: Session) -> list[dict]:
     """The steps from the spec's start to --steps: a progress line every --log-every steps,
-    a log row per step, a checkpoint every --save-every. -> the rows."""
+    a log row per step, a checkpoint every --save-every; after each step the ranks agree on
+    whether to stop (stop.py: divergence, a signal, an output that failed). -> the rows."""
     a, start = s.args, s.spec.start
     log_every = a.log_every or max(1, (a.steps - start) // 20)
     rows_log = []
+    watch = stop.Watch(a)
+    s.requests.in_steps = True
     for row in train_steps(s, start, a.steps):
         step = row["step"]
         row["mfu"] = s.flops_step / row["step_time"] / s.peak
@@ -351,14 +376,69 @@ def train_loop(s: Session) -> list[dict]:
         if a.eval_every and (step + 1) % a.eval_every == 0 and step + 1 < a.steps:
             row["val_loss"] = validation_loss(s)         # collective with --pp
         rows_log.append(row)
-        if s.logf:
-            s.logf.write(json.dumps(report.json_safe(row)) + "\n")
+        write_log(s, report.json_safe(row))
         if (step - start) % log_every == 0 or step == a.steps - 1 or row["skipped"]:
             s.say(report.progress_line(s, row))
+        scaler = getattr(s.opt, "scaler", None)
+        why = watch.check(row, scaler.scale if scaler is not None and scaler.dynamic else None)
+        if why:                                          # the same verdict on every rank
+            s.requests.in_steps = False
+            raise stop.Stop(stop.DIVERGED, watch.line(why, s.checkpoint))
+        reason = stop.REASONS[stop.agree(s.world_group, s.requests.local_code())]
+        if reason:
+            s.requests.in_steps = False
+            raise stopped(s, reason, step + 1)
         if a.save and a.save_every and (step + 1) % a.save_every == 0 and step + 1 < a.steps:
-            with trace.span("save checkpoint", "checkpoint", step=step + 1):
-                checkpoint.save_run(a.save, s, step + 1)
+            save(s, step + 1)
+    s.requests.in_steps = False
     return rows_log
+
+
+def write_log(s: Session, obj: dict):
+    """One --log line on rank 0. A full disk or an I/O error is said once, in one line naming
+    the file; the ranks then stop after this step (the checkpoint still written)."""
+    if s.logf is None:
+        return
+    try:
+        s.logf.write(json.dumps(obj) + "\n")
+    except OSError as e:
+        s.requests.output_error = f"--log {s.args.log}: {checkpoint.describe_error(e)}"
+        with contextlib.suppress(OSError):
+            s.logf.close()
+        s.logf = None
+
+
+def save(s: Session, step: int):
+    """The checkpoint of the steps before `step` (collective), remembered for a stop line.
+    A state holding NaN is never written (the run diverged); one process's full disk is one
+    line (several ranks: checkpoint.save agrees, and says it on the failing rank)."""
+    d = s.args.save
+    try:
+        with trace.span("save checkpoint", "checkpoint", step=step):
+            checkpoint.save_run(d, s, step)
+    except checkpoint.NotFinite as e:
+        raise stop.Stop(stop.DIVERGED, f"minipar.train: {e}") from None
+    except OSError as e:                            # one process: the error as it is
+        raise stop.Stop(stop.OUTPUT_FAILED, f"minipar.train: checkpoint {d} not written: "
+                                            f"{checkpoint.describe_error(e)}; {d} keeps the last good "
+                                            f"checkpoint") from None
+    s.checkpoint = (d, step)
+
+
+def stopped(s: Session, reason: str, step: int) -> stop.Stop:
+    """The agreed stop after `step` steps: SIGTERM and a failed output first save a
+    checkpoint (with --save); -> the Stop to raise on every rank."""
+    a = s.args
+    saved = ""
+    if a.save and reason in ("SIGTERM", "output"):
+        save(s, step)
+        saved = f"; checkpoint {a.save} written: --resume {a.save} continues at step {step}"
+    if reason == "output":
+        return stop.Stop(stop.OUTPUT_FAILED, f"minipar.train: an output could not be written "
+                                             f"({s.requests.output_error or 'on another rank'}): stopped after "
+                                             f"step {step - 1}{saved}")
+    code = stop.INTERRUPTED[signal.SIGTERM if reason == "SIGTERM" else signal.SIGINT]
+    return stop.Stop(code, f"minipar.train: interrupted after step {step - 1} ({reason}){saved}")
 
 
 def validation_loss(s: Session) -> float:
@@ -401,10 +481,27 @@ def sample(s: Session):
         s.say("sample:\n  " + data.decode(out[0]).replace("\n", "\n  "))
 
 
-def run(args) -> dict:
+def run(args, requests: stop.Requests | None = None) -> dict:
     """python -m minipar.train: set up, describe, train, summarise, verify, sample.
-    --dry-run stops after the description."""
-    s = set_up(args)
+    --dry-run stops after the description. A stop (stop.Stop) is written into the log as
+    its last line; the log is closed and the save lock released however the run ends."""
+    s = set_up(args, requests or stop.Requests())
+    try:
+        return phases(s)
+    except stop.Stop as e:
+        write_log(s, {"stopped": True, "exit_code": e.code, "step": s.requests.step, "why": e.line})
+        raise
+    finally:
+        if s.logf:
+            with contextlib.suppress(OSError):
+                s.logf.close()
+        if s.lock is not None:
+            s.lock.release()
+
+
+def phases(s: Session) -> dict:
+    """Describe, train, summarise, verify, sample."""
+    args = s.args
     for line in report.describe(s):
         s.say(line)
     if args.dry_run:
@@ -422,8 +519,7 @@ def run(args) -> dict:
     replicated = s.grid.grad_group.size > 1 and args.zero != 3
     digest = replica_digest(s) if replicated else None
     if args.save:
-        with trace.span("save checkpoint", "checkpoint", step=args.steps):
-            checkpoint.save_run(args.save, s, args.steps)
+        save(s, args.steps)
     val_loss = validation_loss(s)
     stages = s.pipe.gather_stats() if s.pipe is not None else None   # collective over pp
     summary, lines = report.summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger)
@@ -434,12 +530,17 @@ def run(args) -> dict:
     if args.verify:
         verify.verify(s, rows_log, summary)
     if args.trace:                                  # collective: every rank's events to rank 0
-        written = trace.finish(s.grid.world, args.trace, trace_metadata(s))
+        try:
+            written = trace.finish(s.grid.world, args.trace, trace_metadata(s))
+        except OSError as e:                        # rank 0 alone writes it: the others are done
+            s.requests.output_error = f"--trace {args.trace}: {checkpoint.describe_error(e)}"
+            written = None
         if written:
             s.say(f"trace: {written} (open it in https://ui.perfetto.dev or chrome://tracing)")
-    if s.logf:
-        s.logf.write(json.dumps(summary) + "\n")
-        s.logf.close()
+    write_log(s, summary)
+    if s.requests.output_error:
+        raise stop.Stop(stop.OUTPUT_FAILED, f"minipar.train: an output could not be written "
+                                            f"({s.requests.output_error})")
     sample(s)
     return summary
 
@@ -464,20 +565,44 @@ def end_job(code: int):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     keep_freed_memory()
+    requests = stop.Requests()
+    requests.install()
     try:
-        summary = run(args)
+        summary = run(args, requests)
     except ConfigError as e:
         if not e.quiet:
             print(f"minipar.train: error: {e}", file=sys.stderr, flush=True)
         if not (e.quiet or e.agreed):
             end_job(2)             # raised after the agreement, maybe on this rank alone
         sys.exit(2)
-    except checkpoint.SaveFailed:
-        end_job(1)                 # the failing rank has printed its traceback
-        raise
+    except checkpoint.SaveFailed as e:
+        stop.say(f"minipar.train: {e}")
+        end_job(stop.OUTPUT_FAILED)    # the failing rank has said why
+        sys.exit(stop.OUTPUT_FAILED)
+    except stop.Stop as e:             # agreed: every rank stops here, together
+        if rank_of() == 0:
+            stop.say(e.line)
+        sys.exit(e.code)
+    except stop.Interrupted as e:      # a second signal, or one outside the steps: now
+        stop.say(f"minipar.train: interrupted ({e}) on rank {rank_of()}"
+                 + (f" at step {requests.step}" if requests.step is not None else "") + ": ending every rank")
+        end_job(stop.INTERRUPTED[e.signum])
+        sys.exit(stop.INTERRUPTED[e.signum])
+    except SystemExit as e:            # a rank leaving mid-run: end the job now, not at the timeout
+        code = e.code if isinstance(e.code, int) else 1
+        stop.say(f"minipar.train: rank {rank_of()} left the run"
+                 + (f" at step {requests.step}" if requests.step is not None else "")
+                 + f" (exit code {code}): ending every rank")
+        end_job(stop.LEFT)
+        sys.exit(stop.LEFT if code == 0 else code)
     if "verify" in summary and not summary["verify"]["ok"]:
         sys.exit(1)
     return summary
+
+
+def rank_of() -> int:
+    from mpi4py import MPI                                   # noqa: PLC0415
+    return MPI.COMM_WORLD.Get_rank()
 
 
 if __name__ == "__main__":

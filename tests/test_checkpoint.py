@@ -88,7 +88,7 @@ def test_round_trip_model_optimizer_meta(tmp_path, dtype):
     d = tmp_path / "ckpt"
     state = make_state(1.5, dtype)
     save(d, state)
-    assert sorted(os.listdir(d)) == ["meta.json", "model.npz", "optim"], os.listdir(d)
+    assert sorted(os.listdir(d)) == ["MINIPAR-CHECKPOINT", "meta.json", "model.npz", "optim"], os.listdir(d)
     assert os.listdir(d / "optim") == ["rank-00000.npz"], os.listdir(d / "optim")
     assert_loaded_equals(checkpoint.load(str(d)), state)
     assert not os.path.exists(str(d) + ".tmp") and not os.path.exists(str(d) + ".old"), \
@@ -375,15 +375,26 @@ def test_second_crash_while_only_old_exists_keeps_a_checkpoint(tmp_path, monkeyp
 
 
 def test_stale_tmp_directory_is_replaced(tmp_path):
+    """A crashed save's DIR.tmp (its marker written first) is replaced; a DIR.tmp, DIR.old or
+    DIR that minipar did not write is refused and left as it was."""
     d = str(tmp_path / "ckpt")
+    for other in (d + ".tmp", d + ".old", d):
+        os.makedirs(other)
+        with open(os.path.join(other, "thesis.tex"), "w") as f:
+            f.write("not minipar's")
+        with pytest.raises(checkpoint.CheckpointError, match="not a checkpoint minipar wrote"):
+            save(d, make_state(4.0))
+        assert os.listdir(other) == ["thesis.tex"]
+        shutil.rmtree(other)
     os.makedirs(os.path.join(d + ".tmp", "optim"))
+    open(os.path.join(d + ".tmp", "MINIPAR-CHECKPOINT"), "w").close()
     with open(os.path.join(d + ".tmp", "model.npz"), "wb") as f:
         f.write(b"truncated junk")
     with open(os.path.join(d + ".tmp", "optim", "rank-00007.npz"), "w") as f:
         f.write("a shard of a crashed save on more ranks")
     state = make_state(4.0)
     save(d, state)
-    assert sorted(os.listdir(d)) == ["meta.json", "model.npz", "optim"], os.listdir(d)
+    assert sorted(os.listdir(d)) == ["MINIPAR-CHECKPOINT", "meta.json", "model.npz", "optim"], os.listdir(d)
     assert os.listdir(os.path.join(d, "optim")) == ["rank-00000.npz"]
     assert_loaded_equals(checkpoint.load(d), state)
 

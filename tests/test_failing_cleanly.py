@@ -90,16 +90,6 @@ def test_rank0_output_in_a_missing_directory_stops_every_rank_before_training(tm
     assert seconds < HANG, f"{seconds:.1f} s"
 
 
-def test_disk_full_under_the_log_ends_the_job_with_rank_0s_traceback():
-    """A failure the start cannot foresee: the log's device is full. Rank 0 alone fails, at
-    step 0's row (the log is line-buffered), while its tensor-parallel partner goes on into
-    step 1's all-reduces."""
-    p, seconds = timed(mpirun, 2, "--tp", "2", "--log", "/dev/full")
-    assert p.returncode != 0 and seconds < HANG, (p.returncode, seconds, p.stderr)
-    assert "[rank 0] OSError: [Errno 28] No space left on device" in p.stderr, p.stderr
-    assert "logf.write" in p.stderr and "step     0" not in p.stdout, (p.stdout, p.stderr)
-
-
 # ---------------------------------------------------------------- checkpoints at resume
 
 @pytest.fixture(scope="module")
@@ -159,14 +149,16 @@ checkpoint._write_npz = write
 def test_save_failing_on_one_rank_ends_the_job_and_keeps_the_last_good_checkpoint(tmp_path):
     """--save-every 2: the save at step 2 succeeds, the one at step 4 fails on rank 2 while
     the other ranks have written their shards. All ranks learn it before rank 0 commits:
-    DIR still holds step 2, and the job ends with rank 2's traceback."""
+    DIR still holds step 2, and the job ends with rank 2's one line (a full disk is no bug:
+    no traceback) and exit code 5."""
     d = str(tmp_path / "ck")
     p, seconds = timed(run_driver, tmp_path, 4, FAIL_SECOND_SAVE_ON_RANK_2, "--zero", "1", "--steps", "6",
                        "--save-every", "2", "--save", d)
-    assert p.returncode != 0 and seconds < HANG, (p.returncode, seconds, p.stderr)
-    assert "[rank 2] Traceback (most recent call last):" in p.stderr, p.stderr
-    assert "No space left on device (simulated on rank 2)" in p.stderr, p.stderr
-    assert f"[rank 2] checkpoint {d} not written" in p.stderr and "keeps the last good checkpoint" in p.stderr
+    assert p.returncode == 5 and seconds < HANG, (p.returncode, seconds, p.stderr)
+    assert "Traceback" not in p.stderr, p.stderr
+    assert f"[rank 2] checkpoint {d} not written: this rank failed to write its files into {d}.tmp: " \
+           f"No space left on device (simulated on rank 2) (ENOSPC)" in p.stderr, p.stderr
+    assert "keeps the last good checkpoint" in p.stderr
     _, ostate, meta = checkpoint.load(d)
     assert meta["step"] == 2 and ostate["step"] == 2, (meta["step"], ostate["step"])
     assert "step     4" not in p.stdout, p.stdout           # nobody trained on after the failed save
@@ -253,6 +245,7 @@ def test_the_checkpoint_left_by_a_failed_save_resumes(tmp_path, single):
     d = str(tmp_path / "D")
     shutil.copytree(single, d)
     os.makedirs(os.path.join(d + ".tmp", "optim"))
+    open(os.path.join(d + ".tmp", "MINIPAR-CHECKPOINT"), "w").close()    # a save writes it first
     with open(os.path.join(d + ".tmp", checkpoint.shard_name(3)), "w") as f:
         f.write("half a shard")
     with pytest.MonkeyPatch.context() as mp:
