@@ -41,6 +41,7 @@ The trainer's side is at the end of this file: canonical_state (the model as che
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -128,7 +129,8 @@ def save(directory: str, model_state: dict | None, shard: dict | None, meta: dic
     Ranks other than 0 may pass None for model_state and meta.
 
     One process: an exception is raised as it is, and DIR is untouched. Several: the failing
-    rank prints its traceback, then every rank raises SaveFailed."""
+    rank prints its traceback, then every rank raises SaveFailed. Either way the half-written
+    DIR.tmp is removed."""
     directory = os.path.abspath(directory)
     tmp = directory + ".tmp"
     rank = group.rank if group is not None else 0
@@ -146,9 +148,11 @@ def save(directory: str, model_state: dict | None, shard: dict | None, meta: dic
 
     def create():                                  # rank 0: a fresh DIR.tmp/optim, marked minipar's
         for p in (tmp, directory + ".old", directory):   # what a save replaces must be minipar's
-            if os.path.lexists(p) and not outputs.is_minipar_checkpoint(p):
+            if os.path.islink(p) or os.path.lexists(p) and not (outputs.is_minipar_checkpoint(p) or
+                                                                os.path.isdir(p) and outputs.holds_nothing(p)):
                 raise CheckpointError(f"{p} exists and is not a checkpoint minipar wrote: not replaced")
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
+        made.append(tmp)
         os.makedirs(os.path.join(tmp, SHARD_DIR))
         with open(os.path.join(tmp, outputs.MARKER), "w") as f:
             f.write("a checkpoint folder written by minipar (python -m minipar.train --save)\n")
@@ -184,9 +188,15 @@ def save(directory: str, model_state: dict | None, shard: dict | None, meta: dic
         _swap(directory)
         return 0
 
-    _together(group, directory, "create " + tmp, create if rank == 0 else None)
-    written = _together(group, directory, "write its files into " + tmp, write)
-    _together(group, directory, "commit " + tmp, commit if rank == 0 else None)
+    made = []                                      # rank 0: DIR.tmp is this save's own
+    try:
+        _together(group, directory, "create " + tmp, create if rank == 0 else None)
+        written = _together(group, directory, "write its files into " + tmp, write)
+        _together(group, directory, "commit " + tmp, commit if rank == 0 else None)
+    except Exception:                              # every rank is past its writes: rank 0 removes
+        if made:                                   # the half-written DIR.tmp (a full disk's space)
+            _remove(tmp)
+        raise
 
 
 def _dumps(meta: dict) -> str:
@@ -200,11 +210,27 @@ def _swap(directory: str):
     """DIR.tmp becomes DIR by two renames; a crash between them leaves DIR.old."""
     tmp, old = directory + ".tmp", directory + ".old"
     if os.path.exists(directory):                   # only now may an older DIR.old go
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
         os.rename(directory, old)
     os.rename(tmp, directory)
     _fsync_dir(os.path.dirname(directory))
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+def _remove(path: str):
+    """Remove a checkpoint folder, its marker last: a kill part-way leaves a folder still
+    recognised as minipar's (outputs.MARKER), which the next save may replace."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return
+    for entry in sorted(os.listdir(path), key=lambda e: e == outputs.MARKER):
+        p = os.path.join(path, entry)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 def describe_error(e: BaseException) -> str:

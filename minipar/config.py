@@ -202,26 +202,31 @@ def memory_limit(args) -> tuple[int, str]:
         return size, f"--max-memory {args.max_memory}"
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     local = int(os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or 1)
-    return total // max(local, 1), (f"this machine's {human_bytes(total)} (MemTotal)" +
-                                     (f" shared by the {local} ranks on it" if local > 1 else ""))
+    shared = f", {human_bytes(total)}, shared by the {local} ranks on it" if local > 1 else ""
+    return total // max(local, 1), "this machine's MemTotal" + shared
 
 
-def check_memory(args, cfg: GPTConfig, dp: int, tp: int, pp: int):
-    """The planner's peak bytes for a rank of this layout (model states and saved activations,
-    python -m minipar.plan's figure) against what a rank may use: a layout that cannot fit is
-    refused before anything is allocated, instead of ending in a MemoryError."""
+def planned_memory(args, cfg: GPTConfig, dp: int, tp: int, pp: int) -> int:
+    """The planner's peak bytes per rank of this run's layout (python -m minipar.plan)."""
     from minipar import plan  # noqa: PLC0415 - the planner, only for this check
     lay = plan.Layout(dp=dp, tp=tp, pp=pp, zero=args.zero, micro_batches=args.micro_batches,
                       batch_size=args.batch_size, precision=args.precision, dtype=args.dtype,
                       schedule=args.schedule, dp_mode=args.dp_mode, bucket_mb=args.bucket_mb, sp=args.sp,
                       recompute=args.recompute, virtual_stages=args.virtual_stages, cp=args.cp,
                       cp_layout=args.cp_layout, ep=args.ep)
-    need = plan.peak_memory(cfg, lay)
+    return plan.peak_memory(cfg, lay)
+
+
+def check_memory(args, cfg: GPTConfig, dp: int, tp: int, pp: int):
+    """The planner's peak bytes for a rank of this layout (model states and saved activations,
+    python -m minipar.plan's figure) against what a rank may use: a layout that cannot fit is
+    refused before anything is allocated, instead of ending in a MemoryError."""
+    need = planned_memory(args, cfg, dp, tp, pp)
     limit, source = memory_limit(args)
     if need > limit:
         raise ConfigError(f"this layout needs {human_bytes(need)} per rank by the planner's count (model states "
-                          f"and activations, as python -m minipar.plan prints them), more than {source}: "
-                          f"{human_bytes(limit)} per rank (--max-memory sets another limit)")
+                          f"and activations, as python -m minipar.plan prints them), more than the "
+                          f"{human_bytes(limit)} a rank may use ({source}; --max-memory sets another limit)")
 
 
 def validate(args, cfg: GPTConfig):
@@ -356,6 +361,9 @@ def check_context_split(cfg: GPTConfig | None, args):
                           f"has only one of them at a time (use --cp with --tp, or --sp without --cp)")
 
 
+MAX_EXPERTS = 1024                       # per MoE block: each expert is its own 4 tensors
+
+
 def check_moe(cfg: GPTConfig, args, dp: int):
     """The mixture-of-experts flags: consistent, and a layout MoE runs on (not yet --cp or
     --sp)."""
@@ -369,6 +377,9 @@ def check_moe(cfg: GPTConfig, args, dp: int):
         if given:
             raise ConfigError(f"--{given[0].replace('_', '-')} is for a mixture of experts: it needs --moe-experts > 0")
         return
+    if E > MAX_EXPERTS:
+        raise ConfigError(f"--moe-experts {E} is more than {MAX_EXPERTS}: minipar holds each expert as tensors of "
+                          f"its own, and so many would take minutes to build (DeepSeek-V3 has 256)")
     if E < 0 or not 1 <= K <= E:
         raise ConfigError(f"--moe-top-k {K} must be between 1 and --moe-experts {E}")
     if cfg.moe_every < 1 or cfg.moe_every > cfg.n_layer:

@@ -10,6 +10,9 @@ line naming both paths, exit 2):
     an output file that exists and is not a regular file           --trace /dev/null, a FIFO, a folder
     --save DIR that exists and is not a checkpoint minipar wrote   --save ., --save ~/thesis
     DIR.tmp or DIR.old that exist and are not minipar's            (a save removes them)
+    DIR, DIR.tmp or DIR.old that is a link                         --save link-to-thesis
+
+(A folder with no file in it at any depth is replaced: it holds nothing to lose.)
 
 --save may name the --resume directory: the run continues that checkpoint, and replaces it
 only atomically, with a newer complete one (checkpoint.save). A checkpoint folder is
@@ -68,6 +71,15 @@ def is_minipar_checkpoint(path: str) -> bool:
         return False
 
 
+def holds_nothing(path: str) -> bool:
+    """A folder with no file in it, at any depth (an empty folder a user made for --save, or
+    a DIR.tmp cut off before its marker): replacing it destroys nothing."""
+    for _, _, files in os.walk(path):
+        if files:
+            return False
+    return True
+
+
 def what_it_holds(path: str, limit: int = 4) -> str:
     try:
         names = sorted(os.listdir(path))
@@ -107,7 +119,10 @@ def check_save_dir(path: str, resume: str | None = None):
         raise OutputError(f"--save {path} is the working directory ({what_it_holds(path)}): a save replaces its "
                           f"folder; name a new one, e.g. --save {os.path.join(path, 'checkpoint')}")
     for p, what in ((path, "--save"), (path + ".tmp", "--save's temporary"), (path + ".old", "--save's previous")):
-        if os.path.isdir(p) and not os.path.islink(p) and not is_minipar_checkpoint(p) and \
+        if os.path.islink(p):
+            raise OutputError(f"{what} path {p} is a link (to {os.readlink(p)}): a save replaces its folder; "
+                              f"name a new one")
+        if os.path.isdir(p) and not is_minipar_checkpoint(p) and not holds_nothing(p) and \
                 not (p == path and resume and real(resume) == real(path)):
             raise OutputError(f"{what} folder {p} exists and is not a checkpoint minipar wrote "
                               f"({what_it_holds(p)}): a save would replace it; name a new folder")
@@ -118,16 +133,15 @@ def check_save_dir(path: str, resume: str | None = None):
         raise OutputError(f"--save {path}: {lock} exists and is not minipar's save lock: a run would replace it")
 
 
-def check(args):
-    """Every output against every input and against the others (module docstring)."""
-    outputs = [(f, p) for f, p in (("--save", args.save), ("--log", args.log), ("--trace", args.trace),
-                                   ("--timeline", args.timeline)) if p]
-    inputs = [(f, p) for f, p in (("--data", args.data), ("--resume", args.resume)) if p]
+def check_paths(outputs: list, inputs: list, save_resume: str | None = None):
+    """outputs, inputs: [(flag, path)]. Every output against every input and against the
+    others, then each output on its own (a folder for --save, a file otherwise). save_resume:
+    the --resume folder that --save may name."""
     for flag, path in outputs:
         for iflag, ipath in inputs:
             how = related(path, ipath)
             if how and not (flag == "--save" and iflag == "--resume" and how == "is"):
-                raise OutputError(f"{flag} {path} {how} {iflag} {ipath}: the run would write over its own input")
+                raise OutputError(f"{flag} {path} {how} {iflag} {ipath}: writing it would destroy an input")
     for i, (flag, path) in enumerate(outputs):
         for oflag, opath in outputs[i + 1:]:
             how = related(path, opath)
@@ -135,9 +149,17 @@ def check(args):
                 raise OutputError(f"{flag} {path} {how} {oflag} {opath}: two outputs in one place")
     for flag, path in outputs:
         if flag == "--save":
-            check_save_dir(path, args.resume)
+            check_save_dir(path, save_resume)
         else:
             check_file_output(flag, path)
+
+
+def check(args):
+    """The trainer's outputs against its inputs and each other (module docstring)."""
+    outputs = [(f, p) for f, p in (("--save", args.save), ("--log", args.log), ("--trace", args.trace),
+                                   ("--timeline", args.timeline)) if p]
+    inputs = [(f, p) for f, p in (("--data", args.data), ("--resume", args.resume)) if p]
+    check_paths(outputs, inputs, args.resume)
 
 
 @contextlib.contextmanager
@@ -162,7 +184,10 @@ class SaveLock:
 
     def __init__(self, directory: str):
         self.path = directory.rstrip(os.sep) + LOCK_SUFFIX
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise OutputError(f"--save {directory}: its lock {self.path} cannot be made: {e.strerror}") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -172,8 +197,9 @@ class SaveLock:
                               f"wait for it or save elsewhere") from None
         note = (f"minipar save lock: pid {os.getpid()} on {socket.gethostname()}, "
                 f"since {datetime.datetime.now().isoformat(timespec='seconds')}\n")
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, note.encode(), 0)
+        with contextlib.suppress(OSError):          # who holds it, for the message above; a
+            os.ftruncate(self.fd, 0)                 # full disk leaves the lock without it
+            os.pwrite(self.fd, note.encode(), 0)
 
     @staticmethod
     def is_ours(path: str) -> bool:

@@ -34,6 +34,7 @@ from minipar import plot_timeline
 
 DPI = 100
 FORMATS = ("png", "svg", "pdf")
+FIGURES = ("loss", "throughput", "comm", "memory")  # then "timeline" with --trace
 AXES = ("dp", "cp", "tp", "pp", "zero", "world")    # the process grid's group axes (§5)
 AXIS_COLORS = {"dp": "#4c78a8", "cp": "#72b7b2", "tp": "#f58518", "pp": "#54a24b", "zero": "#e45756",
                "world": "#b279a2"}
@@ -345,8 +346,9 @@ def draw_all(runs: list[Run], timeline: dict | None, out_dir: str, formats: list
     """Every figure into out_dir, in each format: -> the paths written."""
     import matplotlib
     matplotlib.use("Agg")
-    figures = [("loss", lambda: draw_loss(runs)), ("throughput", lambda: draw_throughput(runs, note)),
-               ("comm", lambda: draw_comm(runs, note)), ("memory", lambda: draw_memory(runs, note))]
+    drawers = {"loss": lambda: draw_loss(runs), "throughput": lambda: draw_throughput(runs, note),
+               "comm": lambda: draw_comm(runs, note), "memory": lambda: draw_memory(runs, note)}
+    figures = [(name, drawers[name]) for name in FIGURES]
     if timeline is not None:
         figures.append(("timeline", lambda: plot_timeline.draw_timeline(timeline, DPI)))
     paths = []
@@ -387,6 +389,21 @@ def parse_formats(text: str) -> list[str]:
     return list(dict.fromkeys(formats))
 
 
+def check_outputs(args, out: str, formats: list[str], with_timeline: bool):
+    """Each figure file draw_all will write, against the logs and the trace it reads, and on its
+    own: a new path or a regular file, never a folder, a device or a FIFO (outputs.py)."""
+    from minipar import outputs  # noqa: PLC0415
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise PlotError(f"--out {out} exists and is not a directory")
+    names = FIGURES + (("timeline",) if with_timeline else ())
+    files = [("--out", os.path.join(out, f"{name}.{fmt}")) for name in names for fmt in formats]
+    inputs = [("the log", p) for p in args.logs] + ([("--trace", args.trace)] if args.trace else [])
+    try:
+        outputs.check_paths(files, inputs)
+    except outputs.OutputError as e:
+        raise PlotError(str(e)) from None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -402,6 +419,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             raise PlotError(str(e)) from None
         out = args.out or os.path.dirname(os.path.abspath(args.logs[0]))
+        check_outputs(args, out, formats, timeline is not None)
         try:
             os.makedirs(out, exist_ok=True)
         except OSError as e:

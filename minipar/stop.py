@@ -110,7 +110,7 @@ class Watch:
 
     def line(self, why: str, checkpoint: tuple | None) -> str:
         last = (f"the last finite loss {self.last_finite[1]:.4f} at step {self.last_finite[0]}"
-                if self.last_finite else "no finite loss before it")
+                if self.last_finite else "no finite loss in this run before it")
         where = (f"the last good checkpoint is {checkpoint[0]} (step {checkpoint[1]})" if checkpoint
                  else "no checkpoint was written (--save DIR --save-every N keeps one)")
         return f"minipar.train: the run diverged: {why}; {last}; {where}; stopping every rank"

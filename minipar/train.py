@@ -251,15 +251,16 @@ def train_steps(s: Session, start: int, end: int):
     """Steps start..end-1, one log row per yield."""
     for step in range(start, end):
         s.requests.step = step
-        with quiet_overflow(s.args.precision != "fp32"), trace.span(f"step {step}", "step", step=step):
+        with quiet_overflow(), trace.span(f"step {step}", "step", step=step):
             row = train_step(s, step)
         yield row                                       # outside the errstate: the caller runs here
 
 
-def quiet_overflow(on: bool):
-    """fp16 gradients overflow to inf by design when the loss scale is too large (then the
-    step is skipped): no RuntimeWarning for that, as in PyTorch."""
-    return np.errstate(over="ignore", invalid="ignore") if on else contextlib.nullcontext()
+def quiet_overflow():
+    """No RuntimeWarning for an overflow in a step: fp16 gradients overflow to inf by design
+    when the loss scale is too large (the step is skipped, as in PyTorch), and a run that
+    diverges is stopped at the end of the step by stop.Watch, with one line."""
+    return np.errstate(over="ignore", invalid="ignore")
 
 
 def sent_by_axis(field: str = "bytes_sent") -> dict:
@@ -308,7 +309,7 @@ def open_rank0_outputs(args):
         raise ConfigError(f"--log {args.log}: {e.strerror}") from None
 
 
-def set_up(args, requests: stop.Requests) -> Session:
+def set_up(args, requests: stop.Requests | None = None) -> Session:
     """Validate on every rank, agree, then build the grid, the model of this rank, its
     optimizer and the data-parallel / ZeRO / pipeline machinery."""
     from mpi4py import MPI                                   # noqa: PLC0415 - keep import light
@@ -356,7 +357,8 @@ def set_up(args, requests: stop.Requests) -> Session:
                    spec=spec, grid=grid, say=Printer(rank == 0), logf=logf,
                    peak=(0.0 if args.dry_run
                          else matmul_peak_flops(spec.dtype, seconds=0.1) * world),  # all ranks
-                   flops_step=train_flops_per_token(spec.cfg, T) * B * T, lock=lock, requests=requests,
+                   flops_step=train_flops_per_token(spec.cfg, T) * B * T, lock=lock,
+                   requests=requests or stop.Requests(),
                    checkpoint=(args.resume, spec.start) if args.resume else None)
 
 
@@ -438,7 +440,8 @@ def stopped(s: Session, reason: str, step: int) -> stop.Stop:
                                              f"({s.requests.output_error or 'on another rank'}): stopped after "
                                              f"step {step - 1}{saved}")
     code = stop.INTERRUPTED[signal.SIGTERM if reason == "SIGTERM" else signal.SIGINT]
-    return stop.Stop(code, f"minipar.train: interrupted after step {step - 1} ({reason}){saved}")
+    return stop.Stop(code, f"minipar.train: interrupted at step {step} ({reason}): steps 0..{step - 1} "
+                           f"done, the log flushed{saved}")
 
 
 def validation_loss(s: Session) -> float:
@@ -485,7 +488,7 @@ def run(args, requests: stop.Requests | None = None) -> dict:
     """python -m minipar.train: set up, describe, train, summarise, verify, sample.
     --dry-run stops after the description. A stop (stop.Stop) is written into the log as
     its last line; the log is closed and the save lock released however the run ends."""
-    s = set_up(args, requests or stop.Requests())
+    s = set_up(args, requests)
     try:
         return phases(s)
     except stop.Stop as e:
@@ -584,8 +587,8 @@ def main(argv=None):
             stop.say(e.line)
         sys.exit(e.code)
     except stop.Interrupted as e:      # a second signal, or one outside the steps: now
-        stop.say(f"minipar.train: interrupted ({e}) on rank {rank_of()}"
-                 + (f" at step {requests.step}" if requests.step is not None else "") + ": ending every rank")
+        stop.say("minipar.train: interrupted" + (f" at step {requests.step}" if requests.step is not None else "")
+                 + f" ({e} on rank {rank_of()}, outside a step or a second time): ending every rank now")
         end_job(stop.INTERRUPTED[e.signum])
         sys.exit(stop.INTERRUPTED[e.signum])
     except SystemExit as e:            # a rank leaving mid-run: end the job now, not at the timeout

@@ -218,5 +218,5 @@ def test_an_unwritable_trace_path_is_a_config_error(capsys, tmp_path):
     missing = str(tmp_path / "no-such-dir" / "t.json")
     assert_main_exits_2(TINY + ["--trace", missing], ["--trace", missing, "does not exist"], capsys,
                         "missing directory")
-    assert_main_exits_2(TINY + ["--trace", str(tmp_path)], ["--trace", "is a directory"], capsys,
+    assert_main_exits_2(TINY + ["--trace", str(tmp_path)], ["--trace", "is a folder"], capsys,
                         "a directory")

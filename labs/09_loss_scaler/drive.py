@@ -155,7 +155,7 @@ def fixed(student, out):
         out.case(f"bf16 trainer step {step}, one process, " + (f"a NaN planted in {NAN_IN}'s gradient" if planted
                                                                else "no NaN planted"))
         poison[0] = planted
-        with train.quiet_overflow(True):
+        with train.quiet_overflow():
             row = train.train_step(s, step)
         out.put(key("bf16", step, "skipped"), row["skipped"])
         out.put(key("bf16", step, "scale"), opt.scaler.scale)

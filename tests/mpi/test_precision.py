@@ -69,7 +69,7 @@ def test_every_rank_skips_the_step_one_rank_overflowed(dp, tp, pp, dp_mode, mode
     for step in range(STEPS):
         step_now[0] = step
         before = snapshot(model, opt)
-        with train.quiet_overflow(True):
+        with train.quiet_overflow():
             row = train.train_step(train.Session(args, model, opt, sampler, sync=ddp, rows=rows,
                                                  dp_group=grid.dp_group if dp > 1 else None,
                                                  world_group=grid.world, pipe=pipe), step)
