@@ -135,10 +135,10 @@ def save(directory: str, model_state: dict | None, shard: dict | None, meta: dic
     tmp = directory + ".tmp"
     rank = group.rank if group is not None else 0
     bad = non_finite({**(model_state or {}), **({f"optimizer {k}": shard[k] for k in ("m", "v")} if shard else {})})
-    if group is not None and group.size > 1:       # every rank learns whether any holds a NaN
-        from minipar import comm                   # noqa: PLC0415
-        with comm.untracked():
-            anywhere = int(comm.all_reduce(group, np.array([len(bad)], dtype=np.int64), op="max")[0])
+    if group is not None and group.size > 1:       # every rank learns whether any holds a NaN (int32:
+        from minipar import comm                   # noqa: PLC0415 - the step's skip flag is the one
+        with comm.untracked():                     # int64 max all-reduce; lab 09's seam finds it so)
+            anywhere = int(comm.all_reduce(group, np.array([len(bad)], dtype=np.int32), op="max")[0])
     else:
         anywhere = len(bad)
     if anywhere:
