@@ -150,10 +150,16 @@ def check_lab(lab_dir: str, say, sandbox: Sandbox, quick: bool = False) -> tuple
 
 
 def main(argv=None):
-    wanted = list(sys.argv[1:] if argv is None else argv)
-    quick = "--quick" in wanted
-    wanted = [w for w in wanted if w != "--quick"]
-    dirs = [framework.find(w) for w in wanted] if wanted else framework.lab_dirs()
+    import argparse  # noqa: PLC0415
+    ap = argparse.ArgumentParser(prog="python -m labs.check_all", description=__doc__.split("\n\n")[0])
+    ap.add_argument("labs", nargs="*", metavar="NN", help="only these labs (02, 07_schedules, ...) [all]")
+    ap.add_argument("--quick", action="store_true", help="one mutant per lab, and not reference.py")
+    a = ap.parse_args(argv)
+    quick = a.quick
+    try:
+        dirs = [framework.find(w) for w in a.labs] if a.labs else framework.lab_dirs()
+    except ValueError as e:
+        ap.error(str(e))
     start = time.monotonic()
     all_findings, caught = [], 0
     sandbox = Sandbox()
