@@ -21,9 +21,11 @@ SIGKILL. A second signal, or one outside the steps, ends the job at once.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
+import threading
 
 import numpy as np
 
@@ -58,9 +60,20 @@ class Requests:
         self.in_steps = False
         self.step = None                    # the step running now
 
-    def install(self):
-        for sig in INTERRUPTED:
-            signal.signal(sig, self.handler)
+    @contextlib.contextmanager
+    def installed(self):
+        """The handler on SIGINT and SIGTERM while the run lasts; then the ones before it (a
+        test or a lab calls the trainer in its own process). Only the main thread may set
+        handlers: elsewhere none is installed."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        before = {sig: signal.signal(sig, self.handler) for sig in INTERRUPTED}
+        try:
+            yield self
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
 
     def handler(self, signum, frame):
         if not self.in_steps or self.signum is not None:

@@ -569,7 +569,12 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     keep_freed_memory()
     requests = stop.Requests()
-    requests.install()
+    with requests.installed():
+        return ended(args, requests)
+
+
+def ended(args, requests: stop.Requests):
+    """run(), each way it can end turned into its line and exit code (docs/debugging.md)."""
     try:
         summary = run(args, requests)
     except ConfigError as e:

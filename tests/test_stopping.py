@@ -292,3 +292,14 @@ def test_the_fault_injector_does_nothing_unset(monkeypatch):
     assert [f["kind"] for f in faults.due(2, 5)] == ["nan"] and faults.due(4, 1)[0]["code"] == 3
     assert faults.due(4, 0) == []
 
+
+
+def test_the_signal_handlers_are_given_back(capsys, fixed_peak):
+    """A test or a lab calls the trainer in its own process: after the run (however it ends)
+    Ctrl-C is KeyboardInterrupt again, and SIGTERM what it was."""
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    train.main(TINY + ["--steps", "1"])
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    with pytest.raises(SystemExit):
+        train.main(TINY + ["--lr", "nan"])
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
