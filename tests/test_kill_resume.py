@@ -57,7 +57,7 @@ def test_twenty_kills_lose_nothing(tmp_path):
     finish(start(tmp_path, "--save", "ref", "--log", "ref.jsonl"))
     ref_model = checkpoint.load(str(tmp_path / "ref"))[0]
     ref_rows = {r["step"]: (r["loss"], r["grad_norm"]) for r in rows(tmp_path / "ref.jsonl")}
-    fallbacks, steps_seen = 0, []
+    fallbacks, in_a_save, steps_seen = 0, 0, []
     for kill in range(KILLS):
         resume = ["--resume", "ck"] if os.path.exists(tmp_path / "ck") or os.path.exists(tmp_path / "ck.old") else []
         log = tmp_path / f"run{kill}.jsonl"
@@ -76,6 +76,7 @@ def test_twenty_kills_lose_nothing(tmp_path):
             proc.communicate()
         for r in rows(log):                                   # what it trained, as the reference did
             assert (r["loss"], r["grad_norm"]) == ref_rows[r["step"]], (kill, r["step"])
+        in_a_save += any(os.path.exists(tmp_path / d) for d in ("ck.tmp", "ck.old"))   # killed in a save
         _, _, meta = checkpoint.load(str(tmp_path / "ck"))    # the newest complete one loads
         fallbacks += meta["loaded_from"].endswith(".old")
         steps_seen.append(meta["step"])
@@ -91,4 +92,5 @@ def test_twenty_kills_lose_nothing(tmp_path):
             assert (r["loss"], r["grad_norm"]) == ref_rows[r["step"]], (kill, r["step"])
         shutil.rmtree(tmp_path / "end")
     assert steps_seen == sorted(steps_seen) and steps_seen[-1] < STEPS, steps_seen
-    print(f"{KILLS} kills at checkpoint steps {steps_seen}; {fallbacks} fell back to ck.old")
+    print(f"{KILLS} kills at checkpoint steps {steps_seen}; {in_a_save} in a save (ck.tmp or ck.old left), "
+          f"{fallbacks} between its renames (ck.old)")
