@@ -76,6 +76,10 @@ def non_finite(arrays: dict) -> list[str]:
             if np.asarray(a).dtype.kind == "f" and not np.isfinite(np.asarray(a)).all()]
 
 
+def _first(names: list[str], k: int = 3) -> str:
+    return ", ".join(names[:k]) + (" ..." if len(names) > k else "")
+
+
 class SaveFailed(CheckpointError):
     """A save failed on some rank; raised on every rank. `rank`: the (lowest) failing rank.
     The checkpoint directory still holds the last good checkpoint."""
@@ -143,7 +147,7 @@ def save(directory: str, model_state: dict | None, shard: dict | None, meta: dic
         anywhere = len(bad)
     if anywhere:
         raise NotFinite(f"checkpoint {directory} not written: " + (
-            f"{len(bad)} tensor(s) hold NaN or inf ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})"
+            f"{len(bad)} tensor(s) hold NaN or inf ({_first(bad)})"
             if bad else "another rank's tensors hold NaN or inf") + f"; {directory} keeps the last good checkpoint")
 
     def create():                                  # rank 0: a fresh DIR.tmp/optim, marked minipar's
@@ -349,8 +353,7 @@ def load(directory: str):
     bad = non_finite({**model_state, **{f"optimizer m {n}": a for n, a in optim_state["m"].items()},
                       **{f"optimizer v {n}": a for n, a in optim_state["v"].items()}})
     if bad:
-        raise NotFinite(f"checkpoint {directory} holds NaN or inf in {len(bad)} tensor(s) "
-                        f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): not loaded")
+        raise NotFinite(f"checkpoint {directory} holds NaN or inf in {len(bad)} tensor(s) ({_first(bad)}): not loaded")
     return model_state, optim_state, meta
 
 

@@ -197,8 +197,9 @@ def memory_limit(args) -> tuple[int, str]:
     if args.max_memory is not None:
         from minipar.plan import parse_size  # noqa: PLC0415 - the planner, only for this check
         size = parse_size(args.max_memory)
-        if size is None:
-            raise ConfigError(f"--max-memory wants a size such as 8GiB, 512MiB or 2e9 (bytes), got {args.max_memory!r}")
+        if size is None or size < 1:
+            raise ConfigError(f"--max-memory wants a size of at least a byte, such as 8GiB, 512MiB or 2e9, "
+                              f"got {args.max_memory!r}")
         return size, f"--max-memory {args.max_memory}"
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     local = int(os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or 1)

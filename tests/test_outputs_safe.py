@@ -131,6 +131,7 @@ def test_every_float_flag_refuses_nan_and_infinity(capsys, fixed_peak, value):
     (["--n-embd", "200000", "--n-head", "2"], ["per rank by the planner's count", "MemTotal"]),
     (["--batch-size", "1000000000000"], ["per rank by the planner's count", "MemTotal"]),
     (["--max-memory", "lots"], ["--max-memory wants a size", "'lots'"]),
+    (["--max-memory", "0.5"], ["--max-memory wants a size of at least a byte", "'0.5'"]),
     (["--moe-experts", "100000"], ["--moe-experts 100000 is more than 1024"]),
     (["--max-skipped-steps", "0"], ["--max-skipped-steps must be >= 1, got 0"]),
     (["--min-loss-scale", "0"], ["--min-loss-scale must be > 0, got 0.0"]),
