@@ -492,7 +492,7 @@ def run(args, requests: stop.Requests | None = None) -> dict:
     try:
         return phases(s)
     except stop.Stop as e:
-        write_log(s, {"stopped": True, "exit_code": e.code, "step": s.requests.step, "why": e.line})
+        write_log(s, {"stopped": True, "exit_code": e.code, "last_step": s.requests.step, "why": e.line})
         raise
     finally:
         if s.logf:
