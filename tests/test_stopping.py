@@ -123,7 +123,7 @@ def test_mixed_precision_that_only_skips_stops(capsys, fixed_peak, flags, needle
 
 # ---------------------------------------------------------------- a rank that leaves: exit 4
 
-@pytest.mark.parametrize("n,code", [(2, 0), (4, 7)])
+@pytest.mark.parametrize("n,code", [(1, 0), (2, 0), (4, 7)])
 def test_a_rank_that_exits_mid_run_ends_the_job_within_seconds(tmp_path, n, code):
     flags, rank = LAYOUTS[n]
     p = launch(n, flags + ["--steps", "8"], f"kind=exit,code={code},rank={rank},step=2", tmp_path)
