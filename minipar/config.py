@@ -250,6 +250,9 @@ def validate(args, cfg: GPTConfig):
         raise ConfigError(f"--max-skipped-steps must be >= 1, got {args.max_skipped_steps}")
     if args.min_loss_scale <= 0:
         raise ConfigError(f"--min-loss-scale must be > 0, got {args.min_loss_scale}")
+    if args.precision == "fp16" and args.loss_scale is not None and args.loss_scale < args.min_loss_scale:
+        raise ConfigError(f"--loss-scale {args.loss_scale:g} is below --min-loss-scale {args.min_loss_scale:g}: "
+                          f"the run would stop at its first skipped step")
     for flag in ("min_lr", "grad_clip", "warmup", "save_every", "weight_decay", "seed", "log_every",
                  "sample", "eval_every"):
         if getattr(args, flag) < 0:
@@ -360,6 +363,20 @@ def check_context_split(cfg: GPTConfig | None, args):
     if args.sp:
         raise ConfigError(f"--sp does not combine with --cp {cp}: both split the sequence, and minipar "
                           f"has only one of them at a time (use --cp with --tp, or --sp without --cp)")
+
+
+def check_scaler_state(state, path: str):
+    """meta.json's "loss_scaler" (fp16/bf16): a finite scale > 0, a clean-step count >= 0, a
+    growth interval >= 1, a dynamic flag; anything else (a NaN scale would skip every step)
+    is refused naming the checkpoint."""
+    ok = (isinstance(state, dict) and isinstance(state.get("scale"), (int, float))
+          and math.isfinite(state["scale"]) and state["scale"] > 0
+          and isinstance(state.get("good_steps"), int) and state["good_steps"] >= 0
+          and isinstance(state.get("growth_interval"), int) and state["growth_interval"] >= 1
+          and isinstance(state.get("dynamic"), bool))
+    if not ok:
+        raise ConfigError(f"checkpoint {path}: meta.json's loss_scaler {state!r} is not a loss scaler's state "
+                          f"(a finite scale > 0, good_steps >= 0, growth_interval >= 1, dynamic true or false)")
 
 
 MAX_EXPERTS = 1024                       # per MoE block: each expert is its own 4 tensors
@@ -479,6 +496,8 @@ def prepare(args, world: int) -> RunSpec:
         raise ConfigError(f"--precision {args.precision} does not match "
                           f"the checkpoint {args.resume} "
                           f"({meta.get('precision', 'fp32')})")
+    if meta is not None and "loss_scaler" in meta:
+        check_scaler_state(meta["loss_scaler"], args.resume)
     if meta is not None and args.loss_scale_window is not None:
         raise ConfigError(f"--loss-scale-window sets a new run's scaler; --resume {args.resume} continues "
                           f"the checkpoint's (window "

@@ -51,6 +51,11 @@ def related(a: str, b: str) -> str | None:
     ra, rb = real(a), real(b)
     if ra == rb:
         return "is"
+    try:
+        if os.path.samefile(a, b):             # a hard link: another name of the same file
+            return "is"
+    except OSError:
+        pass
     if ra.startswith(rb.rstrip(os.sep) + os.sep):
         return "is inside"
     if rb.startswith(ra.rstrip(os.sep) + os.sep):
@@ -155,11 +160,20 @@ def check_paths(outputs: list, inputs: list, save_resume: str | None = None):
 
 
 def check(args):
-    """The trainer's outputs against its inputs and each other (module docstring)."""
+    """The trainer's outputs against its inputs and each other (module docstring). --save DIR
+    writes DIR.tmp, DIR.old and DIR.lock beside DIR: they are outputs too."""
     outputs = [(f, p) for f, p in (("--save", args.save), ("--log", args.log), ("--trace", args.trace),
                                    ("--timeline", args.timeline)) if p]
     inputs = [(f, p) for f, p in (("--data", args.data), ("--resume", args.resume)) if p]
     check_paths(outputs, inputs, args.resume)
+    if args.save:
+        beside = [(f"--save's {what}", args.save.rstrip(os.sep) + suffix)
+                  for what, suffix in (("temporary", ".tmp"), ("previous", ".old"), ("lock", LOCK_SUFFIX))]
+        for flag, path in beside:
+            for oflag, opath in inputs + [o for o in outputs if o[0] != "--save"]:
+                how = related(path, opath)
+                if how:
+                    raise OutputError(f"{flag} {path} {how} {oflag} {opath}: a save would remove it")
 
 
 @contextlib.contextmanager

@@ -112,7 +112,7 @@ class Watch:
             if self.skipped_in_a_row > a.max_skipped_steps:
                 return (f"{self.skipped_in_a_row} steps in a row skipped for inf/NaN gradients at step {step} "
                         f"(--max-skipped-steps {a.max_skipped_steps})")
-            if scale_now is not None and scale_now < a.min_loss_scale:
+            if scale_now is not None and not scale_now >= a.min_loss_scale:     # NaN too
                 return (f"the fp16 loss scale fell to {scale_now:g} after step {step}, below "
                         f"--min-loss-scale {a.min_loss_scale:g}: the gradients overflow at any scale")
             return None

@@ -5,6 +5,7 @@ Each refused case runs train.main in process on a folder of the user's files and
 one line, exit code 2, and that every file of the user's is still there, byte for byte.
 """
 import hashlib
+import json
 import math
 import os
 
@@ -64,6 +65,10 @@ REFUSED = [
     (["--trace", "/dev/null"], ["--trace /dev/null is a device"]),
     (["--log", "pipe"], ["--log pipe is a FIFO"]),
     (["--trace", "thesis"], ["--trace thesis is a folder"]),
+    (["--data", "corpus.txt", "--log", "hardlink.txt"], ["--log hardlink.txt is --data corpus.txt"]),
+    (["--save", "out", "--log", "out.lock"], ["--save's lock out.lock is --log out.lock", "a save would remove it"]),
+    (["--save", "out", "--trace", "out.tmp/t.json"], ["--save's temporary out.tmp holds --trace out.tmp/t.json"]),
+    (["--resume", "ck.old", "--save", "ck"], ["--save's previous ck.old is --resume ck.old"]),
     (["--data", "pipe"], ["data file 'pipe' is not a regular file"]),
     (["--data", "thesis"], ["data file 'thesis' is a directory"]),
 ]
@@ -71,6 +76,10 @@ REFUSED = [
 
 @pytest.mark.parametrize("flags,needles", REFUSED, ids=[" ".join(f) for f, _ in REFUSED])
 def test_an_output_that_would_destroy_something_is_refused(home, capsys, fixed_peak, flags, needles):
+    if "hardlink.txt" in flags:
+        os.link(home / "corpus.txt", home / "hardlink.txt")
+    if "ck.old" in flags:
+        os.rename(home / "ck", home / "ck.old")
     if "results/c.txt" in flags:
         (home / "results" / "c.txt").write_text("a corpus inside the folder to save to " * 50)
     before = snapshot(home)
@@ -135,6 +144,7 @@ def test_every_float_flag_refuses_nan_and_infinity(capsys, fixed_peak, value):
     (["--moe-experts", "100000"], ["--moe-experts 100000 is more than 1024"]),
     (["--max-skipped-steps", "0"], ["--max-skipped-steps must be >= 1, got 0"]),
     (["--min-loss-scale", "0"], ["--min-loss-scale must be > 0, got 0.0"]),
+    (["--precision", "fp16", "--loss-scale", "1", "--min-loss-scale", "2"], ["--loss-scale 1 is below --min-loss-scale 2"]),
 ])
 @pytest.mark.parametrize("dry", [False, True])
 def test_a_layout_too_large_is_refused_by_the_run_and_the_dry_run(capsys, fixed_peak, flags,
@@ -236,3 +246,15 @@ def test_a_folder_without_files_holds_nothing_to_lose(tmp_path, fixed_peak):
     train.run(train.build_parser().parse_args(TINY + ["--steps", "1", "--save", str(tmp_path / "out")]))
     assert checkpoint.load(str(tmp_path / "out"))[2]["step"] == 1
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_resume_refuses_a_loss_scaler_that_is_not_one(tmp_path, capsys, fixed_peak):
+    """A NaN scale in meta.json would skip every step and never stop: refused, naming it."""
+    ck = tmp_path / "ck"
+    train.run(train.build_parser().parse_args(TINY + ["--steps", "1", "--precision", "fp16", "--save", str(ck)]))
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["loss_scaler"]["scale"] = float("nan")
+    (ck / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert_main_exits_2(TINY + ["--steps", "2", "--precision", "fp16", "--resume", str(ck)],
+                        ["meta.json's loss_scaler", "'scale': nan", "is not a loss scaler's state"], capsys, "nan scale")

@@ -303,3 +303,13 @@ def test_the_signal_handlers_are_given_back(capsys, fixed_peak):
     with pytest.raises(SystemExit):
         train.main(TINY + ["--lr", "nan"])
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_nan_loss_scale_is_below_every_floor():
+    """`scale < floor` is False for NaN: the watch asks `not scale >= floor`."""
+    from argparse import Namespace
+    from minipar import stop
+    w = stop.Watch(Namespace(max_skipped_steps=50, min_loss_scale=1.0))
+    row = {"step": 4, "loss": 5.0, "grad_norm": float("nan"), "skipped": True}
+    assert w.check(row, 2.0) is None
+    assert "loss scale fell to nan" in w.check(dict(row, step=5), float("nan"))
