@@ -250,7 +250,7 @@ def validate(args, cfg: GPTConfig):
         raise ConfigError(f"--max-skipped-steps must be >= 1, got {args.max_skipped_steps}")
     if args.min_loss_scale <= 0:
         raise ConfigError(f"--min-loss-scale must be > 0, got {args.min_loss_scale}")
-    if args.precision == "fp16" and args.loss_scale is not None and args.loss_scale < args.min_loss_scale:
+    if args.precision == "fp16" and args.loss_scale is not None and 0 < args.loss_scale < args.min_loss_scale:
         raise ConfigError(f"--loss-scale {args.loss_scale:g} is below --min-loss-scale {args.min_loss_scale:g}: "
                           f"the run would stop at its first skipped step")
     for flag in ("min_lr", "grad_clip", "warmup", "save_every", "weight_decay", "seed", "log_every",

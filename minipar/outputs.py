@@ -1,16 +1,17 @@
 """What a run writes, checked before it writes anything: nothing minipar writes may destroy
 what it did not create.
 
-The outputs: --save DIR (and DIR.tmp, DIR.old beside it), --log, --trace, --timeline. The
+The outputs: --save DIR (and DIR.tmp, DIR.old, DIR.lock beside it), --log, --trace, --timeline. The
 inputs: --data, --resume. Before any message, every rank checks (check(); ConfigError, one
 line naming both paths, exit 2):
 
-    an output that is an input, lies inside one or holds one      --data f --log f
+    an output that is an input (or a hard link to it), in one, or holding one  --data f --log f
     two outputs that are one, or one inside the other              --save out --log out/log.jsonl
     an output file that exists and is not a regular file           --trace /dev/null, a FIFO, a folder
     --save DIR that exists and is not a checkpoint minipar wrote   --save ., --save ~/thesis
     DIR.tmp or DIR.old that exist and are not minipar's            (a save removes them)
     DIR, DIR.tmp or DIR.old that is a link                         --save link-to-thesis
+    DIR.tmp, DIR.old or DIR.lock that is another input or output   --save ck --log ck.lock
 
 (A folder with no file in it at any depth is replaced: it holds nothing to lose.)
 
