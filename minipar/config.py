@@ -23,7 +23,6 @@ from minipar.model import GPTConfig, param_specs
 from minipar.parallel import schedules
 from minipar.parallel.grid import LayoutError, check_layout
 from minipar.parallel.ring_attention import LAYOUTS
-from minipar.perf import human_bytes
 
 MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64,
                       moe_experts=0, moe_top_k=2, moe_every=1, moe_capacity_factor=0.0)
@@ -189,45 +188,6 @@ def check_numbers(args):
     for name, v in vars(args).items():
         if isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {v}")
-
-
-def memory_limit(args) -> tuple[int, str]:
-    """(bytes a rank may use, where that figure comes from): --max-memory, or this machine's
-    memory (MemTotal) shared by the ranks the launcher started on it."""
-    if args.max_memory is not None:
-        from minipar.plan import parse_size  # noqa: PLC0415 - the planner, only for this check
-        size = parse_size(args.max_memory)
-        if size is None or size < 1:
-            raise ConfigError(f"--max-memory wants a size of at least a byte, such as 8GiB, 512MiB or 2e9, "
-                              f"got {args.max_memory!r}")
-        return size, f"--max-memory {args.max_memory}"
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    local = int(os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or 1)
-    shared = f", {human_bytes(total)}, shared by the {local} ranks on it" if local > 1 else ""
-    return total // max(local, 1), "this machine's MemTotal" + shared
-
-
-def planned_memory(args, cfg: GPTConfig, dp: int, tp: int, pp: int) -> int:
-    """The planner's peak bytes per rank of this run's layout (python -m minipar.plan)."""
-    from minipar import plan  # noqa: PLC0415 - the planner, only for this check
-    lay = plan.Layout(dp=dp, tp=tp, pp=pp, zero=args.zero, micro_batches=args.micro_batches,
-                      batch_size=args.batch_size, precision=args.precision, dtype=args.dtype,
-                      schedule=args.schedule, dp_mode=args.dp_mode, bucket_mb=args.bucket_mb, sp=args.sp,
-                      recompute=args.recompute, virtual_stages=args.virtual_stages, cp=args.cp,
-                      cp_layout=args.cp_layout, ep=args.ep)
-    return plan.peak_memory(cfg, lay)
-
-
-def check_memory(args, cfg: GPTConfig, dp: int, tp: int, pp: int):
-    """The planner's peak bytes for a rank of this layout (model states and saved activations,
-    python -m minipar.plan's figure) against what a rank may use: a layout that cannot fit is
-    refused before anything is allocated, instead of ending in a MemoryError."""
-    need = planned_memory(args, cfg, dp, tp, pp)
-    limit, source = memory_limit(args)
-    if need > limit:
-        raise ConfigError(f"this layout needs {human_bytes(need)} per rank by the planner's count (model states "
-                          f"and activations, as python -m minipar.plan prints them), more than the "
-                          f"{human_bytes(limit)} a rank may use ({source}; --max-memory sets another limit)")
 
 
 def validate(args, cfg: GPTConfig):
@@ -483,7 +443,6 @@ def prepare(args, world: int) -> RunSpec:
     check_moe(cfg, args, dp)
     check_schedule(cfg, pp, args.schedule, args.virtual_stages, args.micro_batches)
     resolve_dp_flags(args)
-    check_memory(args, cfg, dp, tp, pp)
     if args.zero == 3 and pp > 1:
         raise ConfigError(f"--zero 3 does not combine with --pp {pp}: it would all-gather and "
                           f"release every stage's parameters around every micro-batch's forward "

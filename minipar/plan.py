@@ -134,6 +134,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 
@@ -625,6 +626,44 @@ def moe_notes(m: dict | None) -> list[str]:
 def peak_memory(cfg: GPTConfig, lay) -> int:
     """The largest device's total: the budget a layout needs per device."""
     return max(device_memory(cfg, lay, stage)["total"] for stage in range(lay.pp))
+
+
+def memory_limit(args) -> tuple[int, str]:
+    """(bytes a rank may use, where that figure comes from): --max-memory, or this machine's
+    memory (MemTotal) shared by the ranks the launcher started on it."""
+    if args.max_memory is not None:
+        size = parse_size(args.max_memory)
+        if size is None or size < 1:
+            raise config.ConfigError(f"--max-memory wants a size of at least a byte, such as 8GiB, 512MiB or 2e9, "
+                              f"got {args.max_memory!r}")
+        return size, f"--max-memory {args.max_memory}"
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    local = int(os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or 1)
+    shared = f", {human_bytes(total)}, shared by the {local} ranks on it" if local > 1 else ""
+    return total // max(local, 1), "this machine's MemTotal" + shared
+
+
+def planned_memory(args, cfg: GPTConfig, dp: int, tp: int, pp: int) -> int:
+    """The planner's peak bytes per rank of this run's layout (python -m minipar.plan)."""
+    lay = Layout(dp=dp, tp=tp, pp=pp, zero=args.zero, micro_batches=args.micro_batches,
+                      batch_size=args.batch_size, precision=args.precision, dtype=args.dtype,
+                      schedule=args.schedule, dp_mode=args.dp_mode, bucket_mb=args.bucket_mb, sp=args.sp,
+                      recompute=args.recompute, virtual_stages=args.virtual_stages, cp=args.cp,
+                      cp_layout=args.cp_layout, ep=args.ep)
+    return peak_memory(cfg, lay)
+
+
+def check_fits(args, cfg: GPTConfig, dp: int, tp: int, pp: int):
+    """The trainer's memory check (run and --dry-run, every rank, before any message): the
+    planner's peak bytes for a rank of this layout (model states and saved activations) against
+    what a rank may use; a layout that cannot fit is refused (config.ConfigError) before
+    anything is allocated, instead of ending in a MemoryError."""
+    need = planned_memory(args, cfg, dp, tp, pp)
+    limit, source = memory_limit(args)
+    if need > limit:
+        raise config.ConfigError(f"this layout needs {human_bytes(need)} per rank by the planner's count (model states "
+                          f"and activations, as python -m minipar.plan prints them), more than the "
+                          f"{human_bytes(limit)} a rank may use ({source}; --max-memory sets another limit)")
 
 
 def seq_ceiling(cfg: GPTConfig, lay, budget: int) -> dict:

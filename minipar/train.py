@@ -31,7 +31,7 @@ from typing import IO
 
 import numpy as np
 
-from minipar import checkpoint, comm, data, faults, moe, outputs, precision, report, stop, trace, verify
+from minipar import checkpoint, comm, data, faults, moe, outputs, plan, precision, report, stop, trace, verify
 from minipar.config import ConfigError, RunSpec, agree_on_errors, build_parser, prepare
 from minipar.interfaces import GradSync, Model
 from minipar.model import GPT, train_flops_per_token
@@ -320,6 +320,7 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
     err, spec, logf, lock = None, None, None, None
     try:
         spec = prepare(args, world)
+        plan.check_fits(args, spec.cfg, spec.dp, spec.tp, spec.pp)     # the planner's peak vs this machine
         if rank == 0:
             logf, lock = open_rank0_outputs(args)
     except ConfigError as e:

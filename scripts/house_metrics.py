@@ -8,12 +8,12 @@ layout is judged by (one mechanism, one place; a model that knows nothing of how
                                                     # replicas' sha256 and a digest of every
                                                     # row's loss, grad norm and bytes
 
-Measured before the redesign (commit eefce01): 58 library files, 16,596 lines; 31 top-level
+Measured before the redesign (the tree #30 left): 58 library files, 16,629 lines; 31 top-level
 modules; pipeline 7 files in 2 folders, named by 13; MoE 2 in 2, named by 16; train_step 77
-lines; 34 getattr/hasattr; 141 attributes set on another object, 5 of them methods; 3 import
-cycles (comm-ops-tensor-trace, config-plan-plan_hosts, train-verify); the largest file plan.py,
-1072 lines. `make run`: loss 5.560 -> 0.782, replicas sha256 229c7e3a8aa32c54, rows digest
-a3360074a390be63 (the same in two runs).
+lines; 34 getattr/hasattr; 141 attributes set on another object, 5 of them methods; 2 import
+cycles (comm-ops-tensor-trace, train-verify); the largest file plan.py, 1111 lines. `make
+run`: loss 5.560 -> 0.782, replicas sha256 229c7e3a8aa32c54, rows digest a3360074a390be63
+(the same in three runs).
 
 Prints one table:
   - top-level modules: .py files directly in minipar/ (not __init__.py);

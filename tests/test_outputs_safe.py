@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from minipar import checkpoint, config, faults, outputs, plot, train
+from minipar import checkpoint, config, faults, outputs, plan, plot, train
 
 from trainer_runs import TINY, assert_main_exits_2, read_log
 
@@ -156,7 +156,7 @@ def test_the_memory_figure_is_the_planners(capsys, fixed_peak):
     """The refusal quotes plan.peak_memory of this layout: a limit one byte above it passes."""
     from minipar.perf import human_bytes
     args = train.build_parser().parse_args(TINY)
-    need = config.planned_memory(args, config.prepare(args, 1).cfg, 1, 1, 1)
+    need = plan.planned_memory(args, config.prepare(args, 1).cfg, 1, 1, 1)
     assert_main_exits_2(TINY + ["--max-memory", str(need - 1)], [human_bytes(need)], capsys, "below")
     train.main(TINY + ["--max-memory", str(need), "--steps", "1"])
 
