@@ -55,7 +55,7 @@ def stub_findings(lab_dir: str) -> list[str]:
 
 
 def hint_findings(lab) -> list[str]:
-    """Names like comm.traffic or minipar.comm.ring in the hints that do not exist."""
+    """Names like comm.traffic or minipar.comm.algorithms.ring in the hints that do not exist."""
     found = []
     for c in lab.CRITERIA:
         for dotted in re.findall(r"\b((?:minipar\.)?(?:comm|train|parallel|ops|tensor|model|optim|precision)"

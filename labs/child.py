@@ -162,7 +162,7 @@ def check_own_definitions(student, names: list[str], student_file: str):
 def run_trainer(drive, student, flags: list[str]) -> tuple[int, object, dict]:
     """The real trainer with the student's code at the seam: -> (exit code, the seam's
     counter, the run's summary or {})."""
-    from minipar import train                   # noqa: PLC0415
+    from minipar.train import trainer as train                   # noqa: PLC0415
     calls = drive.install(student)
     code, summary = 0, {}
     try:

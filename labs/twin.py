@@ -3,7 +3,7 @@
 The child ran `python -m minipar.train FLAGS` with the student's code at the seam and left its
 log (log.jsonl) and its final checkpoint (checkpoint/model.npz) in the results folder. The
 grader reads both as hostile files (labs/results.py's limits), computes the single-process
-twin of the same flags itself (minipar.verify.run_twin: minipar's own code, in this process,
+twin of the same flags itself (minipar.train.verify.run_twin: minipar's own code, in this process,
 with nothing of the student's loaded), and compares them as --verify would (verify.compare,
 judged at verify.VERIFY_RTOL): the loss and the gradient norm of every step, and every
 parameter at the end. The --verify verdict the child may print is never read.
@@ -42,8 +42,8 @@ def twin(flags: list, ranks: int):
     computed here once per set of flags."""
     k = (tuple(flags), ranks)
     if k not in _twins:
-        from minipar import train, verify       # noqa: PLC0415
-        from minipar.config import prepare      # noqa: PLC0415
+        from minipar.train import trainer as train, verify       # noqa: PLC0415
+        from minipar.train.setup import prepare      # noqa: PLC0415
         args = train.build_parser().parse_args(list(flags))
         spec = prepare(args, ranks)
         _twins[k] = (args, *verify.run_twin(spec, args, spec.start, args.steps))
@@ -95,7 +95,7 @@ def judge(results: Results, flags: list, ranks: int) -> TrainerRun:
     """Every rank ran the student's code and finished; the log and checkpoint agree with the
     twin at --verify's tolerance. AssertionError with the figures otherwise; the returned
     TrainerRun's figures say how close it came."""
-    from minipar import verify                   # noqa: PLC0415
+    from minipar.train import verify                   # noqa: PLC0415
     run = TrainerRun(results, list(flags))
     missing = [r for r in range(ranks) if r not in results.values or r in results.damaged]
     errors = [(r, results.error(r)) for r in range(ranks) if results.error(r)]

@@ -5,7 +5,7 @@ a rate-limited link per host), in one run:
     python scripts/bench_cluster.py --rate 1gbit --sizes 1 4 16 64 --steps 12
 
 1. all-reduce of 1 to 64 MiB float32: the flat ring, flat direct exchange (what p = 4 runs on
-   one host), the hierarchical all-reduce (minipar/comm/hierarchical.py) and MPI's own
+   one host), the hierarchical all-reduce (minipar/comm/algorithms/hierarchical.py) and MPI's own
    Allreduce (allowed here, in a benchmark, as the thing to beat): the slowest rank's time,
    the bytes that crossed the link (the ledger's bytes_sent_inter, summed over ranks) beside
    the formula, and the link's floor (those bytes per direction / the rate).
@@ -15,7 +15,7 @@ a rate-limited link per host), in one run:
 3. dp 2 x tp 2 with tp inside a host (-hosts h0:2,h1:2: ranks 0,1 on h0) and across hosts
    (round robin: ranks 0,2 on h0): the figure behind "keep tensor parallelism inside a node".
 4. all-to-all of 4 KiB to 16 MiB: the flat pairwise exchange, the hierarchical all-to-all
-   (minipar/comm/hierarchical_alltoall.py) and MPI's own Alltoall: the slowest rank's time,
+   (minipar/comm/algorithms/hierarchical_alltoall.py) and MPI's own Alltoall: the slowest rank's time,
    bytes across hosts (all ranks) beside hierarchical_alltoall.bytes_sent, messages across.
    (--parts alltoall: this part alone, about a minute.)
 Beside each training row, the planner's prediction (python -m minipar.plan --ranks-per-host
@@ -43,7 +43,7 @@ def worker(sizes, repeats, parts):
     from mpi4py import MPI
 
     from minipar import comm
-    from minipar.comm import direct, hierarchical, ring
+    from minipar.comm.algorithms import direct, hierarchical, ring
     world = MPI.COMM_WORLD
     g = comm.Group(world, axis="world")
     if "alltoall" in parts:
@@ -82,7 +82,7 @@ def alltoall_worker(g, world, repeats):
     import numpy as np
 
     from minipar import comm
-    from minipar.comm import alltoall, hierarchical_alltoall
+    from minipar.comm.algorithms import alltoall, hierarchical_alltoall
     algorithms = {"pairwise (flat)": alltoall.pairwise, "hierarchical": hierarchical_alltoall.all_to_all,
                   "MPI Alltoall": lambda g_, x: world.Alltoall(x, np.empty_like(x))}
     for kib in A2A_KIB:

@@ -126,7 +126,7 @@ def compare_all_to_all(world, g, size, budget, rounds):
     """all_to_all: the dispatcher (out= and new array), pairwise and Bruck alone, and MPI's
     Alltoall, on x of `size` bytes (p equal pieces)."""
     import minipar.comm as comm
-    from minipar.comm import alltoall
+    from minipar.comm.algorithms import alltoall
     p, r = g.size, g.rank
     n = size // 4 // p * p
     x = np.random.default_rng(r).standard_normal(n).astype(np.float32)
@@ -187,7 +187,7 @@ def compare(world, g, op, size, budget, rounds):
 def crossover(world, g, op, size, budget, rounds):
     """Each of minipar's algorithms for op alone (and MPI's), at one size."""
     import minipar.comm as comm
-    from minipar.comm import alltoall, direct, doubling, ring, tree
+    from minipar.comm.algorithms import alltoall, direct, doubling, ring, tree
     p, r = g.size, g.rank
     n = size // 4 // p * p
     x = np.random.default_rng(r).standard_normal(n).astype(np.float32)
@@ -243,7 +243,7 @@ def worker(args):
     from mpi4py import MPI
     import minipar.comm as comm
     try:
-        from minipar.perf import keep_freed_memory   # as minipar.train does; both sides gain
+        from minipar.plan.peak import keep_freed_memory   # as minipar.train does; both sides gain
         keep_freed_memory()
     except ImportError:
         pass

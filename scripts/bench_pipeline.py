@@ -37,7 +37,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from minipar.parallel import schedules, zero_bubble                       # noqa: E402
+from minipar.parallel.pipeline import schedules, zero_bubble                       # noqa: E402
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 TARGETS = ("interleaved", "zb-h1", "zb-h2")            # within 0.05 of theory at p = 2, m = 8

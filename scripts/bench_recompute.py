@@ -49,8 +49,9 @@ import subprocess
 import sys
 import tempfile
 
-from minipar import activations, plan, recompute
-from minipar.model import train_flops_per_token
+from minipar.plan import activations, table as plan
+from minipar.autograd import recompute
+from minipar.model.gpt import train_flops_per_token
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")

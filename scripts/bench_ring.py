@@ -1,5 +1,5 @@
 """Ring attention measured: the communication the overlap hides, and zig-zag's load balance
-against the contiguous split (minipar/parallel/ring_attention.py, Liu et al. 2023,
+against the contiguous split (minipar/parallel/context/ring_attention.py, Liu et al. 2023,
 arXiv:2310.01889).
 
     python scripts/bench_ring.py                   # cp = 2 and 4, about 3 minutes on 2 cores
@@ -85,7 +85,7 @@ def no_messages(ra):
 def one_call(world, g, ra, q, k, v, do, layout, way):
     """Forward and backward of one ring attention call -> what it took on this rank."""
     from minipar import comm
-    from minipar.tensor import Tensor
+    from minipar.autograd.tensor import Tensor
     local = [Tensor(x, requires_grad=True) for x in (q, k, v)]
     ra.WAITED.update(forward=0.0, backward=0.0)
     ra.BLOCKS.update(forward=0, backward=0)
@@ -105,7 +105,7 @@ def one_call(world, g, ra, q, k, v, do, layout, way):
 def measure(world, g, T, repeats):
     """{"layout/way": this rank's medians and counts} for one sequence length."""
     import numpy as np
-    from minipar.parallel import ring_attention as ra
+    from minipar.parallel.context import ring_attention as ra
     C, r = g.size, g.rank
     rng = np.random.default_rng(0)                  # the same sequence on every rank
     q, k, v, do = rng.standard_normal((4, B, H, T, HS)).astype(np.float32)
@@ -138,7 +138,7 @@ def worker(args):
     """Every T for this world's cp; rank 0 gets [{"cp", "T", "ranks": [per-rank results]}]."""
     from mpi4py import MPI
     from minipar import comm
-    from minipar.perf import keep_freed_memory
+    from minipar.plan.peak import keep_freed_memory
     keep_freed_memory()                             # as minipar.train does
     world = MPI.COMM_WORLD
     g = comm.Group(world, axis="cp")

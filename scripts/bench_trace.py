@@ -19,7 +19,8 @@ import sys
 import tempfile
 import timeit
 
-from minipar import trace, traceview
+from minipar import trace
+from minipar.show import traceview
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")

@@ -5,7 +5,7 @@
 For each config it prints tokens/s and MFU = model FLOPs per second (median step) / the
 float32 matmul peak that this same process measures between the steps (the median of
 three measurements: same BLAS, same thread, same load).
-Model FLOPs per token are minipar.model.train_flops_per_token: 3x the forward matmuls.
+Model FLOPs per token are minipar.model.gpt.train_flops_per_token: 3x the forward matmuls.
 Targets: MFU >= 0.40 on small, >= 0.60 on medium.
 """
 import os
@@ -20,9 +20,9 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from minipar.model import GPT, GPTConfig, train_flops_per_token  # noqa: E402
-from minipar.optim import AdamW  # noqa: E402
-from minipar.perf import keep_freed_memory, matmul_peak_flops  # noqa: E402
+from minipar.model.gpt import GPT, GPTConfig, train_flops_per_token  # noqa: E402
+from minipar.optim.adamw import AdamW  # noqa: E402
+from minipar.plan.peak import keep_freed_memory, matmul_peak_flops  # noqa: E402
 
 CONFIGS = {  # name: (L, H, C, T, B, MFU target)
     "small": (4, 4, 128, 64, 16, 0.40),

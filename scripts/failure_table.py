@@ -115,7 +115,7 @@ def prepare(d, first, holder):
     if first == "old":
         os.rename(os.path.join(d, "ck"), os.path.join(d, "ck.old"))
     if first == "lock":
-        from minipar.outputs import SaveLock
+        from minipar.config.outputs import SaveLock
         holder.append(SaveLock(os.path.join(d, "ck")))
     if first and first.startswith("full"):
         disk = os.path.join(d, FULL)

@@ -22,7 +22,7 @@ with 2 virtual stages, ZB-H1 and ZB-H2. fp32 runs in float64 and must agree to 1
 losses and every parameter tensor; fp16/bf16 must agree on the losses to 5e-2, as --verify
 judges them. The model is tiny (2 layers, or 4 with pp = 4; C = 16; 3 steps; gradient
 clipping on) so that the matrix runs in minutes. Every run also writes a --trace, which must
-pass minipar.traceview.audit (a valid trace; a process row per rank; comm events equal to
+pass minipar.show.traceview.audit (a valid trace; a process row per rank; comm events equal to
 each rank's ledger; forwards and backwards in the schedule's order). Prints one row per run
 and the count of failures, and the largest relative differences with and without --sp;
 exit 1 if any fails. (tests/test_layouts.py runs a representative 16 of these in
@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from minipar import traceview
+from minipar.show import traceview
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")

@@ -12,5 +12,5 @@ import pytest  # noqa: E402
 @pytest.fixture
 def fixed_peak(monkeypatch):
     """The trainer's start-up matmul-peak measurement replaced by a constant (in-process runs)."""
-    from minipar import train
+    from minipar.train import trainer as train
     monkeypatch.setattr(train, "matmul_peak_flops", lambda dtype, seconds=0.1: 1e11)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar.tensor import Tensor, no_grad
+from minipar.autograd.tensor import Tensor, no_grad
 
 EPS = 1e-6
 TOL = 1e-7

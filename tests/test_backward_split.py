@@ -4,9 +4,9 @@ gradient; hooks fire in W, once each."""
 import numpy as np
 import pytest
 
-from minipar import backward_split, ops
-from minipar.model import GPT, GPTConfig
-from minipar.tensor import Tensor
+from minipar.autograd import backward_split, ops
+from minipar.model.gpt import GPT, GPTConfig
+from minipar.autograd.tensor import Tensor
 
 CFG = dict(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
 

@@ -1,4 +1,4 @@
-"""minipar.checkpoint (docs/design.md §9): round trip, pickle-free loading, resharding from any set
+"""minipar.train.checkpoint (docs/design.md §9): round trip, pickle-free loading, resharding from any set
 of shards, atomic save, clear errors.
 
 A checkpoint is a directory DIR with meta.json, model.npz and optim/rank-NNNNN.npz (one
@@ -15,8 +15,8 @@ import shutil
 import numpy as np
 import pytest
 
-from minipar import checkpoint
-from minipar.checkpoint import CheckpointError
+from minipar.train import checkpoint
+from minipar.train.checkpoint import CheckpointError
 
 PARAMS = [("wte.weight", (8, 4)), ("h.0.ln_1.bias", (4,)), ("h.0.attn.c_attn.weight", (4, 12))]
 NAMES = [n for n, _ in PARAMS]

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minipar import checkpoint, comm
-from minipar.model import GPT, GPTConfig, param_specs
-from minipar.optim import AdamW
-from minipar.parallel import zero
+from minipar.train import checkpoint
+from minipar import comm
+from minipar.model.gpt import GPT, GPTConfig, param_specs
+from minipar.optim.adamw import AdamW
+from minipar.parallel.zero import sharded as zero
 
 from trainer_runs import TINY_MPI, mpirun, read_log, run_tiny
 

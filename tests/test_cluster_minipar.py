@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from cluster_fixture import TEST_PREFIX, cluster, emulated  # noqa: F401  (the fixture)
-from minipar.comm.hierarchical_alltoall import bytes_sent
+from minipar.comm.algorithms.hierarchical_alltoall import bytes_sent
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "tools", "hier_worker.py")

@@ -62,7 +62,7 @@ PLANTED = {
     # every rank embeds its tokens at positions 0..T/C-1, as if its share were a whole sequence
     "positions": """
 import numpy as np
-from minipar import interfaces
+from minipar.model import contract as interfaces
 interfaces.Model.position_ids = lambda self, t: np.arange(t)
 """,
     # gradients (and the loss) summed over dp only, not over dp x cp

@@ -1,4 +1,4 @@
-"""minipar.data: built-in corpus, byte tokenizer, file loading errors, stateless global-batch sampler."""
+"""minipar.train.data: built-in corpus, byte tokenizer, file loading errors, stateless global-batch sampler."""
 
 import hashlib
 import math
@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from minipar import corpus
-from minipar.data import (BUILTIN_NAME, DataError, Sampler, builtin_corpus, decode, encode,
-                          load_tokens, unigram_entropy)
+from minipar.train import corpus
+from minipar.train.data import (BUILTIN_NAME, DataError, Sampler, builtin_corpus, decode, encode, load_tokens,
+                                unigram_entropy)
 
 # The exact bytes of the built-in corpus. A recorded run (loss curve, checkpoint) is only
 # reproducible with the same text, so a change to the grammar must update this on purpose.

@@ -3,7 +3,7 @@
 - Every command line in a fenced block of README.md and docs/*.md that runs minipar
   (`python -m minipar.train ...`, under `mpirun` or not) is run with --dry-run appended: a
   renamed flag or a layout that no longer fits fails here. The dry runs of one world size
-  share a job (tests/tools/dry_runs.py: minipar.train.main, one command after the other). `python -m minipar.plan ...` lines
+  share a job (tests/tools/dry_runs.py: minipar.train.trainer.main, one command after the other). `python -m minipar.plan ...` lines
   run as they are (the planner only computes). Commands that run pytest or a script must name
   files that exist.
 - No file of the repository refers to a document outside it (docs/design.md §10's rule: cite
@@ -307,24 +307,31 @@ def resolves(name: str) -> bool | None:
     """Does module.attribute exist? None when the first part is not one of minipar's modules
     (a variable such as `p.grad`). `model.x` is read as the Model interface's or a layout's."""
     import minipar                              # noqa: PLC0415, F401
-    from minipar.interfaces import Model        # noqa: PLC0415
-    from minipar.parallel.tensor_parallel import TensorParallelGPT  # noqa: PLC0415
+    from minipar.model.contract import Model        # noqa: PLC0415
+    from minipar.parallel.tensor.tensor_parallel import TensorParallelGPT  # noqa: PLC0415
     head, attr = name.split(".")
     if head == "model":
         return hasattr(Model, attr) or hasattr(TensorParallelGPT, attr) or None
-    modules = {os.path.splitext(f)[0]: os.path.relpath(os.path.join(d, f), REPO)[:-3].replace(os.sep, ".")
-               for d, _, files in os.walk(os.path.join(REPO, "minipar")) for f in files if f.endswith(".py")}
-    modules.update({"comm": "minipar.comm", "parallel": "minipar.parallel", "minipar": "minipar"})
-    if head not in modules or head == "__init__":
+    modules = {}                                # a file's or a package's name -> its modules
+    for d, dirs, files in os.walk(os.path.join(REPO, "minipar")):
+        dirs[:] = [x for x in dirs if x != "__pycache__"]
+        here = os.path.relpath(d, REPO).replace(os.sep, ".")
+        modules.setdefault(os.path.basename(d), []).append(here)
+        for f in files:
+            if f.endswith(".py") and f not in ("__init__.py", "__main__.py"):
+                modules.setdefault(f[:-3], []).append(f"{here}.{f[:-3]}")
+    if head not in modules:
         return None
-    module = importlib.import_module(modules[head])
-    if hasattr(module, attr):
-        return True
-    try:
-        importlib.import_module(f"{module.__name__}.{attr}")
-        return True
-    except ImportError:
-        return False
+    for name in modules[head]:
+        module = importlib.import_module(name)
+        if hasattr(module, attr):
+            return True
+        try:
+            importlib.import_module(f"{name}.{attr}")
+            return True
+        except ImportError:
+            pass
+    return False
 
 
 @pytest.mark.parametrize("doc", DOCS)
@@ -337,6 +344,70 @@ def test_the_code_names_a_page_cites_exist(doc):
 
 
 def test_a_renamed_function_is_caught():
-    assert resolves("pipeline.local_param_count") and resolves("comm.traffic_by_axis")
-    assert resolves("pipeline.timeline_svg") is False and resolves("comm.small") is False
+    assert resolves("stage.local_param_count") and resolves("comm.traffic_by_axis")
+    assert resolves("stage.timeline_svg") is False and resolves("comm.small") is False
     assert resolves("p.grad") is None
+
+
+# --- the one module list -----------------------------------------------------------------------
+
+def listed_modules() -> list[str]:
+    """The files docs/design.md's module list names, in its order."""
+    with open(os.path.join(REPO, "docs", "design.md"), encoding="utf-8") as f:
+        text = f.read()
+    block = text.split("The modules, package by package", 1)[1].split("```", 2)[1]
+    return [line.split()[0] for line in block.splitlines() if line.strip()]
+
+
+def code_files() -> list[str]:
+    """Every library file with code of its own: each .py under minipar/ but __main__.py and
+    the __init__.py files that define no function or class (docstrings and re-exports)."""
+    import ast                                  # noqa: PLC0415
+    out = []
+    root = os.path.join(REPO, "minipar")
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x != "__pycache__"]
+        for f in files:
+            path = os.path.join(d, f)
+            if not f.endswith(".py") or f == "__main__.py":
+                continue
+            if f == "__init__.py":
+                with open(path, encoding="utf-8") as fh:
+                    tree = ast.parse(fh.read())
+                if not any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in tree.body):
+                    continue
+            out.append(os.path.relpath(path, root).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def test_the_module_list_is_the_tree():
+    listed = listed_modules()
+    assert len(listed) == len(set(listed)), f"listed twice: {sorted({m for m in listed if listed.count(m) > 1})}"
+    tree = code_files()
+    assert not set(tree) - set(listed), f"docs/design.md's module list lacks {sorted(set(tree) - set(listed))}"
+    assert not set(listed) - set(tree), f"docs/design.md lists files that are not there: {sorted(set(listed) - set(tree))}"
+
+
+def test_the_module_list_check_fails_on_a_missing_file(tmp_path, monkeypatch):
+    listed = listed_modules()
+    assert "train/trainer.py" in listed and "autograd/tensor.py" in listed
+    monkeypatch.setattr(sys.modules[__name__], "listed_modules", lambda: listed[1:])
+    with pytest.raises(AssertionError, match="lacks"):
+        test_the_module_list_is_the_tree()
+
+
+def test_every_package_says_what_it_holds():
+    """Each package's __init__.py opens with a docstring naming every module beside it."""
+    import ast                                  # noqa: PLC0415
+    root = os.path.join(REPO, "minipar")
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x != "__pycache__"]
+        if "__init__.py" not in files:
+            continue
+        with open(os.path.join(d, "__init__.py"), encoding="utf-8") as fh:
+            doc = ast.get_docstring(ast.parse(fh.read())) or ""
+        assert doc, f"{os.path.relpath(d, REPO)}/__init__.py has no docstring"
+        names = [f for f in files if f.endswith(".py") and f not in ("__init__.py", "__main__.py")]
+        names += [x + "/" for x in dirs]
+        missing = [n for n in names if n.replace("/", "") not in doc]
+        assert not missing, f"{os.path.relpath(d, REPO)}/__init__.py does not name {missing}"

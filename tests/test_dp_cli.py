@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from minipar import train, verify
+from minipar.train import trainer as train, verify
 
 from trainer_runs import TINY_MPI as TINY, assert_exit_2_one_line, mpirun
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from minipar import checkpoint
+from minipar.train import checkpoint
 from trainer_runs import REPO, TINY, assert_exit_2_one_line, assert_main_exits_2, mpirun, run_tiny
 
 
@@ -49,7 +49,7 @@ def test_dry_run_under_mpirun_prints_the_planners_figures(tmp_path):
     stages = json.loads(plan.stdout)["memory_per_stage"]
     lines = [line for line in p.stdout.splitlines() if line.startswith("  plan: a rank of stage")]
     assert len(lines) == 2, p.stdout
-    from minipar.perf import human_bytes
+    from minipar.plan.peak import human_bytes
     for line, mem in zip(lines, stages):
         assert f"holds {human_bytes(mem['model_states'])} of model states" in line, (line, mem)
 

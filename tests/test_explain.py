@@ -15,8 +15,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from minipar import explain, explain_read, traceview
-from minipar.parallel import schedules
+from minipar.explain import pictures as explain, read as explain_read
+from minipar.show import traceview
+from minipar.parallel.pipeline import schedules
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
@@ -242,7 +243,7 @@ def test_ring_attention_messages_and_blocks_are_the_rings(tmp_path_factory):
     sends K, V, dK, dV of rank r-j, then dK, dV home: (C-1) + C messages a rank, ring_traffic's bytes.
     Every causal sub-block is computed once, 2C+1 of them on every rank under zig-zag."""
     from minipar.comm.group import HEADER_BYTES
-    from minipar.parallel import ring_attention as ra
+    from minipar.parallel.context import ring_attention as ra
     proc, trace, _ = explained("ring-attention", 4, tmp_path_factory)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     C, n = 4, 2 * 2 * 4 * 4                                             # RING_SHAPE: B H t hs, t = T/C = 4
@@ -304,7 +305,7 @@ def test_ring_attention_planted_mistakes_are_reported(tmp_path_factory, tmp_path
     """A K, V message that claims another rank's block, a dK, dV message that never went home,
     a rank's counted sub-blocks off by one, and a reader whose split gives chunk 1 to rank 0:
     each is named; the drawing says PROBLEM and the command would exit 1."""
-    from minipar.parallel import ring_attention as ra
+    from minipar.parallel.context import ring_attention as ra
     _, trace, _ = explained("ring-attention", 4, tmp_path_factory)
     wrong = copy.deepcopy(trace)                    # rank 1, forward step 0: its own K, V (positions 2..13)
     payload = _ring_send(wrong, 1, 0)["messages"][1]

@@ -7,7 +7,7 @@ one rank leaves the last good checkpoint in place.
 The mpirun runs carry MINIPAR_COMM_TIMEOUT=60 and a subprocess timeout as a backstop. Each
 must end in well under that: the elapsed-time assertions detect hangs (a rank left waiting
 in a collective), they are not performance assertions. Faults on one rank only are injected
-by a small driver script that patches minipar on that rank, then calls minipar.train.main.
+by a small driver script that patches minipar on that rank, then calls minipar.train.trainer.main.
 """
 import json
 import os
@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from minipar import checkpoint, train
+from minipar.train import checkpoint, trainer as train
 
 from trainer_runs import MPIRUN, REPO, TINY, TINY_MPI, assert_exit_2_one_line, assert_main_exits_2, mpirun
 
@@ -28,7 +28,7 @@ HANG = 30.0            # seconds: a run that takes longer than this was left wai
 DRIVER = """
 import sys
 from mpi4py import MPI
-from minipar import checkpoint, train
+from minipar.train import checkpoint, trainer as train
 RANK = MPI.COMM_WORLD.Get_rank()
 {patch}
 train.main(sys.argv[1:])
@@ -256,7 +256,7 @@ def test_the_checkpoint_left_by_a_failed_save_resumes(tmp_path, single):
 
 
 LATE_CONFIG_ERROR_ON_RANK_1 = """
-from minipar.config import ConfigError
+from minipar.config.flags import ConfigError
 real_init = train.init_model
 def init_model(*a, **k):
     if RANK == 1:

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from minipar import traceview
+from minipar.show import traceview
 from trainer_runs import MPIRUN, REPO, read_log
 
 FAKE = os.path.join(REPO, "tests", "tools", "fake_hosts.sh")

@@ -4,7 +4,7 @@ printed, from the repository root after `make install`, with no activated enviro
 Here, for `make test`: every command has a form this test knows, names the project's own
 Python (.venv/bin/...), an existing lab and existing files under labs/, and flags its program
 accepts: the trainer's are checked as far as the trainer checks them before any message is
-sent (minipar.config.prepare, the layout for the ranks given). With MINIPAR_HANDOUTS_RUN=1
+sent (minipar.train.setup.prepare, the layout for the ranks given). With MINIPAR_HANDOUTS_RUN=1
 (`make labs-check-full`) every command also runs, as printed: exit 0, or 1 where it grades the
 untouched stub, and never a traceback or a usage error."""
 import glob
@@ -90,8 +90,9 @@ def check(command: str):
         lab_arg(args)
     elif module == "labs.run":
         from labs import run
-        from minipar import train
-        from minipar.config import ConfigError, prepare
+        from minipar.train import trainer as train
+        from minipar.config.flags import ConfigError
+        from minipar.train.setup import prepare
         p, a, flags = run.parse(args)
         framework.find(a.lab)
         targs = parse_ok(train.build_parser(), flags)
@@ -103,8 +104,9 @@ def check(command: str):
         import importlib
         parse_ok(importlib.import_module(module).build_parser(), args)
     elif module == "minipar.train":
-        from minipar import train
-        from minipar.config import ConfigError, prepare
+        from minipar.train import trainer as train
+        from minipar.config.flags import ConfigError
+        from minipar.train.setup import prepare
         targs = parse_ok(train.build_parser(), args)
         try:
             prepare(targs, ranks)

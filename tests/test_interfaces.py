@@ -1,4 +1,4 @@
-"""The two contracts of minipar/interfaces.py (docs/design.md §4) are kept by every class that
+"""The two contracts of minipar/model/contract.py (docs/design.md §4) are kept by every class that
 the trainer uses through them: the model layouts derive from Model, and each gradient
 synchroniser has every member of GradSync (a Protocol: checked here, member by member)."""
 import inspect
@@ -8,10 +8,13 @@ import pytest
 from mpi4py import MPI
 
 from minipar import comm
-from minipar.interfaces import GradSync, Model
-from minipar.model import GPT, GPTConfig
-from minipar.optim import AdamW
-from minipar.parallel import data_parallel, pipeline, tensor_parallel, zero
+from minipar.model.contract import GradSync, Model
+from minipar.model.gpt import GPT, GPTConfig
+from minipar.optim.adamw import AdamW
+from minipar.parallel import data_parallel
+from minipar.parallel.pipeline import stage as pipeline
+from minipar.parallel.tensor import tensor_parallel
+from minipar.parallel.zero import sharded as zero
 
 CFG = GPTConfig(vocab_size=11, block_size=4, n_layer=2, n_head=2, n_embd=8)
 

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from minipar import checkpoint
+from minipar.train import checkpoint
 
 from trainer_runs import REPO, TINY_MPI
 

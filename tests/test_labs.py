@@ -39,7 +39,7 @@ def test_stub_check_catches_a_stub_with_the_answer(tmp_path):
 
 def test_hint_check_catches_a_name_that_does_not_exist():
     class Lab:
-        CRITERIA = [framework.Criterion("x", hint="see comm.traffic() and minipar.comm.ring.all_gather"),
+        CRITERIA = [framework.Criterion("x", hint="see comm.traffic() and minipar.comm.algorithms.ring.all_gather"),
                     framework.Criterion("y", hint="comm.no_such_function shows it")]
     assert check_all.hint_findings(Lab) == ["hint of 'y' names comm.no_such_function, which does not exist"]
 

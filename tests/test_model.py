@@ -7,9 +7,9 @@ from canonical import design_shapes
 import pytest
 
 from gradcheck import EPS, fd_summary, record, rel_err  # noqa: F401 - fd_summary is a fixture
-from minipar import ops
-from minipar.model import GPT, GPTConfig, init_param, param_specs, train_flops_per_token
-from minipar.tensor import no_grad
+from minipar.autograd import ops
+from minipar.model.gpt import GPT, GPTConfig, init_param, param_specs, train_flops_per_token
+from minipar.autograd.tensor import no_grad
 
 TINY = dict(vocab_size=11, block_size=5, n_layer=2, n_head=2, n_embd=8)
 

@@ -1,4 +1,4 @@
-"""The MoE layer (minipar/moe.py) on one process: against a token-by-token reference written
+"""The MoE layer (minipar/model/moe.py) on one process: against a token-by-token reference written
 from the module's rules (router, top-k, renormalised weights, capacity claimed choice by
 choice then token by token, per routing group), and its gradients, the auxiliary losses'
 included, against central differences in float64."""
@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from minipar import moe
-from minipar.tensor import Tensor
+from minipar.model import moe
+from minipar.autograd.tensor import Tensor
 
 C, E = 6, 4
 

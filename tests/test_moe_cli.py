@@ -38,7 +38,8 @@ def test_verify_and_the_all_to_all_bytes(tmp_path, layout):
 
 # the classic mistake: every gradient, the experts' too, summed over the whole dp group
 SUM_EXPERTS_OVER_DP = """
-from minipar.parallel import expert_parallel, grid
+from minipar.parallel.expert import expert_parallel
+from minipar.parallel import grid
 real_init = grid.ProcessGrid.__init__
 def init(self, *a, **k):
     real_init(self, *a, **k)

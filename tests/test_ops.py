@@ -6,8 +6,8 @@ import pytest
 
 from gradcheck import fd_summary, gradcheck  # noqa: F401 - fd_summary is a fixture
 from gradcheck import EPS, TOL, numerical_grad, record, rel_err
-from minipar import ops
-from minipar.tensor import Tensor
+from minipar.autograd import ops
+from minipar.autograd.tensor import Tensor
 
 
 def rnd(*shape, seed=0, scale=1.0):

@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from minipar.model import GPT, GPTConfig
-from minipar.optim import AdamW, adamw_update, clip_coef, clip_grad_norm, grad_norm, lr_at
-from minipar.tensor import Tensor
+from minipar.model.gpt import GPT, GPTConfig
+from minipar.optim.adamw import AdamW, adamw_update, clip_coef, clip_grad_norm, grad_norm, lr_at
+from minipar.autograd.tensor import Tensor
 
 
 def rnd(*shape, seed=0):
@@ -258,7 +258,7 @@ def test_grad_scale_is_a_scaled_gradient():
 def test_trainer_clips_as_clip_grad_norm_then_step():
     """train_step clips inside AdamW (grad_scale = clip_coef) and leaves p.grad alone: the
     same parameters as the textbook clip_grad_norm (which rewrites p.grad) then step()."""
-    from minipar import data, train
+    from minipar.train import data, trainer as train
     args = train.build_parser().parse_args(
         ["--batch-size", "4", "--steps", "4", "--warmup", "0", "--lr", "1e-2", "--lr-schedule", "constant", "--grad-clip", "0.05",
          "--dtype", "float64", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8"])

@@ -1,4 +1,4 @@
-"""Nothing a run writes destroys what it did not create (minipar/outputs.py), and every flag
+"""Nothing a run writes destroys what it did not create (minipar/config/outputs.py), and every flag
 is checked before anything runs (docs/debugging.md has the table of messages and exit codes).
 
 Each refused case runs train.main in process on a folder of the user's files and checks the
@@ -12,7 +12,10 @@ import os
 import numpy as np
 import pytest
 
-from minipar import checkpoint, config, faults, outputs, plan, plot, train
+from minipar.train import checkpoint, faults, setup, trainer as train
+from minipar.config import flags as config, outputs
+from minipar.plan import table as plan
+from minipar.plot import curves as plot
 
 from trainer_runs import TINY, assert_main_exits_2, read_log
 
@@ -154,9 +157,9 @@ def test_a_layout_too_large_is_refused_by_the_run_and_the_dry_run(capsys, fixed_
 
 def test_the_memory_figure_is_the_planners(capsys, fixed_peak):
     """The refusal quotes plan.peak_memory of this layout: a limit one byte above it passes."""
-    from minipar.perf import human_bytes
+    from minipar.plan.peak import human_bytes
     args = train.build_parser().parse_args(TINY)
-    need = plan.planned_memory(args, config.prepare(args, 1).cfg, 1, 1, 1)
+    need = plan.planned_memory(args, setup.prepare(args, 1).cfg, 1, 1, 1)
     assert_main_exits_2(TINY + ["--max-memory", str(need - 1)], [human_bytes(need)], capsys, "below")
     train.main(TINY + ["--max-memory", str(need), "--steps", "1"])
 

@@ -7,7 +7,7 @@ PATH) these tests skip, saying so.
 Every SVG is parsed as XML here (Python's parser: well-formed, an <svg> root in the SVG
 namespace); Chromium renders one of each kind of drawing (SAMPLE: plots, timelines, the
 schedules, the explain drawings), two seconds apiece. MINIPAR_ALL_PICTURES=1 renders every
-one (before changing minipar/draw.py or the pictures).
+one (before changing minipar/show/draw.py or the pictures).
 """
 import os
 import re
@@ -17,7 +17,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from minipar import draw
+from minipar.show import draw
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMG = os.path.join(REPO, "docs", "img")

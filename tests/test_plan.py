@@ -1,4 +1,4 @@
-"""The planner (minipar/plan.py), on one process: its formulas against minipar's own code.
+"""The planner (minipar/plan/table.py), on one process: its formulas against minipar's own code.
 
 - parameters: the exact count of the architecture, and each device's share
   (pipeline.local_tensors) equals pipeline.local_param_count and, with one stage,
@@ -31,13 +31,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from minipar import activations, comm, moe, ops, plan, recompute
-from minipar.model import GPT, GPTConfig, param_specs, train_flops_per_token
+from minipar.plan import activations, table as plan
+from minipar import comm
+from minipar.model import moe
+from minipar.autograd import ops, recompute
+from minipar.model.gpt import GPT, GPTConfig, param_specs, train_flops_per_token
 from minipar.comm.group import HEADER_BYTES
-from minipar.parallel import expert_parallel, pipeline, ring_attention, schedules, tensor_parallel, zero
-from minipar.parallel.pipeline import PipelineStage
-from minipar.parallel.tensor_parallel import TensorParallelGPT
-from minipar.tensor import Tensor
+from minipar.parallel.expert import expert_parallel
+from minipar.parallel.pipeline import stage as pipeline, schedules
+from minipar.parallel.context import ring_attention
+from minipar.parallel.tensor import tensor_parallel
+from minipar.parallel.zero import sharded as zero
+from minipar.parallel.pipeline.stage import PipelineStage
+from minipar.parallel.tensor.tensor_parallel import TensorParallelGPT
+from minipar.autograd.tensor import Tensor
 
 MiB = 2 ** 20
 
@@ -885,7 +892,7 @@ def test_activations_per_layer_mark_the_runs_setting(capsys, flags, setting):
 
 
 def test_defaults_are_the_trainers():
-    from minipar import config
+    from minipar.config import flags as config
     t, p = config.build_parser(), plan.build_parser()
     for key in ("batch_size", "micro_batches", "schedule", "virtual_stages", "dtype", "precision", "tp", "pp",
                 "zero", "cp", "ep"):

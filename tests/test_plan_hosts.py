@@ -1,4 +1,4 @@
-"""The planner across hosts (minipar/plan_hosts.py): bytes inside and across hosts, and time.
+"""The planner across hosts (minipar/plan/hosts.py): bytes inside and across hosts, and time.
 
 - Each algorithm walked message by message (plan_hosts.Placed) sends, with every rank on
   one host, what plan.py's formulas say (all_reduce_sent & co.), for every rank of p = 1..10
@@ -20,8 +20,9 @@ import sys
 
 import pytest
 
-from minipar import plan, plan_hosts, traceview
-from minipar.comm import hierarchical
+from minipar.plan import table as plan, hosts as plan_hosts
+from minipar.show import traceview
+from minipar.comm.algorithms import hierarchical
 
 from test_plan import cli
 from test_plan_trainer import planner_flags

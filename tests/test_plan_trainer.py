@@ -30,7 +30,8 @@ import os
 
 import pytest
 
-from minipar import activations, data, plan
+from minipar.plan import activations, table as plan
+from minipar.train import data
 
 from trainer_runs import TINY_MPI, mpirun, read_log
 

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from minipar import plot, plot_timeline
+from minipar.plot import curves as plot, timeline as plot_timeline
 
 pytest.importorskip("matplotlib", reason="minipar.plot draws with matplotlib: pip install -e '.[plot]'")
 

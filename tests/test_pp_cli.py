@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from minipar import checkpoint
-from minipar.model import GPTConfig, param_specs
-from minipar.parallel import schedules
+from minipar.train import checkpoint
+from minipar.model.gpt import GPTConfig, param_specs
+from minipar.parallel.pipeline import schedules
 
 from trainer_runs import assert_exit_2_one_line, mpirun
 

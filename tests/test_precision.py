@@ -1,4 +1,4 @@
-"""Mixed precision (minipar/precision.py, --precision fp16|bf16), on one process.
+"""Mixed precision (minipar/optim/mixed_precision.py, --precision fp16|bf16), on one process.
 
 - Every op on 2-byte inputs is exactly the float32 op on the widened inputs, rounded: its
   outputs and input gradients are in the storage dtype, bit for bit store(fp32 result).
@@ -15,11 +15,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from minipar import ops, precision, train
-from minipar.model import GPT, GPTConfig
-from minipar.optim import AdamW
-from minipar.precision import LossScaler, MixedPrecisionAdamW, compute, store
-from minipar.tensor import Tensor
+from minipar.autograd import ops
+from minipar.optim import mixed_precision
+from minipar.train import trainer as train
+from minipar.model.gpt import GPT, GPTConfig
+from minipar.optim.adamw import AdamW
+from minipar.optim.mixed_precision import LossScaler, MixedPrecisionAdamW
+from minipar.autograd.dtypes import compute, store
+from minipar.autograd.tensor import Tensor
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 LOW = [np.dtype(np.float16), BF16]
@@ -111,9 +114,9 @@ def test_loss_scaler_grows_after_the_interval_and_backs_off_on_inf():
         s.update(found)
         scales.append(s.scale)
     assert scales == [8, 8, 16, 16, 8, 8, 8, 16], scales            # the counter restarts after a skip
-    assert precision.make_scaler("fp16").state_dict() == {"scale": 65536.0, "good_steps": 0,
+    assert mixed_precision.make_scaler("fp16").state_dict() == {"scale": 65536.0, "good_steps": 0,
                                                           "growth_interval": 2000, "dynamic": True}
-    bf = precision.make_scaler("bf16")
+    bf = mixed_precision.make_scaler("bf16")
     for found in (True, False):
         bf.update(found)
     assert bf.scale == 1.0 and not bf.dynamic
@@ -285,8 +288,8 @@ def test_resume_with_another_precision_or_a_new_loss_scale_is_refused(tmp_path, 
 def test_storage_dtype_of_each_precision():
     """fp32 stores nothing in 2 bytes; fp16 and bf16 their dtypes (bf16's ml_dtypes imported
     only here, when asked for); an unknown name is a ValueError naming the choices."""
-    assert precision.storage_dtype("fp32") is None
-    assert precision.storage_dtype("fp16") == np.dtype(np.float16)
-    assert precision.storage_dtype("bf16") == np.dtype(ml_dtypes.bfloat16)
+    assert mixed_precision.storage_dtype("fp32") is None
+    assert mixed_precision.storage_dtype("fp16") == np.dtype(np.float16)
+    assert mixed_precision.storage_dtype("bf16") == np.dtype(ml_dtypes.bfloat16)
     with pytest.raises(ValueError, match="fp32, fp16, bf16"):
-        precision.storage_dtype("fp8")
+        mixed_precision.storage_dtype("fp8")

@@ -7,9 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from minipar import checkpoint
-from minipar.model import GPT, GPTConfig
-from minipar.parallel import pipeline
+from minipar.train import checkpoint
+from minipar.model.gpt import GPT, GPTConfig
+from minipar.parallel.pipeline import stage as pipeline
 
 from trainer_runs import mpirun, read_log
 

@@ -1,4 +1,4 @@
-"""--recompute selective and full (minipar/recompute.py): the same operations in the same
+"""--recompute selective and full (minipar/autograd/recompute.py): the same operations in the same
 order, so in float64 every loss, gradient norm and weight is bit-identical (==) to
 --recompute none, on one process and across dp, tp, pp and ZeRO; and the saved bytes drop
 by exactly what each keeps no longer.
@@ -6,9 +6,9 @@ by exactly what each keeps no longer.
 import numpy as np
 import pytest
 
-from minipar import train
-from minipar.checkpoint import canonical_state
-from minipar.model import GPT, GPTConfig
+from minipar.train import trainer as train
+from minipar.train.checkpoint import canonical_state
+from minipar.model.gpt import GPT, GPTConfig
 from trainer_runs import mpirun
 
 FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
@@ -86,7 +86,7 @@ def test_added_flops_are_counted_exactly(monkeypatch):
     """Every matrix product that runs, counted as 2*M*N*K by wrapping the ops (as
     test_model counts train_flops_per_token), in one forward + backward: what each mode adds
     over none equals recompute.added_flops."""
-    from minipar import ops, recompute
+    from minipar.autograd import ops, recompute
     count = [0]
 
     def wrap(owner, name, flops):

@@ -1,17 +1,17 @@
-"""minipar.parallel.schedules: pipeline schedules as data, the checker, the bubble formula,
-the layer partition and which parameters each stage holds; and minipar.draw's Gantt chart
+"""minipar.parallel.pipeline.schedules: pipeline schedules as data, the checker, the bubble formula,
+the layer partition and which parameters each stage holds; and minipar.show.draw's Gantt chart
 of a schedule. Serial, no MPI."""
 
 import dataclasses
 
 import pytest
 
-from minipar.draw import ascii_gantt
-from minipar.model import GPTConfig, param_specs
-from minipar.parallel.schedules import (SCHEDULES, Backward, Forward, RecvActivation, RecvGrad,
-                                        ScheduleError, SendActivation, SendGrad, bubble_theory,
-                                        check, gpipe, naive, one_f_one_b, partition, schedule,
-                                        stage_param_names)
+from minipar.show.draw import ascii_gantt
+from minipar.model.gpt import GPTConfig, param_specs
+from minipar.parallel.pipeline.schedules import (SCHEDULES, Backward, Forward, RecvActivation, RecvGrad,
+                                                 ScheduleError, SendActivation, SendGrad, bubble_theory,
+                                                 check, gpipe, naive, one_f_one_b, partition, schedule,
+                                                 stage_param_names)
 
 NAMES = ["naive", "gpipe", "1f1b"]       # the others (interleaved, zb-h1, zb-h2): tests/test_schedules_more.py
 assert set(NAMES) < set(SCHEDULES)

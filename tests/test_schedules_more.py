@@ -4,9 +4,9 @@
 the theory with unequal F, B, W against the checker's simulation. Serial, no MPI."""
 import pytest
 
-from minipar.parallel import interleaved, zero_bubble
-from minipar.parallel.schedules import (Backward, Forward, RecvActivation, SendActivation, SendGrad,
-                                        WeightGrad, bubble_theory, check, schedule)
+from minipar.parallel.pipeline import interleaved, zero_bubble
+from minipar.parallel.pipeline.schedules import (Backward, Forward, RecvActivation, SendActivation, SendGrad,
+                                                 WeightGrad, bubble_theory, check, schedule)
 
 
 def compute(ins):

@@ -17,11 +17,12 @@ from trainer_runs import TINY_MPI, assert_exit_2_one_line, mpirun, read_log, run
 pytestmark = pytest.mark.usefixtures("fixed_peak")
 TINY_1 = TINY_MPI[TINY_MPI.index("--n-head"):]            # run_tiny's model and batch as under mpirun
 
-# Each rank notes what prepare (config.prepare: validation, which sends nothing) raised, and
+# Each rank notes what prepare (setup.prepare: validation, which sends nothing) raised, and
 # how many messages the rank had sent or received by then (the ledger of comm).
 NOTE_PREPARE_ERRORS = """
 import os
-from minipar import comm, config
+from minipar import comm
+from minipar.config import flags as config
 real_prepare = train.prepare
 def prepare(args, world):
     try:

@@ -1,8 +1,8 @@
-"""How a run ends before its last step (minipar/stop.py, docs/debugging.md): it diverged (exit
+"""How a run ends before its last step (minipar/train/stop.py, docs/debugging.md): it diverged (exit
 3), a rank left (4), an output failed (5), it was interrupted (130 SIGINT, 143 SIGTERM). Each
 ends every rank with one line, no traceback, the log flushed, and nothing of the user's lost.
 
-Faults come from the injector (MINIPAR_FAULT, minipar/faults.py) on 1, 2 and 4 ranks, with
+Faults come from the injector (MINIPAR_FAULT, minipar/train/faults.py) on 1, 2 and 4 ranks, with
 ZeRO, tensor parallelism and a pipeline among the layouts; signals come from outside too, to
 mpirun and to one process. The elapsed-time bounds detect ranks left waiting (the comm
 timeout is 60 s here); they are not performance assertions.
@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from minipar import checkpoint, faults, train
+from minipar.train import checkpoint, faults, trainer as train
 
 from trainer_runs import MPIRUN, REPO, TINY, TINY_MPI, read_log
 
@@ -308,7 +308,7 @@ def test_the_signal_handlers_are_given_back(capsys, fixed_peak):
 def test_a_nan_loss_scale_is_below_every_floor():
     """`scale < floor` is False for NaN: the watch asks `not scale >= floor`."""
     from argparse import Namespace
-    from minipar import stop
+    from minipar.train import stop
     w = stop.Watch(Namespace(max_skipped_steps=50, min_loss_scale=1.0))
     row = {"step": 4, "loss": 5.0, "grad_norm": float("nan"), "skipped": True}
     assert w.check(row, 2.0) is None

@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from minipar import ops
-from minipar.model import GPT, GPTConfig
-from minipar.tensor import Tensor, is_grad_enabled, no_grad
+from minipar.autograd import ops
+from minipar.model.gpt import GPT, GPTConfig
+from minipar.autograd.tensor import Tensor, is_grad_enabled, no_grad
 
 
 def rnd(*shape, seed=0):
@@ -311,7 +311,7 @@ def test_backward_errors():
 def test_set_grad_buffer_overwrites_the_buffer_in_place_once():
     """A preallocated gradient buffer given with set_grad_buffer (how DP buckets avoid a memset)
     is written, not added to, by the next backward, in place; the backward after that accumulates."""
-    from minipar import ops
+    from minipar.autograd import ops
     w = Tensor(np.array([1.0, 2.0, 3.0]), requires_grad=True)
     buf = np.full(3, 99.0)
     w.set_grad_buffer(buf)

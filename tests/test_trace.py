@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from minipar import comm, trace, traceview
-from minipar.parallel import schedules
+from minipar import comm, trace
+from minipar.show import traceview
+from minipar.parallel.pipeline import schedules
 from trainer_runs import mpirun, run_tiny
 
 

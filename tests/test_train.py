@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from minipar import checkpoint, train
+from minipar.train import checkpoint, trainer as train
 
 from trainer_runs import REPO, TINY, assert_main_exits_2, read_log, run_tiny as run  # noqa: F401
 

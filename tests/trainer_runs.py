@@ -1,6 +1,6 @@
 """Running the trainer from tests, shared by the CLI test files.
 
-In process: `run_tiny(*flags)` runs `minipar.train.run` on a tiny model (the fixture
+In process: `run_tiny(*flags)` runs `minipar.train.trainer.run` on a tiny model (the fixture
 `fixed_peak` in conftest.py replaces the start-up matmul-peak measurement, a quarter of a
 second per run, by a constant). As a user runs it: `mpirun(n, *flags)` launches
 `mpirun -n N python -m minipar.train` with a timeout and one BLAS thread per rank.
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from minipar import train
+from minipar.train import trainer as train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")

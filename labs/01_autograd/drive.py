@@ -12,9 +12,9 @@ import numpy as np
 
 from labs.framework import extra_cases
 from labs.results import key
-from minipar import ops
-from minipar.model import GPT, GPTConfig
-from minipar.precision import compute, store
+from minipar.autograd import ops
+from minipar.model.gpt import GPT, GPTConfig
+from minipar.autograd.dtypes import compute, store
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEACHER_SEED = int(extra_cases(HERE).get("seed", 0))

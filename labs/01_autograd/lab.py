@@ -19,7 +19,7 @@ import numpy as np
 from labs.framework import Criterion, first_difference, load_drive
 from labs.results import Opaque, key
 from labs.scan import Allowed
-from minipar import ops
+from minipar.autograd import ops
 
 TITLE = "autograd: the backward of LayerNorm, softmax and cross-entropy"
 drive = load_drive(os.path.dirname(os.path.abspath(__file__)))

@@ -1,10 +1,10 @@
 """Lab 01 answered by minipar's own code (python -m labs.grade 01 --solution): the backward
-of the tuned ops in minipar/ops.py (ops.LayerNorm, ops.Softmax, ops.CrossEntropy), run on a
+of the tuned ops in minipar/autograd/ops.py (ops.LayerNorm, ops.Softmax, ops.CrossEntropy), run on a
 fresh node of each, behind the lab's signatures. The methods are taken when this file is
 loaded, before lab.install() puts the student's functions in their place."""
 import numpy as np
 
-from minipar import ops
+from minipar.autograd import ops
 
 LAYER_NORM = ops.LayerNorm.forward, ops.LayerNorm.backward
 SOFTMAX_BACKWARD = ops.Softmax.backward

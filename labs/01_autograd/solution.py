@@ -1,5 +1,5 @@
 """Lab 01, solved by hand as a student would: LayerNorm's backward walked one forward line at a
-time, back through the product, the variance and the mean (minipar's own, in minipar/ops.py,
+time, back through the product, the variance and the mean (minipar's own, in minipar/autograd/ops.py,
 is the closed form rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)))."""
 import numpy as np
 

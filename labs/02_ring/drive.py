@@ -23,7 +23,7 @@ P_MAX = 5
 OWN = [f"minipar.comm:{n}" for n in ("reduce_scatter", "all_gather", "all_reduce", "reduce_scatter_async",
                                      "all_gather_async", "all_reduce_async", "broadcast", "reduce", "scatter",
                                      "gather", "all_to_all")] + \
-      [f"minipar.comm.ring:{n}" for n in ("reduce_scatter", "all_gather", "all_reduce", "start_reduce_scatter",
+      [f"minipar.comm.algorithms.ring:{n}" for n in ("reduce_scatter", "all_gather", "all_reduce", "start_reduce_scatter",
                                           "start_all_gather", "start_all_reduce")]
 
 

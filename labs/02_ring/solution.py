@@ -1,5 +1,5 @@
 """Lab 02, solved by hand as a student would: the ring as two plain loops (minipar's own,
-in minipar/comm/ring.py, is a generator that a non-blocking Handle can also drive)."""
+in minipar/comm/algorithms/ring.py, is a generator that a non-blocking Handle can also drive)."""
 import numpy as np
 
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}

@@ -29,7 +29,7 @@ OWN = [f"minipar.comm:{n}" for n in ("all_reduce", "all_reduce_async", "reduce_s
       [f"minipar.comm.{m}:{n}" for m in ("ring", "doubling", "direct", "hierarchical")
        for n in ("all_reduce", "start_all_reduce", "reduce_scatter", "start_reduce_scatter", "all_gather",
                  "start_all_gather")] + \
-      [f"minipar.comm.straight_line:{n}" for n in ("all_reduce_into", "all_reduce_direct_into",
+      [f"minipar.comm.algorithms.straight_line:{n}" for n in ("all_reduce_into", "all_reduce_direct_into",
                                                     "reduce_scatter_into", "all_gather_into")]
 
 

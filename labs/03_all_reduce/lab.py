@@ -195,12 +195,12 @@ CRITERIA = [
     Criterion("all_reduce_ring against NumPy", ranks=5, run="ring", judge=judge_ring, timeout=60,
               uses=("all_reduce_ring",),
               hint="a ring reduce-scatter, then a ring all-gather of the finished pieces, in one Call "
-                   "of 2(p-1) steps (minipar.comm.ring); print (step, piece sent, piece received) for p = 3"),
+                   "of 2(p-1) steps (minipar.comm.algorithms.ring); print (step, piece sent, piece received) for p = 3"),
     Criterion("all_reduce_doubling against NumPy", ranks=5, run="doubling", judge=judge_doubling, timeout=60,
               uses=("all_reduce_doubling",),
               hint="partner at round k is r ^ (1 << k) among the q = largest power of two <= p "
                    "ranks; ranks r >= q hand x to r - q first and get the result back last "
-                   "(minipar.comm.doubling); a wait that never ends is MINIPAR_COMM_TIMEOUT's"),
+                   "(minipar.comm.algorithms.doubling); a wait that never ends is MINIPAR_COMM_TIMEOUT's"),
     Criterion("identical results on every rank", ranks=5, run="identical", judge=judge_identical, timeout=30,
               uses=("all_reduce_ring", "all_reduce_doubling"),
               hint="two ranks that combine the same two partial results get the same bits "

@@ -1,5 +1,5 @@
 """Lab 03, solved by hand as a student would: two plain loops over one Call each (minipar's
-own, in minipar/comm/ring.py and doubling.py, are generators that a non-blocking Handle can
+own, in minipar/comm/algorithms/ring.py and doubling.py, are generators that a non-blocking Handle can
 also drive). This ring numbers its pieces one further on than minipar's: at step s rank r
 sends piece (r - s) and ends the reduce-scatter owning piece r + 1; any numbering works as
 long as every rank follows the same one."""

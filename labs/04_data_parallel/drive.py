@@ -17,8 +17,10 @@ import numpy as np
 from mpi4py import MPI
 
 from labs.results import key
-from minipar import comm, data, tensor, train
-from minipar.model import GPT, GPTConfig
+from minipar import comm
+from minipar.train import data, trainer as train
+from minipar.autograd import tensor
+from minipar.model.gpt import GPT, GPTConfig
 from minipar.parallel import data_parallel
 
 BATCH = 16                                  # 8 rows per rank at dp = 2, 4 at dp = 4: M up to 4

@@ -6,7 +6,7 @@ DataParallelBucketed, their finish() counted.
 Oracles, computed here: the single-process twin (drive.Run with no synchroniser: a tiny GPT,
 L=1 C=16, float64 or float32, through minipar.train's own step loop with the same weights and
 data, no messages); for the buckets, minipar.parallel.data_parallel.bucket_members; for the
-bytes, minipar.plan.all_reduce_sent of each bucket. The child hands back each run's losses,
+bytes, minipar.plan.table.all_reduce_sent of each bucket. The child hands back each run's losses,
 gradients and parameters, exposed_seconds, and what its observers saw (addresses, the
 ledger's all-reduces per step, every all-reduce started with its members and timing).
 """
@@ -18,7 +18,7 @@ import numpy as np
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
 from labs.results import Opaque, key
 from labs.scan import Allowed
-from minipar import plan
+from minipar.plan import table as plan
 from minipar.parallel import data_parallel
 
 TITLE = "data parallelism: naive, then bucketed all-reduce started from gradient hooks"
@@ -356,7 +356,7 @@ CRITERIA = [
     Criterion("naive matches one process", ranks=4, run="naive_runs", judge=judge_naive, timeout=60,
               uses=("DataParallelNaive",),
               hint="sum, don't average: each rank's loss is already divided by the global token count "
-                   "B*T (minipar.train.train_step); one comm.all_reduce per gradient in finish(), and "
+                   "B*T (minipar.train.trainer.train_step); one comm.all_reduce per gradient in finish(), and "
                    "exposed_seconds the seconds finish() took"),
     Criterion("bucketed matches one process", ranks=4, run="bucketed_runs", judge=judge_bucketed, timeout=60,
               uses=("DataParallelBucketed",),
@@ -365,7 +365,7 @@ CRITERIA = [
     Criterion("one all-reduce per bucket, bytes", ranks=4, run="bytes_runs", judge=judge_bytes, timeout=60,
               uses=("DataParallelNaive", "DataParallelBucketed"),
               hint="communicate only while sync_now(True), i.e. on the last micro-batch; comm.traffic() "
-                   "counts the calls and bytes, minipar.plan.all_reduce_sent gives the formula"),
+                   "counts the calls and bytes, minipar.plan.table.all_reduce_sent gives the formula"),
     Criterion("buckets start in backward, reverse", ranks=4, run="events", judge=judge_events, timeout=60,
               uses=("DataParallelNaive", "DataParallelBucketed"),
               hint="walk the parameters from the last to the first, closing a bucket at >= "

@@ -15,13 +15,13 @@ from mpi4py import MPI
 
 from labs.results import key
 from minipar import comm
-from minipar.model import GPTConfig
-from minipar.parallel import tensor_parallel as tpar
-from minipar.tensor import Function, Tensor
+from minipar.model.gpt import GPTConfig
+from minipar.parallel.tensor import tensor_parallel as tpar
+from minipar.autograd.tensor import Function, Tensor
 
 # minipar's own f, g and layers (what reference.py imports): reached from the student's file,
 # each raises (labs/child.py). The seam (install) makes the model use the student's classes.
-OWN = [f"minipar.parallel.tensor_parallel:{n}" for n in (
+OWN = [f"minipar.parallel.tensor.tensor_parallel:{n}" for n in (
     "CopyToTP.forward", "CopyToTP.backward", "ReduceFromTP.forward", "ReduceFromTP.backward",
     "ColumnParallelLinear.__call__", "RowParallelLinear.__call__", "copy_to_tp", "reduce_from_tp")]
 

@@ -1,6 +1,6 @@
 """Lab 05's criteria, judged in the grader's process (labs/framework.py says what a lab is).
 
-Seam (drive.install): the four names of minipar/parallel/tensor_parallel.py that
+Seam (drive.install): the four names of minipar/parallel/tensor/tensor_parallel.py that
 TensorParallelGPT builds its layers from: CopyToTP (f) and ReduceFromTP (g), which copy_to_tp /
 reduce_from_tp apply (the vocabulary-parallel embedding's g and the LM head's f use them too),
 and ColumnParallelLinear and RowParallelLinear, which TensorParallelGPT.__init__ constructs (so
@@ -19,19 +19,19 @@ import numpy as np
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
 from labs.results import Opaque, key
 from labs.scan import ANY, Allowed
-from minipar.model import GPT
-from minipar.parallel import tensor_parallel as tpar
+from minipar.model.gpt import GPT
+from minipar.parallel.tensor import tensor_parallel as tpar
 
 TITLE = "Megatron's f and g, and the column- and row-parallel linear layers"
 drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
 OWN_REASON = "minipar's own f, g and layers: this lab grades yours"
 ALLOWED = Allowed(
     modules={"minipar.comm": {"Group"}, "minipar.ops": ANY, "minipar.tensor": {"Function", "Tensor"},
-             "minipar.parallel.tensor_parallel": {"tp_all_reduce", "traffic", "megatron_count"}},
-    refused={**{f"minipar.parallel.tensor_parallel.{n}": OWN_REASON for n in (
+             "minipar.parallel.tensor.tensor_parallel": {"tp_all_reduce", "traffic", "megatron_count"}},
+    refused={**{f"minipar.parallel.tensor.tensor_parallel.{n}": OWN_REASON for n in (
         "CopyToTP", "ReduceFromTP", "ColumnParallelLinear", "RowParallelLinear", "copy_to_tp", "reduce_from_tp",
         "ParallelMLP", "ParallelAttention")},
-        "minipar.parallel.tensor_parallel.tp_collective": "communicate only with tp_all_reduce, as the handout says",
+        "minipar.parallel.tensor.tensor_parallel.tp_collective": "communicate only with tp_all_reduce, as the handout says",
         **{f"minipar.comm.{n}": "communicate only with tp_all_reduce: a bare comm collective is invisible to "
                                 "tensor parallelism's ledger (tensor_parallel.traffic())"
            for n in ("all_reduce", "all_reduce_async", "untracked")}})
@@ -280,7 +280,7 @@ CRITERIA = [
     Criterion("column-parallel vs full linear", ranks=4, run="column", judge=judge_column, timeout=40,
               uses=("ColumnParallelLinear", "CopyToTP"),
               hint="x goes through f before the matmul: each rank's columns give only part of dL/dx "
-                   "(minipar.parallel.tensor_parallel.ColumnParallelLinear's docstring); x may be "
+                   "(minipar.parallel.tensor.tensor_parallel.ColumnParallelLinear's docstring); x may be "
                    "(B, t, Cin) or (N, Cin), as for ops.linear"),
     Criterion("row-parallel vs full linear", ranks=4, run="row", judge=judge_row, timeout=40,
               uses=("RowParallelLinear", "ReduceFromTP"),
@@ -290,8 +290,8 @@ CRITERIA = [
     Criterion("4L+5 all-reduces per micro-batch", ranks=4, run="count", judge=judge_count, timeout=40,
               uses=("CopyToTP", "ReduceFromTP", "ColumnParallelLinear", "RowParallelLinear"),
               hint="2 per layer forward (g) and 2 backward (f), and nothing else in the layers; "
-                   "minipar.parallel.tensor_parallel.megatron_count is the formula, "
-                   "minipar.parallel.tensor_parallel.traffic what was sent, by kind"),
+                   "minipar.parallel.tensor.tensor_parallel.megatron_count is the formula, "
+                   "minipar.parallel.tensor.tensor_parallel.traffic what was sent, by kind"),
     Criterion("trainer --tp 4", ranks=4, trainer=trainer_flags("--tp", "4", n_head=4), timeout=90,
               uses=("CopyToTP", "ReduceFromTP", "ColumnParallelLinear", "RowParallelLinear"),
               hint="tp 4 for 3 steps against the grader's single-process run: every operation on a "

@@ -1,8 +1,8 @@
 """Lab 05, solved by hand as a student would: f and g as two Functions, each one line of
 communication, and the two layers as plain classes that call them through f() and g()
-(minipar's own, in minipar/parallel/tensor_parallel.py, is the same maths)."""
+(minipar's own, in minipar/parallel/tensor/tensor_parallel.py, is the same maths)."""
 from minipar import ops
-from minipar.parallel.tensor_parallel import tp_all_reduce
+from minipar.parallel.tensor.tensor_parallel import tp_all_reduce
 from minipar.tensor import Function
 
 

@@ -33,7 +33,7 @@ Check:  make lab L=05        (or: .venv/bin/python -m labs.grade 05 --student th
 from dataclasses import dataclass
 
 from minipar import comm, ops  # noqa: F401 - ops: you will want it
-from minipar.parallel.tensor_parallel import tp_all_reduce  # noqa: F401 - the only all-reduce
+from minipar.parallel.tensor.tensor_parallel import tp_all_reduce  # noqa: F401 - the only all-reduce
 from minipar.tensor import Function, Tensor
 
 

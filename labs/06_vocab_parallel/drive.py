@@ -18,14 +18,14 @@ from mpi4py import MPI
 
 from labs.results import key
 from minipar import comm
-from minipar.model import GPTConfig
-from minipar.parallel import tensor_parallel as tpar
-from minipar.tensor import Function, Tensor
+from minipar.model.gpt import GPTConfig
+from minipar.parallel.tensor import tensor_parallel as tpar
+from minipar.autograd.tensor import Function, Tensor
 
 # minipar's own embedding, g and cross-entropy (what reference.py imports): reached from the
 # student's file, each raises (labs/child.py). The seam (install) makes the model use the
 # student's.
-OWN = [f"minipar.parallel.tensor_parallel:{n}" for n in (
+OWN = [f"minipar.parallel.tensor.tensor_parallel:{n}" for n in (
     "MaskedEmbedding.forward", "MaskedEmbedding.backward", "ReduceFromTP.forward", "ReduceFromTP.backward",
     "VocabParallelEmbedding.__init__", "VocabParallelEmbedding.__call__",
     "VocabParallelCrossEntropy.forward", "VocabParallelCrossEntropy.backward",

@@ -1,6 +1,6 @@
 """Lab 06's criteria, judged in the grader's process (labs/framework.py says what a lab is).
 
-Seam (drive.install): the two names of minipar/parallel/tensor_parallel.py the vocabulary-
+Seam (drive.install): the two names of minipar/parallel/tensor/tensor_parallel.py the vocabulary-
 parallel ends of TensorParallelGPT use: VocabParallelEmbedding, which TensorParallelGPT.__init__
 constructs (so install() runs before the model is built), and vocab_parallel_cross_entropy,
 which TensorParallelGPT.loss calls. The embedding's all-reduce (kind g) and the
@@ -27,11 +27,11 @@ drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
 OWN_REASON = "minipar's own vocabulary-parallel code: this lab grades yours"
 ALLOWED = Allowed(
     modules={"minipar.comm": {"Group"}, "minipar.tensor": {"Function", "Tensor"},
-             "minipar.parallel.tensor_parallel": {"tp_all_reduce", "traffic", "reset_traffic"}},
-    refused={**{f"minipar.parallel.tensor_parallel.{n}": OWN_REASON for n in (
+             "minipar.parallel.tensor.tensor_parallel": {"tp_all_reduce", "traffic", "reset_traffic"}},
+    refused={**{f"minipar.parallel.tensor.tensor_parallel.{n}": OWN_REASON for n in (
         "MaskedEmbedding", "ReduceFromTP", "reduce_from_tp", "VocabParallelEmbedding", "VocabParallelCrossEntropy",
         "vocab_parallel_cross_entropy")},
-        "minipar.parallel.tensor_parallel.tp_collective": "communicate only with tp_all_reduce, as the handout says",
+        "minipar.parallel.tensor.tensor_parallel.tp_collective": "communicate only with tp_all_reduce, as the handout says",
         **{f"minipar.comm.{n}": "communicate only with tp_all_reduce: a bare comm collective is invisible to "
                                 "tensor parallelism's ledger (tensor_parallel.traffic())"
            for n in ("all_reduce", "all_reduce_async", "all_gather", "reduce_scatter", "broadcast", "reduce")}})
@@ -244,19 +244,19 @@ CRITERIA = [
               hint="ids outside [vocab_start, vocab_start + rows) must give zero rows before the sum "
                    "(exactly one rank contributes each token); backward adds dy into the owned rows "
                    "only, repeated ids adding up (np.add.at, not w[rows] += ...); float32 in, float32 out; "
-                   "minipar.parallel.tensor_parallel.MaskedEmbedding's docstring"),
+                   "minipar.parallel.tensor.tensor_parallel.MaskedEmbedding's docstring"),
     Criterion("cross-entropy vs full softmax", ranks=4, run="cross_entropy", judge=judge_cross_entropy, timeout=60,
               uses=("vocab_parallel_cross_entropy",),
               hint="the max must be the global one (op 'max') before any exp; the target logit comes "
                    "from the one rank that owns it, the others add 0; divide by loss_denom when given; "
                    "padded columns are -inf, exp gives them 0 (do not replace -inf); with one rank "
                    "tp_all_reduce hands back its input itself; "
-                   "minipar.parallel.tensor_parallel.VocabParallelCrossEntropy's docstring"),
+                   "minipar.parallel.tensor.tensor_parallel.VocabParallelCrossEntropy's docstring"),
     Criterion("all-reduces per call", ranks=4, run="count", judge=judge_count, timeout=60,
               uses=("VocabParallelEmbedding", "vocab_parallel_cross_entropy"),
               hint="the embedding 1 (sum, kind 'g') and the cross-entropy 3 (max, sum, sum, kind "
                    "'cross_entropy'), all forward, none backward; "
-                   "minipar.parallel.tensor_parallel.traffic shows what you sent, by kind"),
+                   "minipar.parallel.tensor.tensor_parallel.traffic shows what you sent, by kind"),
     Criterion("trainer --tp 4", ranks=4, trainer=trainer_flags("--tp", "4", n_head=4), judge=judge_summary,
               timeout=90, uses=("VocabParallelEmbedding", "vocab_parallel_cross_entropy"),
               hint="tp 4 for 3 steps against the grader's own single-process run: read the weight in "

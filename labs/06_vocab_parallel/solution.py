@@ -1,9 +1,9 @@
 """Lab 06, solved by hand as a student would: the embedding as a masked lookup and a sum over
 the tp ranks, the cross-entropy as one Function with its three all-reduces (minipar's own,
-in minipar/parallel/tensor_parallel.py, is the same maths)."""
+in minipar/parallel/tensor/tensor_parallel.py, is the same maths)."""
 import numpy as np
 
-from minipar.parallel.tensor_parallel import tp_all_reduce
+from minipar.parallel.tensor.tensor_parallel import tp_all_reduce
 from minipar.tensor import Function
 
 

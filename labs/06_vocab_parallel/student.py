@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np  # noqa: F401 - you will want it
 
 from minipar import comm
-from minipar.parallel.tensor_parallel import tp_all_reduce  # noqa: F401 - the only all-reduce
+from minipar.parallel.tensor.tensor_parallel import tp_all_reduce  # noqa: F401 - the only all-reduce
 from minipar.tensor import Function, Tensor
 
 

@@ -20,9 +20,9 @@ import numpy as np
 
 from labs.framework import extra_cases
 from labs.results import key
-from minipar.parallel import interleaved, schedules, zero_bubble
-from minipar.parallel.schedules import (Backward, Forward, RecvActivation, RecvGrad, SendActivation,
-                                        SendGrad)
+from minipar.parallel.pipeline import interleaved, schedules, zero_bubble
+from minipar.parallel.pipeline.schedules import (Backward, Forward, RecvActivation, RecvGrad, SendActivation,
+                                                 SendGrad)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FUNCTIONS = ("gpipe", "one_f_one_b")
@@ -38,12 +38,12 @@ NP_CODE = {np.dtype(n).type: 1 + i for i, n in enumerate(NP_INTS)}
 CONTAINERS = ("list", "tuple", "iterable", "not iterable")
 # minipar's own schedules, its schedule() and its simulator, in every form: reached from the
 # student's file, each raises (labs/child.py)
-OWN = [f"minipar.parallel.schedules:{n}" for n in ("gpipe", "one_f_one_b", "naive", "schedule", "check",
+OWN = [f"minipar.parallel.pipeline.schedules:{n}" for n in ("gpipe", "one_f_one_b", "naive", "schedule", "check",
                                                    "programs", "_forward", "_backward")] + \
-      [f"minipar.parallel.instructions:{n}" for n in ("_forward", "_backward")] + \
-      [f"minipar.parallel.schedule_check:{n}" for n in ("check", "programs")] + \
-      ["minipar.parallel.interleaved:interleaved", "minipar.parallel.zero_bubble:zb_h1",
-       "minipar.parallel.zero_bubble:zb_h2"]
+      [f"minipar.parallel.pipeline.instructions:{n}" for n in ("_forward", "_backward")] + \
+      [f"minipar.parallel.pipeline.check:{n}" for n in ("check", "programs")] + \
+      ["minipar.parallel.pipeline.interleaved:interleaved", "minipar.parallel.pipeline.zero_bubble:zb_h1",
+       "minipar.parallel.pipeline.zero_bubble:zb_h2"]
 
 
 def cases() -> list:

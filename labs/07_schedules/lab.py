@@ -1,6 +1,6 @@
 """Lab 07's criteria, judged in the grader's process (labs/framework.py says what a lab is).
 
-Seam (drive.install): the "gpipe" and "1f1b" entries of minipar.parallel.schedules.SCHEDULES,
+Seam (drive.install): the "gpipe" and "1f1b" entries of minipar.parallel.pipeline.schedules.SCHEDULES,
 the table that schedules.schedule() looks a --schedule name up in. PipelineEngine builds its
 stage's instruction list through schedule(), so the trainer walks the student's lists.
 The child (drive.lists) only records what gpipe and one_f_one_b returned for p = 1..8 stages,
@@ -23,10 +23,10 @@ import numpy as np
 from labs.framework import Criterion, load_drive, trainer_flags
 from labs.results import Opaque, key
 from labs.scan import Allowed
-from minipar import draw
-from minipar.parallel import schedules
-from minipar.parallel.schedules import (Backward, Forward, RecvActivation, RecvGrad, ScheduleError, SendActivation,
-                                        SendGrad)
+from minipar.show import draw
+from minipar.parallel.pipeline import schedules
+from minipar.parallel.pipeline.schedules import (Backward, Forward, RecvActivation, RecvGrad, ScheduleError,
+                                                 SendActivation, SendGrad)
 
 TITLE = "GPipe and 1F1B pipeline schedules as instruction lists"
 drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
@@ -35,9 +35,9 @@ SMALL = 4                   # up to p = m = SMALL a failure's line also holds th
 SHOW = ".venv/bin/python -m labs.07_schedules.show {name} {p} {m} --student YOUR_FILE"
 BACKWARD_TIMES = (1.0, 2.0)               # a backward as long as a forward, and twice as long
 ALLOWED = Allowed(
-    modules={"minipar.parallel.schedules": {"Forward", "Backward", "RecvActivation", "SendActivation", "RecvGrad",
+    modules={"minipar.parallel.pipeline.schedules": {"Forward", "Backward", "RecvActivation", "SendActivation", "RecvGrad",
                                             "SendGrad", "ScheduleError", "bubble_theory"}},
-    refused={f"minipar.parallel.schedules.{n}": why for n, why in (
+    refused={f"minipar.parallel.pipeline.schedules.{n}": why for n, why in (
         ("gpipe", "minipar's own GPipe: this lab grades yours"),
         ("one_f_one_b", "minipar's own 1F1B: this lab grades yours"),
         ("naive", "minipar's own schedule: build the lists yourself"),
@@ -241,7 +241,7 @@ def well_formed(r: Returned, fn: str, p: int, m: int, s: int):
     for k, ins in enumerate(prog):
         if type(ins) not in KINDS:
             raise AssertionError(f"{what}: item {k} is {ins!r}, not a Forward, Backward, RecvActivation, "
-                                 f"SendActivation, RecvGrad or SendGrad of minipar.parallel.schedules{context}")
+                                 f"SendActivation, RecvGrad or SendGrad of minipar.parallel.pipeline.schedules{context}")
         mb = ins.mb
         if not (isinstance(mb, Integral) and not isinstance(mb, bool)):
             raise AssertionError(f"{what}: item {k} is {ins!r}: micro-batch {mb!r} is not an int{context}")
@@ -430,7 +430,7 @@ CRITERIA = [
     Criterion("no deadlock (schedules.check)", run="lists", judge=judge_no_deadlock, timeout=30,
               uses=("gpipe", "one_f_one_b"),
               hint=".venv/bin/python -m labs.07_schedules.show (README, Hints) runs "
-                   "minipar.parallel.schedules.check on your lists and draws them; a stage must not wait for a "
+                   "minipar.parallel.pipeline.schedules.check on your lists and draws them; a stage must not wait for a "
                    "message its neighbour sends only after it gets one back"),
     Criterion("activations in flight", run="lists", judge=judge_in_flight, timeout=30,
               uses=("gpipe", "one_f_one_b"),
@@ -447,11 +447,11 @@ CRITERIA = [
     Criterion("trainer --pp 4 1f1b", ranks=4, timeout=120,
               trainer=trainer_flags("--pp", "4", "--micro-batches", "8", "--schedule", "1f1b", n_layer=4),
               uses=("one_f_one_b",),
-              hint="each rank's minipar.parallel.pipeline.PipelineEngine walks your list for its stage; "
+              hint="each rank's minipar.parallel.pipeline.stage.PipelineEngine walks your list for its stage; "
                    "the grader compares the run with its own single-process twin"),
     Criterion("trainer --pp 2 gpipe", ranks=2, timeout=90,
               trainer=trainer_flags("--pp", "2", "--micro-batches", "4", "--schedule", "gpipe"),
               uses=("gpipe",),
-              hint="each rank's minipar.parallel.pipeline.PipelineEngine walks your list for its stage; "
+              hint="each rank's minipar.parallel.pipeline.stage.PipelineEngine walks your list for its stage; "
                    "the grader compares the run with its own single-process twin"),
 ]

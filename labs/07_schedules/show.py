@@ -10,9 +10,9 @@ import os
 import re
 
 from labs import framework
-from minipar import draw
-from minipar.parallel import schedules
-from minipar.parallel.schedules import ScheduleError
+from minipar.show import draw
+from minipar.parallel.pipeline import schedules
+from minipar.parallel.pipeline.schedules import ScheduleError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = {"gpipe": "gpipe", "1f1b": "one_f_one_b"}      # --schedule name -> the student's function

@@ -5,7 +5,8 @@ this is the first stage, send the output unless it is the last), and so is its b
 (receive the output's gradient unless last, send the input's gradient unless first). The
 two schedules differ only in the order the wrapped forwards and backwards are laid down.
 """
-from minipar.parallel.schedules import Backward, Forward, RecvActivation, RecvGrad, SendActivation, SendGrad
+from minipar.parallel.pipeline.schedules import (Backward, Forward, RecvActivation, RecvGrad, SendActivation,
+                                                 SendGrad)
 
 
 def forward_steps(stage, n_stages, mb):

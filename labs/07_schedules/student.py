@@ -25,15 +25,15 @@ file (in a shell or a script of your own that imports it):
 
     .venv/bin/python -m labs.07_schedules.show 1f1b 4 8 --student this_file.py
 
-    from minipar.parallel import schedules
-    from minipar import draw
+    from minipar.parallel.pipeline import schedules
+    from minipar.show import draw
     report = schedules.check(4, 8, one_f_one_b)         # raises ScheduleError on a deadlock
     print(draw.ascii_gantt(report.timeline, 4))
 
 Check:  make lab L=07        (or: .venv/bin/python -m labs.grade 07 --student this_file.py)
 """
-from minipar.parallel.schedules import (Backward, Forward, RecvActivation, RecvGrad,  # noqa: F401
-                                        SendActivation, SendGrad)
+from minipar.parallel.pipeline.schedules import (Backward, Forward, RecvActivation, RecvGrad,  # noqa: F401
+                                                 SendActivation, SendGrad)
 
 
 def gpipe(stage, n_stages, n_micro):

@@ -20,21 +20,22 @@ from mpi4py import MPI
 
 from labs.framework import extra_cases
 from labs.results import key
-from minipar import checkpoint, comm, data, train
-from minipar.model import GPT, GPTConfig
-from minipar.optim import adamw_update
-from minipar.parallel import zero
+from minipar.train import checkpoint, data, trainer as train
+from minipar import comm
+from minipar.model.gpt import GPT, GPTConfig
+from minipar.optim.adamw import adamw_update
+from minipar.parallel.zero import sharded as zero
 from minipar.parallel.grid import ProcessGrid
-from minipar.precision import MixedPrecisionAdamW, optimizer_bytes_per_param
-from minipar.tensor import is_grad_enabled
+from minipar.optim.mixed_precision import MixedPrecisionAdamW, optimizer_bytes_per_param
+from minipar.autograd.tensor import is_grad_enabled
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 UNIT_FIELDS = ("param_flat", "param_shard", "grad_flat", "grad_shard", "m", "v")
 # minipar's own per-unit ZeRO (what reference.py takes its lines from): reached from the
 # student's file, each raises (labs/child.py). LabZero and LabUnit override every one of them.
-OWN = [f"minipar.parallel.zero:Zero.{m}" for m in ("__init__", "_on_grad_ready", "_drain", "finish", "step",
+OWN = [f"minipar.parallel.zero.sharded:Zero.{m}" for m in ("__init__", "_on_grad_ready", "_drain", "finish", "step",
                                                    "gather", "release")] + \
-      ["minipar.parallel.zero:Unit.__init__"]
+      ["minipar.parallel.zero.sharded:Unit.__init__"]
 MAX_FAULTS = 20
 
 

@@ -1,6 +1,6 @@
 """Lab 08's criteria, judged in the grader's process (labs/framework.py says what a lab is).
 
-Seam (drive.install): minipar.parallel.zero.Zero, the object the trainer builds for --zero
+Seam (drive.install): minipar.parallel.zero.sharded.Zero, the object the trainer builds for --zero
 1|2|3, replaced by drive.LabZero, a subclass that keeps minipar's bookkeeping (the units of
 zero.unit_names, the gradient hooks that say when a unit's gradient is complete, stage 3's
 Regather around each block, the global norm, the checkpoints) and hands the per-unit work to
@@ -25,19 +25,19 @@ import numpy as np
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
 from labs.results import Opaque, key
 from labs.scan import Allowed
-from minipar.model import GPT
-from minipar.parallel import zero
-from minipar.precision import optimizer_bytes_per_param
-from minipar.verify import judged
+from minipar.model.gpt import GPT
+from minipar.parallel.zero import sharded as zero
+from minipar.optim.mixed_precision import optimizer_bytes_per_param
+from minipar.train.verify import judged
 
 TITLE = "ZeRO stages 1, 2 and 3: one unit's shard, reduce-scatter, AdamW, all-gather"
 drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
 OWN_ZERO = "minipar's own ZeRO: this lab grades yours"
 ALLOWED = Allowed(
     modules={"minipar.comm": {"reduce_scatter", "all_gather", "traffic"},
-             "minipar.parallel.zero": {"padded"}},
-    refused={"minipar.parallel.zero.Zero": OWN_ZERO, "minipar.parallel.zero.Unit": OWN_ZERO,
-             "minipar.parallel.zero.Regather": OWN_ZERO})
+             "minipar.parallel.zero.sharded": {"padded"}},
+    refused={"minipar.parallel.zero.sharded.Zero": OWN_ZERO, "minipar.parallel.zero.sharded.Unit": OWN_ZERO,
+             "minipar.parallel.zero.sharded.Regather": OWN_ZERO})
 # float32: the ranks sum their rows' gradients in another order than one process does; the
 # solution stays within about 6e-8 (losses, norms) and 9e-6 of a tensor's largest entry
 F32 = {"loss": 1e-6, "param": 1e-4}
@@ -226,8 +226,8 @@ def trainer_judge(ranks):
     """Beyond the twin: the summary's bytes held on every rank equal zero.formula for the run's
     model (the grader's own), and the ZeRO bytes sent each step zero.traffic_theory."""
     def judge(run):
-        from minipar import train                   # noqa: PLC0415
-        from minipar.config import prepare          # noqa: PLC0415
+        from minipar.train import trainer as train                   # noqa: PLC0415
+        from minipar.train.setup import prepare          # noqa: PLC0415
         args = train.build_parser().parse_args(list(run.flags))
         spec = prepare(args, ranks)
         shapes = {n: p.size for n, p in GPT(spec.cfg).named_parameters()}
@@ -269,7 +269,7 @@ def trainer(stage, **change):
 
 CRITERIA = [
     Criterion("shard_bounds for many (n, N)", run="bounds", judge=judge_bounds, timeout=30, uses=("shard_bounds",),
-              hint="pad first: minipar.parallel.zero.padded(n, N) is the next multiple of N; then every "
+              hint="pad first: minipar.parallel.zero.sharded.padded(n, N) is the next multiple of N; then every "
                    "rank's shard has the same n_pad / N elements; return two ints"),
     Criterion("memory against zero.formula", ranks=4, run="memory", judge=judge_memory, timeout=90,
               uses=("shard_bounds", "reduce_gradient", "update", "gather", "release"),

@@ -1,12 +1,12 @@
 """Lab 08 answered by minipar's own code (python -m labs.grade 08 --solution): the per-unit
-lines of minipar/parallel/zero.py behind the lab's signatures (Unit.__init__'s layout,
+lines of minipar/parallel/zero/sharded.py behind the lab's signatures (Unit.__init__'s layout,
 Zero._on_grad_ready and Zero._drain, Zero.step, Zero.gather and Zero.release). Stage 1 drops
 its gradient shard after the update, as the memory criterion asks (Zero itself receives the
 shard into its place in grad_flat, so it holds no more than the full buffer either)."""
 import numpy as np
 
 from minipar import comm
-from minipar.parallel import zero
+from minipar.parallel.zero import sharded as zero
 
 
 def shard_bounds(n, N, rank):

@@ -1,5 +1,5 @@
 """Lab 08, solved by hand as a student would: each stage's rule spelled out for one unit
-(minipar's own, in minipar/parallel/zero.py, keeps the units' buffers inside its Zero class
+(minipar's own, in minipar/parallel/zero/sharded.py, keeps the units' buffers inside its Zero class
 and overlaps the reduce-scatters with backward)."""
 from minipar import comm
 

@@ -69,7 +69,7 @@ def reduce_gradient(g, stage, unit, first, last):
 def update(g, stage, unit, adamw):
     """The optimizer step of the unit, once the last backward is over. adamw(w, grad) runs
     one AdamW step in place on w, this rank's (hi - lo,) shard of the parameters, from grad,
-    its summed gradient shard (minipar.optim.adamw_update with this shard's m and v, each
+    its summed gradient shard (minipar.optim.adamw.adamw_update with this shard's m and v, each
     parameter's weight decay, the step's learning rate and clip factor). Call it once, on
     the array the rank keeps, not on a copy.
 

@@ -15,12 +15,13 @@ import numpy as np
 from mpi4py import MPI
 
 from labs.results import key
-from minipar import comm, precision
+from minipar import comm
+from minipar.optim import mixed_precision
 
 # minipar's own scaler: reached from the student's file, each of these raises (labs/child.py)
-OWN = [f"minipar.precision:LossScaler.{m}" for m in ("__init__", "update", "state_dict", "load_state_dict")] + \
-      ["minipar.precision:make_scaler"]
-MINIPAR_SCALER = precision.LossScaler               # before any seam: minipar's own class
+OWN = [f"minipar.optim.mixed_precision:LossScaler.{m}" for m in ("__init__", "update", "state_dict", "load_state_dict")] + \
+      ["minipar.optim.mixed_precision:make_scaler"]
+MINIPAR_SCALER = mixed_precision.LossScaler               # before any seam: minipar's own class
 ATTRIBUTES = ("scale", "growth_factor", "backoff_factor", "growth_interval", "good_steps", "dynamic")
 GIVEN = dict(scale=1e15, growth_factor=3.0, backoff_factor=0.25, growth_interval=3, dynamic=False)
 
@@ -139,7 +140,7 @@ def fixed(student, out):
         out.case(f"LossScaler(**{kw}), found_inf {pattern}")
         run_pattern(out, key("fixed", i), student.LossScaler(**kw), pattern)
     # bf16 in the trainer, one process: a NaN planted in one gradient skips the step
-    from minipar import train                   # noqa: PLC0415
+    from minipar.train import trainer as train                   # noqa: PLC0415
     out.case("a bf16 trainer step, one process, a NaN planted in one gradient")
     seam = install(student)
     args = train.build_parser().parse_args(BF16_FLAGS)
@@ -247,7 +248,7 @@ class Seam:
 
 
 def install(student):
-    """precision.LossScaler and make_scaler build the student's scaler (minipar's rule: fp16
+    """mixed_precision.LossScaler and make_scaler build the student's scaler (minipar's rule: fp16
     dynamic from --loss-scale, default 2^16, growing after --loss-scale-window clean steps,
     default 2000; bf16 scale=1.0, dynamic=False); the trainer's one
     max all-reduce of its int64 skip flag runs student.step_is_skipped (every other
@@ -291,5 +292,5 @@ def install(student):
         out[...] = y
         return out
 
-    precision.LossScaler, precision.make_scaler, comm.all_reduce = Counted, make_scaler, seam_all_reduce
+    mixed_precision.LossScaler, mixed_precision.make_scaler, comm.all_reduce = Counted, make_scaler, seam_all_reduce
     return seam

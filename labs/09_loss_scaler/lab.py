@@ -1,9 +1,9 @@
 """Lab 09's criteria, judged in the grader's process (labs/framework.py says what a lab is).
 
-Seam (drive.install): minipar.precision.LossScaler and make_scaler build the student's
+Seam (drive.install): minipar.optim.mixed_precision.LossScaler and make_scaler build the student's
 LossScaler (a subclass that counts and records its updates); make_scaler keeps minipar's
 rule (fp16: dynamic from --loss-scale, default 2^16; bf16: a fixed scale of 1). The
-trainer's skip decision, inline in minipar.train.train_step as `comm.all_reduce(world_group,
+trainer's skip decision, inline in minipar.train.trainer.train_step as `comm.all_reduce(world_group,
 flag, op="max")` on a one-element int64 flag, is the only such all-reduce in minipar:
 comm.all_reduce is wrapped so that that call becomes student.step_is_skipped(world_group,
 flag) (every other all-reduce, and the student's own calls from inside step_is_skipped, go
@@ -25,9 +25,9 @@ from labs.scan import ANY, Allowed
 TITLE = "the dynamic loss scaler and the all-rank skip"
 drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
 ALLOWED = Allowed(
-    modules={"minipar.comm": ANY, "minipar.precision": set()},
-    refused={"minipar.precision.LossScaler": "minipar's own loss scaler: this lab grades yours",
-             "minipar.precision.make_scaler": "builds minipar's own loss scaler: this lab grades yours"})
+    modules={"minipar.comm": ANY, "minipar.optim.mixed_precision": set()},
+    refused={"minipar.optim.mixed_precision.LossScaler": "minipar's own loss scaler: this lab grades yours",
+             "minipar.optim.mixed_precision.make_scaler": "builds minipar's own loss scaler: this lab grades yours"})
 DEFAULTS = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, good_steps=0,
                 dynamic=True)
 STATE_KEYS = ("scale", "good_steps", "growth_interval", "dynamic")
@@ -261,20 +261,20 @@ def judge_trainer(run):
 
 CRITERIA = [
     Criterion("the scaler rule against the oracle", run="rule", judge=judge_rule, timeout=30, uses=("LossScaler",),
-              hint="minipar.precision.LossScaler's docstring: an inf backs off and restarts the count; "
+              hint="minipar.optim.mixed_precision.LossScaler's docstring: an inf backs off and restarts the count; "
                    "the growth_interval-th clean step in a row grows and restarts it; keep scale a Python float"),
     Criterion("fixed scale (bf16) never moves", run="fixed", judge=judge_fixed, timeout=30,
               uses=("LossScaler", "step_is_skipped"),
               hint="dynamic=False: update changes nothing, not even good_steps; the skip is "
-                   "minipar.train.train_step's, whatever the scaler says"),
+                   "minipar.train.trainer.train_step's, whatever the scaler says"),
     Criterion("state_dict round trip", run="state_dict", judge=judge_state_dict, timeout=30, uses=("LossScaler",),
               hint="everything update reads and writes goes in the dict: scale, good_steps, "
-                   "growth_interval, dynamic (minipar.checkpoint writes it into meta.json); the factors are not state"),
+                   "growth_interval, dynamic (minipar.train.checkpoint writes it into meta.json); the factors are not state"),
     Criterion("every rank agrees on a skip", ranks=4, run="agree", judge=judge_agree, timeout=30,
               uses=("step_is_skipped",),
               hint="a max over the group of each rank's 0/1 flag: minipar.comm.all_reduce(g, flag, op=\"max\")"),
     Criterion("trainer --dp 2 --tp 2 fp16 backoff", ranks=RANKS, trainer=TRAINER, judge=judge_trainer, timeout=90,
               uses=("LossScaler", "step_is_skipped"),
-              hint="the scale is a Python float, as --loss-scale gives it; minipar.train.train_step logs "
+              hint="the scale is a Python float, as --loss-scale gives it; minipar.train.trainer.train_step logs "
                    "the scale each step used before update(); the grader compares the run with one process"),
 ]

@@ -1,7 +1,7 @@
 """Lab 09: the dynamic loss scaler and the all-rank skip (fp16 mixed precision).
 
 Write the class and the function below (labs/09_loss_scaler/README.md has the pictures and
-the hints). The trainer (minipar.train.train_step) uses them like this, on every rank:
+the hints). The trainer (minipar.train.trainer.train_step) uses them like this, on every rank:
 
     scale = scaler.scale                              # backward starts from S, not 1
     ... forward, backward, the gradient sync ...

@@ -18,9 +18,9 @@ import numpy as np
 from labs.results import key
 
 # minipar's own formulas, the oracle: reached from the student's file, each raises (labs/child.py)
-OWN = ["minipar.model:param_specs", "minipar.model:train_flops_per_token", "minipar.parallel.zero:formula",
+OWN = ["minipar.model:param_specs", "minipar.model:train_flops_per_token", "minipar.parallel.zero.sharded:formula",
        "minipar.plan:flop_components", "minipar.plan:model_states", "minipar.plan:active_params",
-       "minipar.precision:optimizer_bytes_per_param"]
+       "minipar.optim.mixed_precision:optimizer_bytes_per_param"]
 STATES = ("params", "grads", "optimizer")
 GPT2 = dict(V=50257, T=1024, L=12, H=12, C=768)          # GPT-2 small
 GPT3 = dict(V=50257, T=2048, L=96, H=96, C=12288)        # GPT-3 175B
@@ -110,7 +110,7 @@ def trainer(student, out):
     holds) beside the student's bytes for the run's shape and N = 2."""
     from mpi4py import MPI                      # noqa: PLC0415 - only this criterion runs the trainer
 
-    from minipar import train                   # noqa: PLC0415
+    from minipar.train import trainer as train                   # noqa: PLC0415
     train.matmul_peak_flops = lambda dtype, seconds=0.1: 1e11     # skip the start-up peak measurement
     N = MPI.COMM_WORLD.Get_size()                               # the runs' dp
     for i, flags in enumerate(RUNS):

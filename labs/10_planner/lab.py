@@ -2,7 +2,7 @@
 
 Seam: none. The student's functions are formulas, not a mechanism the trainer runs, so no
 trainer flag puts them in minipar's place. The oracles are minipar's own, called here:
-model.param_specs (the tensors a GPT is built from), precision.optimizer_bytes_per_param,
+model.param_specs (the tensors a GPT is built from), mixed_precision.optimizer_bytes_per_param,
 zero.formula (what Zero.memory_report sets beside its buffers), model.train_flops_per_token
 (the trainer's MFU numerator), plan.flop_components (the planner's Chinchilla count); figures
 printed in papers (ZeRO's figure 1, arXiv:1910.02054; GPT-3's training compute,
@@ -19,10 +19,11 @@ import numpy as np
 from labs.framework import Criterion, first_difference, load_drive
 from labs.results import key
 from labs.scan import Allowed
-from minipar import plan, precision
-from minipar.config import build_parser
-from minipar.model import GPTConfig, param_specs, train_flops_per_token
-from minipar.parallel import zero
+from minipar.plan import table as plan
+from minipar.optim import mixed_precision
+from minipar.config.flags import build_parser
+from minipar.model.gpt import GPTConfig, param_specs, train_flops_per_token
+from minipar.parallel.zero import sharded as zero
 
 TITLE = "the planner's formulas: parameters, ZeRO's model states, Chinchilla's FLOPs, 6ND"
 drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
@@ -110,7 +111,7 @@ PAPER = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}       # GB (1e9 bytes), psi = 7.5e9
 
 def judge_zero_formula(res):
     for mixed, itemsize in drive.K_CASES:
-        want = precision.optimizer_bytes_per_param(mixed, itemsize)
+        want = mixed_precision.optimizer_bytes_per_param(mixed, itemsize)
         why = (" (ZeRO's K for mixed-precision Adam: fp32 master weights, m and v, 4 + 4 + 4)" if mixed else
                f" (AdamW's m and v in the parameters' dtype, {itemsize} bytes each, and no master copy)")
         expect_whole(res.get(0, key("K", mixed, itemsize)), want,
@@ -197,7 +198,7 @@ def judge_trainer(res):
                 # the trainer's own figures, checked against minipar's formula first
                 assert res.get(r, key(k, "padding")) == 0, f"grader: {argv} pads ZeRO units"
                 formula = zero.formula(stage, P_run, P_run, N, itemsize,
-                                       precision.optimizer_bytes_per_param(mixed, itemsize))
+                                       mixed_precision.optimizer_bytes_per_param(mixed, itemsize))
                 assert isinstance(held, dict) and all(held.get(n) == formula[n] for n in STATES), \
                     f"grader: rank {r}, {argv}: the trainer's summary says {held!r:.200}, zero.formula " \
                     f"{ {n: formula[n] for n in STATES} }"
@@ -210,23 +211,23 @@ def judge_trainer(res):
 CRITERIA = [
     Criterion("param_count against param_specs", run="param_count", judge=judge_param_count, timeout=30,
               uses=("param_count",),
-              hint="every tensor of minipar.model.param_specs counts, biases and LayerNorms included; "
+              hint="every tensor of minipar.model.gpt.param_specs counts, biases and LayerNorms included; "
                    "with tied embeddings the head is wte itself"),
     Criterion("ZeRO figure 1 and zero.formula", run="zero_formula", judge=judge_zero_formula, timeout=30,
               uses=("optimizer_bytes_per_param", "model_state_bytes"),
               hint="stage 1 divides the optimizer by N, stage 2 also the gradients, stage 3 also the "
-                   "parameters (minipar.parallel.zero.formula), with // on ints; "
-                   "K as minipar.precision.optimizer_bytes_per_param"),
+                   "parameters (minipar.parallel.zero.sharded.formula), with // on ints; "
+                   "K as minipar.optim.mixed_precision.optimizer_bytes_per_param"),
     Criterion("forward_flops by component", run="forward_flops", judge=judge_forward_flops, timeout=30,
               uses=("forward_flops",),
               hint="Chinchilla's appendix F table: attention's two T x T products cost 2TTC each; "
                    "the final logits 2TCV come once, after the last layer"),
     Criterion("MFU numerator and 6ND", run="mfu_and_six_nd", judge=judge_mfu_and_six_nd, timeout=30,
               uses=("forward_flops", "mfu_flops_per_token", "six_nd", "param_count"),
-              hint="minipar.model.train_flops_per_token counts matmuls only (no embedding lookup, no "
+              hint="minipar.model.gpt.train_flops_per_token counts matmuls only (no embedding lookup, no "
                    "softmax), forward + backward = 3 x forward"),
     Criterion("bytes the trainer holds, dp 2", ranks=2, run="trainer", judge=judge_trainer, timeout=60,
               uses=("param_count", "optimizer_bytes_per_param", "model_state_bytes"),
               hint=".venv/bin/python -m minipar.train --dtype float64 prints 'memory per rank' with its formula; "
-                   "AdamW's m and v have the parameters' dtype (minipar.precision.optimizer_bytes_per_param)"),
+                   "AdamW's m and v have the parameters' dtype (minipar.optim.mixed_precision.optimizer_bytes_per_param)"),
 ]

@@ -1,11 +1,12 @@
 """Lab 10 answered by minipar's own code (python -m labs.grade 10 --solution): model.param_specs,
-precision.optimizer_bytes_per_param, zero.formula (unpadded: P_pad = P), the planner's
+mixed_precision.optimizer_bytes_per_param, zero.formula (unpadded: P_pad = P), the planner's
 plan.flop_components and model.train_flops_per_token, behind the lab's signatures."""
 import math
 
-from minipar import plan, precision
-from minipar.model import GPTConfig, param_specs, train_flops_per_token
-from minipar.parallel import zero
+from minipar.plan import table as plan
+from minipar.optim import mixed_precision
+from minipar.model.gpt import GPTConfig, param_specs, train_flops_per_token
+from minipar.parallel.zero import sharded as zero
 
 
 def config(V, T, L, C, H=1, tied=True):
@@ -17,7 +18,7 @@ def param_count(V, T, L, C, tied=True):
 
 
 def optimizer_bytes_per_param(mixed, itemsize):
-    return precision.optimizer_bytes_per_param(mixed, itemsize)
+    return mixed_precision.optimizer_bytes_per_param(mixed, itemsize)
 
 
 def model_state_bytes(P, itemsize, K, zero_stage, N):

@@ -24,8 +24,8 @@ P_MAX = 5
 OWN = [f"minipar.comm:{n}" for n in ("all_to_all", "all_to_all_async", "all_reduce", "all_reduce_async",
                                      "reduce_scatter", "reduce_scatter_async", "all_gather", "all_gather_async",
                                      "broadcast", "reduce", "scatter", "gather")] + \
-      [f"minipar.comm.alltoall:{n}" for n in ("pairwise", "start_pairwise", "bruck", "start_bruck")] + \
-      [f"minipar.comm.hierarchical_alltoall:{n}" for n in ("all_to_all", "start_all_to_all")]
+      [f"minipar.comm.algorithms.alltoall:{n}" for n in ("pairwise", "start_pairwise", "bruck", "start_bruck")] + \
+      [f"minipar.comm.algorithms.hierarchical_alltoall:{n}" for n in ("all_to_all", "start_all_to_all")]
 
 
 def rng_for(*parts):

@@ -1,5 +1,5 @@
 """Lab 11, solved by hand as a student would: the pairwise exchange as plain loops (minipar's
-own, in minipar/comm/alltoall.py, is a generator that a non-blocking Handle can also drive)."""
+own, in minipar/comm/algorithms/alltoall.py, is a generator that a non-blocking Handle can also drive)."""
 import numpy as np
 
 

@@ -1,5 +1,9 @@
 """minipar.comm: collectives written by hand on MPI point-to-point messages (docs/design.md §5).
 
+This file is the API and the choice of algorithm; beside it: group.py (Group, the ledger,
+point-to-point messages, handles, timeouts), algorithms/ (one algorithm per file) and
+static_check.py (no library file calls MPI's own collectives).
+
     g = Group(MPI.COMM_WORLD)                 # or any sub-communicator, of any size
     g = Group(sub_comm, axis="dp")            # its messages counted under "dp" (default None)
     z = g.with_axis("zero")                   # same group and message order, counted as "zero"
@@ -53,12 +57,12 @@ tests run each of them).
 """
 import os
 
-from . import (alltoall, direct, doubling, hierarchical, hierarchical_alltoall, ring, straight_line,
-               tree)
-from .group import (CollectiveMismatch, CommError, CommTimeout, Group, Handle, abort_on_error,
-                    abort_world, array, recv, recv_async, reset_traffic, run, send, send_async,
-                    traffic, traffic_by_axis, untracked)
-from .tree import broadcast, gather, reduce, scatter
+from minipar.comm.algorithms import (alltoall, direct, doubling, hierarchical, hierarchical_alltoall, ring,
+                                     straight_line, tree)
+from minipar.comm.group import (CollectiveMismatch, CommError, CommTimeout, Group, Handle, abort_on_error,
+                                abort_world, array, recv, recv_async, reset_traffic, run, send, send_async,
+                                traffic, traffic_by_axis, untracked)
+from minipar.comm.algorithms.tree import broadcast, gather, reduce, scatter
 
 # Measured crossovers (bytes of x, or of the result for all_gather): up to and including
 # them the latency-optimal algorithm runs. Measured: doubling beats direct exchange up to

@@ -109,7 +109,7 @@ def reset_traffic():
 
 class untracked:
     """with comm.untracked(): ... -> messages sent inside are left out of the ledger (and
-    of a --trace): the trace's own clock ping-pong and gathering (minipar/trace.py)."""
+    of a --trace): the trace's own clock ping-pong and gathering (minipar/trace/__init__.py)."""
 
     def __enter__(self):
         self.saved = ({k: list(v) for k, v in _LEDGER.items()}, {k: list(v) for k, v in _AXES.items()})

@@ -1,9 +1,11 @@
-"""The parallel mechanisms, one per file, each readable top to bottom:
+"""The parallel mechanisms: each takes the single-process model (minipar/model) or its
+gradients apart over a group of ranks and puts the result back together. Read in this order:
 
-    grid.py             the dp x tp x pp process grid and its communicators (docs/design.md §6)
+    grid.py             the dp x cp x tp x pp process grid and its groups (docs/design.md §6)
     data_parallel.py    gradients summed over dp: naive, then bucketed during backward
-    tensor_parallel.py  Megatron's column/row-parallel layers and the vocabulary-parallel embedding
-    schedules.py        pipeline schedules as data (naive, GPipe, 1F1B) and their deadlock check
-    pipeline.py         a pipeline stage of the model and the executor that walks a schedule
-    zero.py             ZeRO stages 1, 2, 3: optimizer state, gradients, parameters sharded over dp
+    zero/               ZeRO stages 1, 2, 3: optimizer state, gradients, parameters sharded over dp
+    tensor/             Megatron's tensor parallelism and sequence parallelism
+    pipeline/           schedules as data, their deadlock check, a stage and its executor
+    context/            context parallelism: ring attention over sequence shards
+    expert/             expert parallelism: experts on ranks, tokens sent by all-to-all
 """

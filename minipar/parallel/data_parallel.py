@@ -29,8 +29,8 @@ import numpy as np
 
 from minipar import comm
 from minipar.comm.group import split_offsets
-from minipar.optim import sum_of_squares
-from minipar.precision import local_found_inf
+from minipar.optim.adamw import sum_of_squares
+from minipar.optim.mixed_precision import local_found_inf
 
 
 class NoSync:

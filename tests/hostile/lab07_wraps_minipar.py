@@ -1,8 +1,8 @@
 # hostile: lab 07's functions defined in the file, each returning minipar's own list
 # lab: 07
-# scan: minipar.parallel.schedules.schedule
-# sandbox: minipar's own minipar.parallel.schedules
-from minipar.parallel import schedules
+# scan: minipar.parallel.pipeline.schedules.schedule
+# sandbox: minipar's own minipar.parallel.pipeline.schedules
+from minipar.parallel.pipeline import schedules
 
 
 def gpipe(stage, n_stages, n_micro):

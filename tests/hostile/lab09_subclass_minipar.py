@@ -1,9 +1,9 @@
 # hostile: lab 09's LossScaler as a subclass of minipar's own, adding nothing
 # lab: 09
-# scan: from minipar.precision import LossScaler: minipar's own loss scaler
+# scan: from minipar.optim.mixed_precision import LossScaler: minipar's own loss scaler
 # sandbox: LossScaler.__init__ is not defined in lab09_subclass_minipar.py
 from minipar import comm
-from minipar.precision import LossScaler as MiniparLossScaler
+from minipar.optim.mixed_precision import LossScaler as MiniparLossScaler
 
 
 class LossScaler(MiniparLossScaler):

@@ -1,7 +1,7 @@
 # hostile: wraps minipar's own ring in functions of its own file (passes the "defined here" check)
 # lab: 02
 # scan: minipar.comm.ring is not part of this lab's API
-# sandbox: minipar's own minipar.comm.ring.reduce_scatter was called
+# sandbox: minipar's own minipar.comm.algorithms.ring.reduce_scatter was called
 from minipar.comm import ring
 
 

@@ -1,4 +1,4 @@
-"""all_to_all (minipar/comm/alltoall.py): every algorithm against the obvious reference, the
+"""all_to_all (minipar/comm/algorithms/alltoall.py): every algorithm against the obvious reference, the
 ledger to the byte, the rounds, bad arguments, and p = 5.
 
 Every rank's input is a function of (p, its group rank, the case), so each rank computes
@@ -20,7 +20,7 @@ import pytest
 from mpi4py import MPI
 
 import minipar.comm as comm
-from minipar.comm import alltoall
+from minipar.comm.algorithms import alltoall
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

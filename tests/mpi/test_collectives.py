@@ -17,7 +17,7 @@ import pytest
 from mpi4py import MPI
 
 import minipar.comm as comm
-from minipar.comm import direct, doubling, ring, tree
+from minipar.comm.algorithms import direct, doubling, ring, tree
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import minipar.comm as comm
-from minipar.comm import direct, doubling, ring, tree
+from minipar.comm.algorithms import direct, doubling, ring, tree
 from minipar.comm.group import HEADER_BYTES
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -456,7 +456,7 @@ def test_straight_line_path_matches_the_general_path(groups, capfd):
     """Blocking calls on small messages run straight_line.py instead of the generators: the
     same results bit for bit, the same ledger volumes and the same trace lines; receive buffers
     reused across calls of other sizes and dtypes (Group.scratch) never leak into results."""
-    from minipar.comm import straight_line
+    from minipar.comm.algorithms import straight_line
     base = world(groups)
     g = comm.Group(base.comm, trace=True)
     p, r = g.size, g.rank
@@ -503,7 +503,7 @@ def test_straight_line_path_is_what_blocking_calls_use(groups):
     """comm.all_reduce & co. on a small message go through straight_line.py (and the async
     calls do not), and so does direct exchange on a large one: checked by counting calls into
     it."""
-    from minipar.comm import straight_line
+    from minipar.comm.algorithms import straight_line
     g = world(groups)
     x = np.ones(64, np.float32)
     seen = []

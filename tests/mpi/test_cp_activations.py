@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minipar import activations
-from minipar.model import GPT, GPTConfig
-from minipar.parallel.context_parallel import ContextSplit
+from minipar.plan import activations
+from minipar.model.gpt import GPT, GPTConfig
+from minipar.parallel.context.context_parallel import ContextSplit
 from minipar.parallel.grid import ProcessGrid
-from minipar.parallel.tensor_parallel import TensorParallelGPT
+from minipar.parallel.tensor.tensor_parallel import TensorParallelGPT
 
 WORLD = MPI.COMM_WORLD
 V, T, C, B = 97, 16, 24, 2                   # T = 16: 2 x cp divides it for cp = 2 and 4

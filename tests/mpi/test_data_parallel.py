@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minipar import comm, data, train
-from minipar.model import GPT, GPTConfig
+from minipar import comm
+from minipar.train import data, trainer as train
+from minipar.model.gpt import GPT, GPTConfig
 from minipar.parallel import data_parallel
 from minipar.parallel.grid import ProcessGrid
 

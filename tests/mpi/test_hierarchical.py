@@ -1,4 +1,4 @@
-"""Hierarchical collectives (minipar/comm/hierarchical.py) on groups that span hosts.
+"""Hierarchical collectives (minipar/comm/algorithms/hierarchical.py) on groups that span hosts.
 
 The 4 ranks of this job share one machine, so each test gives its ranks host names of its
 own (Group(comm, host=...)): 2 hosts x 2 ranks, 2 + 1 (a sub-group of 3), 2 + 1 + 1, and hosts
@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from minipar import comm
 from named_hosts import group_on_hosts
-from minipar.comm import hierarchical, ring
+from minipar.comm.algorithms import hierarchical, ring
 from minipar.comm.group import split_offsets
 
 WORLD = MPI.COMM_WORLD

@@ -1,4 +1,4 @@
-"""The hierarchical all-to-all (minipar/comm/hierarchical_alltoall.py) on groups that span hosts.
+"""The hierarchical all-to-all (minipar/comm/algorithms/hierarchical_alltoall.py) on groups that span hosts.
 
 As tests/mpi/test_hierarchical.py: the 4 ranks share one machine, so each group gets host names
 of its own: 2 hosts x 2 ranks, 2 + 1 (a sub-group of 3), 2 + 1 + 1, interleaved (0 1 0 1),
@@ -14,7 +14,8 @@ from mpi4py import MPI
 
 from minipar import comm
 from named_hosts import group_on_hosts
-from minipar.comm import alltoall, group as group_mod, hierarchical_alltoall as ha
+from minipar.comm.algorithms import alltoall, hierarchical_alltoall as ha
+from minipar.comm import group as group_mod
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()

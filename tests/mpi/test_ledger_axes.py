@@ -11,10 +11,11 @@ import pytest
 from mpi4py import MPI
 
 import minipar.comm as comm
-from minipar.comm import Handle, ring
+from minipar.comm import Handle
+from minipar.comm.algorithms import ring
 from minipar.comm.group import HEADER_BYTES
 from minipar.parallel.grid import ProcessGrid
-from minipar.plan import all_reduce_sent
+from minipar.plan.table import all_reduce_sent
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

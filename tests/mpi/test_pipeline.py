@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minipar import comm, data, train
-from minipar.config import RunSpec
-from minipar.model import GPT, GPTConfig
-from minipar.parallel import data_parallel, pipeline, schedules
+from minipar import comm
+from minipar.train import data, trainer as train
+from minipar.train.setup import RunSpec
+from minipar.model.gpt import GPT, GPTConfig
+from minipar.parallel import data_parallel
+from minipar.parallel.pipeline import stage as pipeline, schedules
 from minipar.parallel.grid import ProcessGrid
 
 pytestmark = pytest.mark.mpi(min_size=4)

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minipar import comm, data, report, train
-from minipar.parallel import data_parallel, pipeline
+from minipar import comm
+from minipar.train import data, report, trainer as train
+from minipar.parallel import data_parallel
+from minipar.parallel.pipeline import stage as pipeline
 from minipar.parallel.grid import ProcessGrid
 
 pytestmark = pytest.mark.mpi(min_size=4)

@@ -1,4 +1,4 @@
-"""Ring attention (minipar/parallel/ring_attention.py) against the single-process causal
+"""Ring attention (minipar/parallel/context/ring_attention.py) against the single-process causal
 attention in float64, for cp = 2, 3, 4 (the `groups` fixture; a rank left alone runs cp = 1),
 zig-zag and contiguous: each rank's output rows and its q, k, v gradients at 1e-12, the mask at
 every chunk edge included; the ledger's messages per call; the load balance. Run under
@@ -8,8 +8,8 @@ import pytest
 
 from minipar import comm
 from minipar.comm.group import HEADER_BYTES
-from minipar.parallel import ring_attention as ra
-from minipar.tensor import Tensor
+from minipar.parallel.context import ring_attention as ra
+from minipar.autograd.tensor import Tensor
 
 B, H, HS = 2, 3, 8
 

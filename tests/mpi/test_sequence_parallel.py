@@ -1,4 +1,4 @@
-"""Sequence parallelism (minipar/parallel/sequence_parallel.py) against the single-process
+"""Sequence parallelism (minipar/parallel/tensor/sequence_parallel.py) against the single-process
 twin in float64, its ledger against tensor parallelism's and the formula, and its saved bytes
 against activations.py (run under mpirun -n 4).
 
@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minipar import activations, comm
-from minipar.model import GPT, GPTConfig
-from minipar.parallel import sequence_parallel as spar
-from minipar.parallel import tensor_parallel as tpar
-from minipar.parallel.sequence_parallel import SequenceParallelGPT
-from minipar.parallel.tensor_parallel import TensorParallelGPT
+from minipar.plan import activations
+from minipar import comm
+from minipar.model.gpt import GPT, GPTConfig
+from minipar.parallel.tensor import sequence_parallel as spar
+from minipar.parallel.tensor import tensor_parallel as tpar
+from minipar.parallel.tensor.sequence_parallel import SequenceParallelGPT
+from minipar.parallel.tensor.tensor_parallel import TensorParallelGPT
 
 RANK = MPI.COMM_WORLD.Get_rank()
 V, T, L, H, C = 256, 24, 2, 12, 48           # 12 heads and T = 24: tp = 2, 3, 4 divide both
@@ -161,7 +162,7 @@ def test_b_then_w_equals_one_backward_with_tensor_parallelism(groups, sp):
     """backward_split across tp ranks (the zero-bubble schedules' B and W): every gradient equal
     (==) to one backward's, and the same collectives, some of them now in W (sequence
     parallelism's re-gathers and parameter sums, the vocabulary embedding's)."""
-    from minipar import backward_split
+    from minipar.autograd import backward_split
     cls = SequenceParallelGPT if sp else TensorParallelGPT
     x, y = batch(4)
     kinds = []

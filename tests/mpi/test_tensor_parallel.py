@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minipar import comm, data, train
-from minipar.model import GPT, GPTConfig
-from minipar.optim import AdamW, clip_grad_norm
+from minipar import comm
+from minipar.train import data, trainer as train
+from minipar.model.gpt import GPT, GPTConfig
+from minipar.optim.adamw import AdamW, clip_grad_norm
 from minipar.parallel import data_parallel
-from minipar.parallel import tensor_parallel as tpar
+from minipar.parallel.tensor import tensor_parallel as tpar
 from minipar.parallel.grid import ProcessGrid
-from minipar.parallel.tensor_parallel import TensorParallelGPT
+from minipar.parallel.tensor.tensor_parallel import TensorParallelGPT
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()

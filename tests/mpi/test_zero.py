@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minipar import checkpoint, data, train
-from minipar.model import GPT, GPTConfig
-from minipar.parallel import tensor_parallel, zero
+from minipar.train import checkpoint, data, trainer as train
+from minipar.model.gpt import GPT, GPTConfig
+from minipar.parallel.tensor import tensor_parallel
+from minipar.parallel.zero import sharded as zero
 from minipar.parallel.grid import ProcessGrid
 
 WORLD = MPI.COMM_WORLD

@@ -5,7 +5,7 @@ than a dry run.
     mpirun -n N python tests/tools/dry_runs.py COMMANDS.json
 
 COMMANDS.json: a list of argument lists (what follows `python -m minipar.train`, --dry-run
-included). Each runs as `python -m minipar.train` would (minipar.train.main), one after the
+included). Each runs as `python -m minipar.train` would (minipar.train.trainer.main), one after the
 other on every rank; rank 0 prints one JSON line per command, {"i", "code", "out"}, before
 the next starts ("start" lines say which one is running, should a rank end the job).
 """
@@ -16,7 +16,7 @@ import sys
 
 from mpi4py import MPI
 
-from minipar import train
+from minipar.train import trainer as train
 
 
 def main(path):

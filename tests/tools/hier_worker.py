@@ -10,7 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar import comm
-from minipar.comm import hierarchical, hierarchical_alltoall
+from minipar.comm.algorithms import hierarchical, hierarchical_alltoall
 from minipar.comm.group import split_offsets
 
 world = MPI.COMM_WORLD

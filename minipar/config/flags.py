@@ -1,0 +1,349 @@
+"""What a run is asked to do: the trainer's flags (docs/design.md §7), their defaults, and the
+checks on them that need nothing but the flags themselves (ConfigError: one line naming the
+values, exit 2). Both the trainer and the planner read them. The checks that read files (the
+checkpoint, the data, the outputs) are the trainer's set-up: minipar/train/setup.py.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+
+from minipar.optim import mixed_precision
+from minipar.model.gpt import GPTConfig
+from minipar.parallel.pipeline import schedules
+from minipar.parallel.context.ring_attention import LAYOUTS
+
+MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64,
+                      moe_experts=0, moe_top_k=2, moe_every=1, moe_capacity_factor=0.0)
+DTYPES = {"float32": np.float32, "float64": np.float64}
+
+
+class ConfigError(ValueError):
+    """Bad flags: reported as one line, exit code 2. quiet: another rank reports it.
+    agreed: every rank already knows of it (agree_on_errors), so none needs aborting."""
+
+    def __init__(self, msg, quiet=False):
+        super().__init__(msg)
+        self.quiet = quiet
+        self.agreed = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        # allow_abbrev=False: a renamed flag must not match a prefix
+        prog="python -m minipar.train", allow_abbrev=False,
+        description="Train a small GPT-2 on a NumPy autograd engine, on one process or across "
+                    "MPI ranks: mpirun -n 4 python -m minipar.train")
+    g = p.add_argument_group("layout (world = dp * cp * tp * pp)")
+    g.add_argument("--dp", type=int, metavar="D",
+                   help="data-parallel replicas [world / (cp*tp*pp)]")
+    g.add_argument("--cp", type=int, default=1, metavar="C",
+                   help="context parallelism: each sequence split over C ranks, attention by ring "
+                        "attention; --block-size must divide by 2C (docs/context-parallel.md) "
+                        "[%(default)s]")
+    g.add_argument("--cp-layout", choices=LAYOUTS, default=None,
+                   help="--cp: which tokens each rank keeps, chunks i and 2C-1-i of 2C (zigzag: the "
+                        "same causal work on every rank) or chunks 2i, 2i+1 [zigzag]")
+    g.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor-parallel ranks [%(default)s]")
+    g.add_argument("--sp", action="store_true",
+                   help="sequence parallelism inside the tp group: LayerNorms, residual stream and "
+                        "embeddings split along the sequence, which --tp must divide "
+                        "(docs/sequence-parallel.md)")
+    g.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline stages [%(default)s]")
+    g.add_argument("--ep", type=int, default=1, metavar="P",
+                   help="expert parallelism: the MoE experts split over groups of P dp ranks, tokens "
+                        "sent to them by all-to-all; P divides dp and --moe-experts (docs/moe.md) [%(default)s]")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, metavar="{0,1,2,3}",
+                   help="ZeRO stage over the dp group: shard the optimizer state (1), and the "
+                        "gradients (2), and the parameters (3); 0: plain data parallelism "
+                        "[%(default)s]")
+    g.add_argument("--dp-mode", choices=("bucketed", "naive"),
+                   help="--zero 0: gradient all-reduce per bucket during backward, "
+                        "or per parameter "
+                        "after [bucketed]")
+    g.add_argument("--bucket-mb", type=float, metavar="X",
+                   help="--zero 0, bucketed: bucket size in MiB [1.0]")
+    g.add_argument("--schedule", choices=tuple(schedules.SCHEDULES), default="1f1b",
+                   help="pipeline schedule with --pp > 1: interleaved needs --virtual-stages, "
+                        "zb-h1/zb-h2 split each backward into B and W (docs/pipeline.md) [%(default)s]")
+    g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="--schedule interleaved: model chunks per pipeline rank [%(default)s]")
+    g.add_argument("--verify", action="store_true",
+                   help="re-run the same steps on one process and compare "
+                        "(exit 1 beyond tolerance)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="check the flags, the layout, any checkpoint and the data, print the run's "
+                        "description, and exit 0 without training or writing anything")
+    m = p.add_argument_group(
+        "model (unset: the checkpoint's value on --resume, else the default shown)")
+    d = MODEL_DEFAULTS
+    m.add_argument("--n-layer", type=int, metavar="L", help=f"transformer blocks [{d['n_layer']}]")
+    m.add_argument("--n-head", type=int, metavar="H", help=f"attention heads [{d['n_head']}]")
+    m.add_argument("--n-embd", type=int, metavar="C",
+                   help=f"channels, divisible by H [{d['n_embd']}]")
+    m.add_argument("--block-size", type=int, metavar="T",
+                   help=f"context length [{d['block_size']}]")
+    m.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
+    add_moe_arguments(m)
+    t = p.add_argument_group("training")
+    t.add_argument("--moe-aux-coef", type=float, default=0.01, metavar="A",
+                   help="MoE: weight of the load-balancing loss (Switch Transformer) [%(default)s]")
+    t.add_argument("--moe-z-coef", type=float, default=0.0, metavar="Z",
+                   help="MoE: weight of the router z-loss [%(default)s]")
+    t.add_argument("--batch-size", type=int, metavar="B", default=16,
+                   help="global batch B, in sequences [%(default)s]")
+    t.add_argument("--micro-batches", type=int, metavar="M", default=1,
+                   help="gradient accumulation: B is split into M [%(default)s]")
+    t.add_argument("--steps", type=int, metavar="S", default=600,
+                   help="the step number the run ends at (steps count from 0) [%(default)s]")
+    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate [%(default)s]")
+    t.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
+                   help="[%(default)s]")
+    t.add_argument("--warmup", type=int, default=20, help="linear warm-up steps [%(default)s]")
+    t.add_argument("--min-lr", type=float, default=1e-4, help="cosine decays to this [%(default)s]")
+    t.add_argument("--weight-decay", type=float, default=0.1, help="[%(default)s]")
+    t.add_argument("--grad-clip", type=float, default=1.0,
+                   help="clip the global gradient norm; 0 disables [%(default)s]")
+    t.add_argument("--seed", type=int,
+                   help="seeds init and data sampling [0; on --resume the checkpoint's]")
+    t.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="[%(default)s]")
+    t.add_argument("--precision", choices=tuple(mixed_precision.PRECISIONS), default="fp32",
+                   help="fp16/bf16: 2-byte parameters, gradients and activations, fp32 compute and "
+                        "master weights (needs --dtype float32) [%(default)s]")
+    t.add_argument("--loss-scale", type=float, metavar="S",
+                   help="fp16: initial loss scale of the dynamic scaler [65536 = 2^16]")
+    t.add_argument("--loss-scale-window", type=int, metavar="N",
+                   help="fp16: clean steps in a row before the scaler doubles its scale "
+                        "(Megatron's --loss-scale-window, PyTorch's growth_interval) [2000]")
+    t.add_argument("--max-skipped-steps", type=int, default=50, metavar="N",
+                   help="fp16/bf16: stop the run (exit code 3) after more than N skipped steps in a row "
+                        "(docs/debugging.md) [%(default)s]")
+    t.add_argument("--min-loss-scale", type=float, default=1.0, metavar="S",
+                   help="fp16: stop the run (exit code 3) when the loss scale falls below S "
+                        "(Megatron's --min-loss-scale) [%(default)s]")
+    t.add_argument("--max-memory", metavar="SIZE",
+                   help="refuse a layout whose planned peak per rank is larger (8GiB, 512MiB, 2e9) "
+                        "[this machine's memory / the ranks on it]")
+    io = p.add_argument_group("data, checkpoints, output")
+    io.add_argument("--data", metavar="FILE",
+                    help="UTF-8 text to train on (default: the built-in corpus)")
+    io.add_argument("--save", metavar="DIR",
+                    help="write a checkpoint here at the end (and every --save-every)")
+    io.add_argument("--save-every", type=int, default=0, metavar="N",
+                    help="also checkpoint every N steps [%(default)s]")
+    io.add_argument("--resume", metavar="DIR", help="continue exactly from this checkpoint")
+    io.add_argument("--log", metavar="FILE.jsonl",
+                    help="one JSON object per step, then a summary object")
+    io.add_argument("--timeline", metavar="FILE.svg",
+                    help="with --pp: draw the last step's pipeline timeline")
+    t.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                    help="activation recomputation: selective keeps all but the attention "
+                         "softmax, full only each block's input (docs/recompute.md) [%(default)s]")
+    io.add_argument("--trace", metavar="FILE.json",
+                    help="every rank's spans and messages, for Perfetto or chrome://tracing "
+                         "(docs/pictures.md)")
+    io.add_argument("--eval-every", type=int, default=0, metavar="N",
+                    help="also measure the validation loss every N steps (log rows' val_loss) "
+                         "[0: at the end only]")
+    io.add_argument("--log-every", type=int, default=0, metavar="N",
+                    help="progress line every N steps (0: about 20 lines per run)")
+    io.add_argument("--sample", type=int, default=200, metavar="N",
+                    help="bytes of text to generate at the end [%(default)s]")
+    return p
+
+
+def resolve_model(args, meta: dict | None) -> GPTConfig:
+    """Explicit flag > checkpoint > default; a flag that contradicts the checkpoint is an error."""
+    saved = (meta or {}).get("config", {})
+    values = {}
+    for key, default in MODEL_DEFAULTS.items():
+        flag = getattr(args, key)
+        if flag is not None and key in saved and flag != saved[key]:
+            raise ConfigError(f"--{key.replace('_', '-')} {flag} does not match the checkpoint "
+                              f"{args.resume} ({key} = {saved[key]})")
+        values[key] = flag if flag is not None else saved.get(key, default)
+    tied = not args.untied
+    if meta is not None and args.untied and saved.get("tie_embeddings", True):
+        raise ConfigError(f"--untied does not match the checkpoint {args.resume} (tied embeddings)")
+    if meta is not None:
+        tied = saved.get("tie_embeddings", True)
+    return GPTConfig(vocab_size=256, tie_embeddings=tied, **values)
+
+
+def check_numbers(args):
+    """Every number a flag gives is finite: NaN passes every `<= 0` check (NaN is not > 0, nor
+    <= 0), and inf every upper bound."""
+    for name, v in vars(args).items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {v}")
+
+
+def validate(args, cfg: GPTConfig):
+    for flag in ("n_layer", "n_head", "n_embd", "block_size"):
+        if getattr(cfg, flag) <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, "
+                              f"got {getattr(cfg, flag)}")
+    for flag in ("batch_size", "micro_batches", "steps"):
+        if getattr(args, flag) <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, "
+                              f"got {getattr(args, flag)}")
+    if cfg.n_embd % cfg.n_head:
+        raise ConfigError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    if args.batch_size % args.micro_batches:
+        raise ConfigError(f"--batch-size {args.batch_size} is not divisible by "
+                          f"--micro-batches {args.micro_batches}")
+    if args.lr <= 0:
+        raise ConfigError(f"--lr must be > 0, got {args.lr}")
+    if args.max_skipped_steps < 1:
+        raise ConfigError(f"--max-skipped-steps must be >= 1, got {args.max_skipped_steps}")
+    if args.min_loss_scale <= 0:
+        raise ConfigError(f"--min-loss-scale must be > 0, got {args.min_loss_scale}")
+    if args.precision == "fp16" and args.loss_scale is not None and 0 < args.loss_scale < args.min_loss_scale:
+        raise ConfigError(f"--loss-scale {args.loss_scale:g} is below --min-loss-scale {args.min_loss_scale:g}: "
+                          f"the run would stop at its first skipped step")
+    for flag in ("min_lr", "grad_clip", "warmup", "save_every", "weight_decay", "seed", "log_every",
+                 "sample", "eval_every"):
+        if getattr(args, flag) < 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if args.precision != "fp32" and args.dtype != "float32":
+        raise ConfigError(f"--precision {args.precision} needs --dtype float32 "
+                          f"(its master weights and "
+                          f"optimizer state are float32), got --dtype {args.dtype}")
+    if args.loss_scale is not None:
+        if args.precision != "fp16":
+            raise ConfigError(
+                f"--loss-scale is for --precision fp16 (got --precision {args.precision}: "
+                f"{'bf16 needs no loss scaling' if args.precision == 'bf16' else 'no scaling'})")
+        if not (math.isfinite(args.loss_scale) and args.loss_scale > 0):
+            raise ConfigError(f"--loss-scale must be a finite number > 0, got {args.loss_scale}")
+    if args.loss_scale_window is not None:
+        if args.precision != "fp16":
+            raise ConfigError(f"--loss-scale-window is for --precision fp16 (got --precision {args.precision})")
+        if args.loss_scale_window < 1:
+            raise ConfigError(f"--loss-scale-window must be >= 1, got {args.loss_scale_window}")
+
+
+def check_split(cfg: GPTConfig | None, dp: int, tp: int, pp: int, batch_size: int,
+                micro_batches: int):
+    """Can the model and the batch be cut this way? (The trainer and the planner both ask.)
+    cfg None: the model's shape is unknown, only the batch is checked."""
+    if cfg is not None and pp > cfg.n_layer:
+        raise ConfigError(f"--pp {pp} is more than --n-layer {cfg.n_layer}: "
+                          f"every pipeline stage needs "
+                          f"at least one layer")
+    if cfg is not None and cfg.n_head % tp:
+        raise ConfigError(f"--n-head {cfg.n_head} is not divisible by --tp {tp}: "
+                          f"each tensor-parallel "
+                          f"rank needs whole heads")
+    if batch_size % (dp * micro_batches):
+        raise ConfigError(f"--batch-size {batch_size} is not divisible by dp*micro-batches = "
+                          f"{dp}*{micro_batches} = {dp * micro_batches}")
+
+
+def check_schedule(cfg: GPTConfig | None, pp: int, schedule: str, virtual: int, micro_batches: int):
+    """--schedule and --virtual-stages: can this pipeline run them? (the trainer and the planner)"""
+    if virtual < 1:
+        raise ConfigError(f"--virtual-stages must be >= 1, got {virtual}")
+    if virtual > 1 and schedule != "interleaved":
+        raise ConfigError(f"--virtual-stages {virtual} is for --schedule interleaved, not {schedule}")
+    if virtual > 1 and pp == 1:
+        raise ConfigError(f"--virtual-stages {virtual} cuts a pipeline's stages into chunks: it needs --pp > 1")
+    if schedule != "interleaved" or pp == 1:
+        return
+    if micro_batches % pp:
+        raise ConfigError(f"--schedule interleaved takes micro-batches in groups of --pp {pp}: "
+                          f"--micro-batches {micro_batches} is not a multiple of {pp}")
+    if cfg is not None and cfg.n_layer < pp * virtual:
+        raise ConfigError(f"--schedule interleaved cuts the layers into --pp x --virtual-stages = "
+                          f"{pp} x {virtual} = {pp * virtual} chunks: --n-layer {cfg.n_layer} is too few")
+
+
+def check_sequence_split(cfg: GPTConfig | None, tp: int, sp: bool):
+    """--sp splits every sequence into tp pieces: the sequence length must divide (no padding)."""
+    if sp and cfg is not None and cfg.block_size % tp:
+        raise ConfigError(f"--sp splits each sequence over --tp {tp}: --block-size "
+                          f"{cfg.block_size} is not divisible by {tp}")
+
+
+def add_moe_arguments(group, capacity_note: str = "later assignments dropped; 0: no dropping"):
+    """The mixture-of-experts model flags (the trainer's and the planner's)."""
+    d = MODEL_DEFAULTS
+    group.add_argument("--moe-experts", type=int, metavar="E",
+                       help=f"mixture of experts: E expert MLPs and a router in MoE blocks; 0: none "
+                            f"(docs/moe.md) [{d['moe_experts']}]")
+    group.add_argument("--moe-top-k", type=int, metavar="K", help=f"experts per token [{d['moe_top_k']}]")
+    group.add_argument("--moe-every", type=int, metavar="N",
+                       help=f"block i is a MoE block when (i + 1) %% N == 0 [{d['moe_every']}]")
+    group.add_argument("--moe-capacity-factor", type=float, metavar="F",
+                       help=f"slots per expert ceil(F x tokens x K / E) per routing group (a dp rank's "
+                            f"micro-batch); {capacity_note} [{d['moe_capacity_factor']}]")
+
+
+def check_context_split(cfg: GPTConfig | None, args):
+    """--cp cuts every sequence into 2 x cp chunks (no padding); --cp-layout needs --cp > 1;
+    --sp does not combine with it (its sequence shards would be of the rank's tokens)."""
+    cp = args.cp
+    if args.cp_layout is not None and cp == 1:
+        raise ConfigError(f"--cp-layout {args.cp_layout} places the tokens of a cp group: it needs --cp > 1")
+    args.cp_layout = args.cp_layout or "zigzag"
+    if cp == 1:
+        return
+    if cfg is not None and cfg.block_size % (2 * cp):
+        raise ConfigError(f"--cp {cp} cuts each sequence into 2 x cp = {2 * cp} chunks: --block-size "
+                          f"{cfg.block_size} is not divisible by {2 * cp}")
+    if args.sp:
+        raise ConfigError(f"--sp does not combine with --cp {cp}: both split the sequence, and minipar "
+                          f"has only one of them at a time (use --cp with --tp, or --sp without --cp)")
+
+
+MAX_EXPERTS = 1024                       # per MoE block: each expert is its own 4 tensors
+
+
+def check_moe(cfg: GPTConfig, args, dp: int):
+    """The mixture-of-experts flags: consistent, and a layout MoE runs on (not yet --cp or
+    --sp)."""
+    E, K, ep = cfg.moe_experts, cfg.moe_top_k, args.ep
+    if ep < 1:
+        raise ConfigError(f"--ep must be >= 1, got {ep}")
+    if ep > 1 and E == 0:
+        raise ConfigError(f"--ep {ep} splits the experts of a mixture of experts: it needs --moe-experts > 0")
+    if E == 0:
+        given = [f for f in ("moe_top_k", "moe_every", "moe_capacity_factor") if getattr(args, f) is not None]
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} is for a mixture of experts: it needs --moe-experts > 0")
+        return
+    if E > MAX_EXPERTS:
+        raise ConfigError(f"--moe-experts {E} is more than {MAX_EXPERTS}: minipar holds each expert as tensors of "
+                          f"its own, and so many would take minutes to build (DeepSeek-V3 has 256)")
+    if E < 0 or not 1 <= K <= E:
+        raise ConfigError(f"--moe-top-k {K} must be between 1 and --moe-experts {E}")
+    if cfg.moe_every < 1 or cfg.moe_every > cfg.n_layer:
+        raise ConfigError(f"--moe-every {cfg.moe_every} must be between 1 and --n-layer {cfg.n_layer} "
+                          f"(block i is a MoE block when (i + 1) % N == 0)")
+    for flag, v in (("--moe-capacity-factor", cfg.moe_capacity_factor), ("--moe-aux-coef", args.moe_aux_coef),
+                    ("--moe-z-coef", args.moe_z_coef)):
+        if not (math.isfinite(v) and v >= 0):
+            raise ConfigError(f"{flag} must be a finite number >= 0, got {v}")
+    if args.cp > 1 or args.sp:
+        flag = f"--cp {args.cp}" if args.cp > 1 else "--sp"
+        raise ConfigError(f"--moe-experts does not combine with {flag} yet (docs/moe.md)")
+    if dp % ep or E % ep:
+        raise ConfigError(f"--ep {ep} must divide both dp = {dp} (its groups are carved out of the dp group) "
+                          f"and --moe-experts {E} (E/ep experts per rank)")
+
+
+def resolve_dp_flags(args):
+    """--dp-mode and --bucket-mb belong to plain data parallelism: refused with --zero, else
+    set to their defaults (bucketed, 1 MiB) when not given."""
+    if args.zero and (args.dp_mode is not None or args.bucket_mb is not None):
+        flag = "--dp-mode" if args.dp_mode is not None else "--bucket-mb"
+        raise ConfigError(f"{flag} is for plain data parallelism; --zero {args.zero} replaces "
+                          f"the gradient all-reduce by its own reduce-scatters, unit by unit "
+                          f"(wte, each block, the rest)")
+    args.dp_mode = args.dp_mode or "bucketed"
+    args.bucket_mb = 1.0 if args.bucket_mb is None else args.bucket_mb
+    if args.bucket_mb <= 0:
+        raise ConfigError(f"--bucket-mb must be > 0, got {args.bucket_mb}")

@@ -1,0 +1,178 @@
+"""The two contracts the trainer relies on (docs/design.md §4).
+
+Model       what every layout of the GPT offers: the single-process model.GPT, its
+            tensor-parallel shards (parallel/tensor_parallel.TensorParallelGPT) and one
+            pipeline stage of either (parallel/pipeline.PipelineStage). The base class holds
+            the whole-model behaviour; a sharded model overrides the four sharding hooks:
+                shard(name, full)      the canonical tensor -> this rank's slice of it
+                consolidate(local)     this rank's slices -> the canonical tensors (collective)
+                counts_in_norm(name)   does this rank count `name` in the global gradient norm?
+                reduce_norm_sq(local)  this rank's counted sum of squares -> the whole model's
+            and everything else (parameters, state_dict/load_state_dict, grad_norm_sq) follows.
+
+GradSync    what the trainer asks of gradient synchronisation across the dp group:
+            data_parallel.NoSync (one dp rank: nothing to send), DataParallelNaive,
+            DataParallelBucketed and zero.Zero. One step of it reads
+
+                sync.zero_grad(); sync.start_step()
+                for each micro-batch:  sync.sync_now(last micro-batch?); loss.backward()
+                sync.finish()                       # every .grad (or shard) now summed over dp
+                norm = sqrt(sync.grad_norm_sq(model))
+
+            with the pipeline calling sync_now / finish / tied_grad from its schedule instead.
+"""
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import numpy as np
+
+from minipar.model import moe
+from minipar.autograd import ops, recompute
+from minipar import trace
+from minipar.optim.adamw import sum_of_squares
+
+
+class Model:
+    """Base class of every model layout. A subclass sets, in its constructor:
+        cfg          the model.GPTConfig of the whole model
+        dtype        the parameters' storage dtype
+        params       {canonical name: Tensor} of the parameters this rank holds, model order
+        full_shapes  {canonical name: shape} of every parameter of the whole model"""
+
+    cfg: object
+    dtype: np.dtype
+    params: dict
+    full_shapes: dict
+    tp_size: int = 1          # tensor-parallel ranks the model is split over
+    tp_rank: int = 0          # and this rank's place among them
+    recompute: str = "none"   # --recompute: none, selective or full (recompute.py)
+    context = None            # --cp: this rank's context_parallel.ContextSplit, or None
+    moe = None                # MoE blocks: the moe.MoESettings (default: no capacity, no aux loss)
+
+    # --- forward -----------------------------------------------------------------------------
+    def run_block(self, i: int, x):
+        """Block i on x, as the forward of every layout runs it: a trace span of its own
+        (trace.layer) and, with recompute "full", recomputed in backward."""
+        with trace.layer(f"h.{i}"):
+            return recompute.block(lambda t: self.block(i, t), x, self.recompute)
+
+    def position_ids(self, t: int) -> np.ndarray:
+        """The global positions of the t tokens of each sequence this rank holds: 0..t-1,
+        or with context parallelism its share of a sequence of t * cp tokens."""
+        T = t if self.context is None else t * self.context.size
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} > block_size {self.cfg.block_size}")
+        return np.arange(t) if self.context is None else self.context.positions(T)
+
+    def attend(self, qkv, n_head: int):
+        """Causal self-attention of the packed qkv (B, t, 3C'): the fused op, or with
+        context parallelism the ring over the cp group (context_parallel.py)."""
+        if self.context is not None:
+            return self.context.attention(qkv, n_head)
+        return ops.causal_self_attention(qkv, n_head, self.recompute == "selective")
+
+    def moe_layer(self, i: int, x):
+        """Block i's mixture of experts on x (B, t, C) (moe.py)."""
+        s = self.moe or moe.MoESettings(self.cfg.moe_experts, self.cfg.moe_top_k, self.cfg.moe_capacity_factor)
+        return moe.moe_mlp(self.params, i, x, s)
+
+    # --- parameters -------------------------------------------------------------------------
+    def named_parameters(self) -> list:
+        return list(self.params.items())
+
+    def parameters(self) -> list:
+        return list(self.params.values())
+
+    def num_params(self) -> int:
+        """The whole model's canonical count, on every layout."""
+        return sum(math.prod(shape) for shape in self.full_shapes.values())
+
+    def num_local_params(self) -> int:
+        """Elements this rank holds (tensor parallelism's vocabulary padding included)."""
+        return sum(p.size for p in self.params.values())
+
+    def zero_grad(self):
+        for p in self.params.values():
+            p.grad = None
+
+    # --- the sharding hooks: a whole model holds every tensor whole -------------------------
+    def shard(self, name: str, full: np.ndarray) -> np.ndarray:
+        """This rank's slice of canonical tensor `name` (here: all of it)."""
+        return full
+
+    def consolidate(self, local: dict) -> dict:
+        """{name: this rank's array} -> {name: full canonical array}, for the parameters or
+        anything shaped like them (Adam's m and v). Collective on sharded layouts."""
+        return {n: np.array(a, copy=True) for n, a in local.items()}
+
+    def counts_in_norm(self, name: str) -> bool:
+        """Does this rank count `name` in the global gradient norm? (A sharded layout skips
+        the copies that another rank counts.)"""
+        return True
+
+    def reduce_norm_sq(self, local: float) -> float:
+        """The whole model's sum of squares from this rank's counted part (here: itself)."""
+        return local
+
+    # --- what follows from them -------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """{canonical name: full ndarray} (collective on sharded layouts)."""
+        return self.consolidate({n: p.data for n, p in self.params.items()})
+
+    def load_state_dict(self, state: dict):
+        """Load this rank's slices from a full canonical state: every name, no other, each of
+        its canonical shape (all checked before anything changes)."""
+        placement = getattr(self.moe, "placement", None)          # --ep: other ranks' experts are not here
+        missing = sorted(set(self.params) - set(state))
+        extra = sorted(n for n in set(state) - set(self.params) if placement is None or placement.owns(n))
+        if missing or extra:
+            raise ValueError(f"state_dict mismatch: missing {missing[:4]}, unexpected {extra[:4]}")
+        self.check_shapes(state, self.params)
+        for n, p in self.params.items():
+            p.data[...] = self.shard(n, state[n])
+
+    def check_shapes(self, state: dict, names):
+        for n in names:
+            if tuple(state[n].shape) != tuple(self.full_shapes[n]):
+                raise ValueError(f"{n}: checkpoint shape {tuple(state[n].shape)} != model shape "
+                                 f"{tuple(self.full_shapes[n])}")
+
+    def grad_norm_sq(self) -> float:
+        """Sum of squared gradient entries of the whole model, each parameter counted once
+        (counts_in_norm), the same on every rank that holds part of it."""
+        return self.reduce_norm_sq(sum(sum_of_squares(p.grad) for name, p in self.params.items()
+                                       if p.grad is not None and self.counts_in_norm(name)))
+
+    def evaluate(self, idx, targets) -> float:
+        """The mean loss of (idx, targets), no graph kept (the caller holds no_grad)."""
+        return self(idx, targets).item()
+
+
+class GradSync(Protocol):
+    """Gradient synchronisation over the dp group, as the trainer and the pipeline use it."""
+
+    exposed_seconds: float    # the last step's wait for communication after backward
+
+    def zero_grad(self) -> None:
+        """Clear (or mark for overwriting) every gradient before a step."""
+
+    def start_step(self) -> None:
+        """A step begins: reset the per-step bookkeeping."""
+
+    def sync_now(self, on: bool) -> None:
+        """A backward is about to run; communicate during it only if `on` (the last one)."""
+
+    def finish(self) -> None:
+        """After the last backward: wait until every gradient is summed over dp."""
+
+    def grad_norm_sq(self, model: Model) -> float:
+        """The sum of squares of the whole model's summed gradients, each counted once."""
+
+    def local_found_inf(self, model: Model) -> bool:
+        """Does any gradient this rank holds contain inf or NaN?"""
+
+    def tied_grad(self, w) -> np.ndarray:
+        """The array holding the tied wte.weight's gradient that the pipeline's two ends
+        exchange: w.grad, or with ZeRO this rank's shard of it."""

@@ -1,0 +1,244 @@
+"""Mixture of experts: a block's MLP replaced by E expert MLPs and a router (Shazeer et al.
+2017, arXiv:1701.06538; GShard, Lepikhin et al. 2020, arXiv:2006.16668; Switch Transformer,
+Fedus et al. 2021, arXiv:2101.03961). --moe-experts E --moe-top-k K --moe-every N: block i is
+a MoE block when (i + 1) % N == 0. docs/moe.md; the canonical names in docs/design.md §2.
+
+For the N tokens x (N, C) of a forward:
+
+    z = x W_r                      router logits (N, E), W_r = h.{i}.mlp.router.weight (C, E)
+    p = softmax(z)                 over the experts, per token
+    e_1..e_K = the K largest p     ties to the lower expert id
+    w_k = p_{e_k} / sum_j p_{e_j}  the combine weights, renormalised over the K chosen (K = 1:
+                                   w = p_{e_1}, as Switch does, so that the router still learns
+                                   from the loss: a renormalised single weight would be 1)
+    y = sum over the token's kept (k, e_k) of  w_k MLP_{e_k}(x)
+
+Routing groups. Capacity and the load-balancing loss are defined over a group of tokens, the
+rows of one micro-batch on one data-parallel rank: `group_rows` sequences (MoESettings), so
+that the single-process twin, which splits its batch into the same groups, decides the same.
+(A forward whose rows do not divide into groups, sampling one sequence, is one group.)
+
+Capacity (--moe-capacity-factor F > 0). An expert takes at most cap = ceil(F N_g K / E) of a
+group's N_g tokens' assignments. Slots are claimed by choice, then by token: every token's
+first choice in token order, then every second choice, ... An assignment that finds its
+expert full is dropped: it adds nothing (the token keeps its residual), and the other
+weights are not renormalised. F = 0: no capacity, nothing dropped.
+
+Load balancing (Switch Transformer's auxiliary loss, with K choices), per group g:
+    f_e = assignments routed to e (before dropping) / (N_g K)     P_e = mean_g p_e
+    aux_g = E sum_e f_e P_e                                       (1 when perfectly balanced)
+and the router z-loss (ST-MoE, Zoph et al. 2022, arXiv:2202.08906), zloss_g = mean_g lse(z)^2.
+The objective is the cross-entropy of docs/design.md §1 plus, for every MoE layer,
+aux_coef x the mean of aux_g over the global batch's groups (and z_coef x that of zloss_g).
+The trainer's loss row stays the cross-entropy; the summary reports aux. Their gradient
+enters in the router's backward (Router.backward: aux_weight, z_weight are the coefficients
+over the number of groups, times the loss scale with fp16), so it needs no extra graph edge
+and works on any pipeline stage.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minipar.autograd import ops
+from minipar.autograd.dtypes import compute, store
+from minipar.autograd.tensor import Function, Tensor, is_grad_enabled
+
+
+@dataclass
+class MoESettings:
+    """What a MoE layer needs besides its weights, set by the trainer (or a test)."""
+    experts: int
+    top_k: int
+    capacity_factor: float = 0.0     # 0: no capacity, no drops
+    aux_coef: float = 0.0
+    z_coef: float = 0.0
+    group_rows: int | None = None    # sequences per routing group; None: the whole forward
+    groups_total: int = 1            # routing groups in the global batch: the mean's divisor
+    loss_scale: float = 1.0          # fp16's loss scale, which the injected gradients carry
+    stats: list | None = None        # collects (block, Decisions) of every training forward
+    placement: object = None         # --ep: expert_parallel.ExpertPlacement (this rank's experts)
+
+    def per_token(self, coef: float, G: int) -> float:
+        """d(objective) / d(a group's mean over its G tokens), times the loss scale."""
+        return coef / self.groups_total / G * self.loss_scale
+
+
+def is_moe_block(i: int, every: int) -> bool:
+    return every > 0 and (i + 1) % every == 0
+
+
+def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int | None:
+    """Slots per expert in a group of `tokens`: ceil(F N K / E); None without a capacity."""
+    return None if factor <= 0 else math.ceil(factor * tokens * top_k / experts)
+
+
+def claim_slots(choice: np.ndarray, experts: int, cap: int | None) -> np.ndarray:
+    """kept (N, K) bool for one group: choice by choice, token by token, each assignment
+    takes a slot of its expert while the expert has one."""
+    kept = np.ones(choice.shape, dtype=bool)
+    if cap is None:
+        return kept
+    used = np.zeros(experts, dtype=np.int64)
+    for k in range(choice.shape[1]):
+        for e in range(experts):
+            tokens = np.flatnonzero(choice[:, k] == e)            # in token order
+            free = max(0, cap - used[e])
+            kept[tokens[free:], k] = False
+            used[e] += len(tokens)
+    return kept
+
+
+@dataclass
+class Decisions:
+    """What one router call decided (filled by Router.forward): choice (N, K) expert ids,
+    kept (N, K), and per group the load before dropping, the drops, aux and zloss."""
+    choice: np.ndarray | None = None
+    kept: np.ndarray | None = None
+    load: list = field(default_factory=list)        # per group: (E,) assignments per expert
+    dropped: list = field(default_factory=list)     # per group: assignments dropped
+    aux: list = field(default_factory=list)
+    zloss: list = field(default_factory=list)
+
+
+class Router(Function):
+    """(x (N, C), w_r (C, E)) -> the combine weights (N, K); the choices in `decisions`."""
+
+    def forward(self, x, w, s: MoESettings, decisions: Decisions, G: int):
+        """G: tokens per routing group (N is a multiple of it)."""
+        self.dtype, (x, w) = x.dtype, compute(x, w)
+        N, E, K = x.shape[0], s.experts, s.top_k
+        z = x @ w                                                     # (N, E)
+        lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+        p = np.exp(z - lse[:, None])
+        choice = np.argsort(-p, axis=1, kind="stable")[:, :K]        # ties: the lower id first
+        picked = np.take_along_axis(p, choice, 1)
+        total = picked.sum(1, keepdims=True)
+        weights = picked / total if K > 1 else picked                # K = 1: p itself (Switch)
+        kept = np.zeros_like(choice, dtype=bool)
+        self.f = np.zeros((N, E))                                    # each token's group's f_e
+        for a in range(0, N, G):
+            g = slice(a, a + G)
+            load = np.bincount(choice[g].ravel(), minlength=E)
+            kept[g] = claim_slots(choice[g], E, capacity(G, K, E, s.capacity_factor))
+            f = load / (G * K)
+            self.f[g] = f
+            decisions.load.append(load)
+            decisions.dropped.append(int((~kept[g]).sum()))
+            decisions.aux.append(float(E * (f * p[g].mean(0)).sum()))
+            decisions.zloss.append(float((lse[g] ** 2).mean()))
+        decisions.choice, decisions.kept = choice, kept
+        self.s, self.G = s, G
+        self.save(x, w, p, lse, choice, weights, total)
+        return store(weights, self.dtype)
+
+    def backward(self, g):
+        x, w, p, lse, choice, weights, total = self.saved
+        s, G = self.s, self.G
+        g = compute(g)
+        # w_k = p_k / sum_j p_j:  d p_j = (g_j - sum_k g_k w_k) / sum;  K = 1: w = p, d p = g
+        dpicked = (g - (g * weights).sum(1, keepdims=True)) / total if choice.shape[1] > 1 else g
+        dp = np.zeros_like(p)
+        np.put_along_axis(dp, choice, dpicked, 1)
+        dp += s.per_token(s.aux_coef, G) * s.experts * self.f         # aux: E f_e / N_g per p[n, e]
+        dz = p * (dp - (dp * p).sum(1, keepdims=True))                # softmax backward
+        dz += s.per_token(s.z_coef, G) * 2 * lse[:, None] * p         # z-loss: 2 lse p / N_g
+        dx = store(dz @ w.T, self.dtype) if self.needs_input_grad[0] else None
+        dw = store(x.T @ dz, self.dtype) if self.needs_input_grad[1] else None
+        return dx, dw, None, None, None
+
+
+class ScatterRows(Function):
+    """y (N, C) = zeros, y[idx[m]] += src[m]: each assignment's output back at its token.
+    Backward: g[idx]."""
+
+    def forward(self, src, idx, n):
+        self.idx = idx
+        out = np.zeros((n, src.shape[1]), dtype=compute(src).dtype)
+        np.add.at(out, idx, compute(src))
+        return store(out, src.dtype)
+
+    def backward(self, g):
+        return g[self.idx], None, None
+
+
+def assignments(decisions: Decisions, experts: int):
+    """The kept (token, choice) assignments ordered by expert (then choice, then token):
+    (tokens (M,), slots (M,) = token * K + choice, rows per expert (E,))."""
+    choice, kept = decisions.choice, decisions.kept
+    K = choice.shape[1]
+    tokens, ks = np.nonzero(kept.T)[::-1]                        # choice-major, token order
+    experts_of = choice[tokens, ks]
+    order = np.argsort(experts_of, kind="stable")
+    tokens, ks = tokens[order], ks[order]
+    return tokens, tokens * K + ks, np.bincount(experts_of, minlength=experts)
+
+
+def expert_mlp(P: dict, prefix: str, x: Tensor) -> Tensor:
+    """One expert: c_proj(gelu(c_fc(x))), the dense block's MLP with its own weights."""
+    h = ops.gelu(ops.linear(x, P[prefix + "c_fc.weight"], P[prefix + "c_fc.bias"]))
+    return ops.linear(h, P[prefix + "c_proj.weight"], P[prefix + "c_proj.bias"])
+
+
+def moe_mlp(P: dict, i: int, x: Tensor, s: MoESettings) -> Tensor:
+    """Block i's MoE layer on x (B, t, C), every expert on this process (docs/moe.md)."""
+    B, t, C = x.shape
+    x2 = ops.reshape(x, (B * t, C))
+    decisions = Decisions()
+    # the routing groups; a forward of rows that do not divide into them (sampling) is one
+    G = s.group_rows * t if s.group_rows and B % s.group_rows == 0 else B * t
+    weights = Router.apply(x2, P[f"h.{i}.mlp.router.weight"], s, decisions, G)  # (N, K)
+    if s.stats is not None and is_grad_enabled():        # training: once even with full recompute
+        s.stats.append((i, decisions))
+    tokens, slots, rows = assignments(decisions, s.experts)
+    if s.placement is not None:                      # --ep: the experts on the ranks that hold them
+        cap = capacity(G, s.top_k, s.experts, s.capacity_factor)    # slots per expert, all groups
+        out = s.placement.run(P, i, x2, tokens, rows, None if cap is None else cap * (B * t // G), expert_mlp)
+    else:
+        xs = ops.embedding(tokens, x2)                               # (M, C), expert-major
+        parts = ops.split(xs, list(np.cumsum(rows)[:-1]), axis=0) if s.experts > 1 else [xs]
+        out = ops.concat([expert_mlp(P, f"h.{i}.mlp.experts.{e}.", part) for e, part in enumerate(parts)],
+                         axis=0)
+    gates = ops.embedding(slots, ops.reshape(weights, (B * t * s.top_k, 1)))    # (M, 1)
+    y = ScatterRows.apply(ops.mul(out, gates), tokens, B * t)
+    return ops.reshape(y, (B, t, C))
+
+
+def step_stats(stats: list) -> dict:
+    """One step's routing on this rank, per MoE block: {"h.i": {"load": assignments per expert
+    before dropping, "dropped", "assignments", "aux": the mean of aux_g, "zloss"}}."""
+    out = {}
+    for i, d in stats:
+        r = out.setdefault(f"h.{i}", {"load": 0, "dropped": 0, "aux": [], "zloss": []})
+        r["load"] = r["load"] + np.sum(d.load, axis=0)
+        r["dropped"] += sum(d.dropped)
+        r["aux"] += d.aux
+        r["zloss"] += d.zloss
+    return {k: {"load": [int(n) for n in r["load"]], "dropped": r["dropped"],
+                "assignments": int(np.sum(r["load"])), "aux": float(np.mean(r["aux"])),
+                "zloss": float(np.mean(r["zloss"]))} for k, r in out.items()}
+
+
+def summary_lines(rows: list) -> tuple[dict, list[str]]:
+    """The summary's MoE figures from the step rows' "moe" (this rank's tokens): per block the
+    load per expert over the run, the dropped fraction and the mean aux loss."""
+    blocks = {}
+    for row in rows:
+        for k, r in row.get("moe", {}).items():
+            b = blocks.setdefault(k, {"load": np.zeros(len(r["load"]), dtype=np.int64), "dropped": 0,
+                                      "assignments": 0, "aux": []})
+            b["load"] += r["load"]
+            b["dropped"] += r["dropped"]
+            b["assignments"] += r["assignments"]
+            b["aux"].append(r["aux"])
+    out, lines = {}, []
+    for k, b in blocks.items():
+        share = b["load"] / max(1, b["assignments"])
+        out[k] = {"load": b["load"].tolist(), "dropped_fraction": b["dropped"] / max(1, b["assignments"]),
+                  "aux": float(np.mean(b["aux"]))}
+        lines.append(f"  moe {k}: load per expert {'/'.join(f'{x:.2f}' for x in share)} of "
+                     f"{b['assignments']:,} assignments (balanced: {1 / len(share):.2f} each); dropped "
+                     f"{out[k]['dropped_fraction']:.1%}; aux loss {out[k]['aux']:.4f} (1 when balanced)")
+    return out, lines

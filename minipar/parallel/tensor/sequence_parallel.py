@@ -1,0 +1,226 @@
+"""Sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198, section 4.2.2), on top of
+tensor parallelism: python -m minipar.train --tp T --sp.
+
+Tensor parallelism splits attention and the MLP across the tp ranks but leaves everything
+between them replicated: the residual stream, the LayerNorms, the row-parallel biases, the
+embeddings. Those work token by token, so sequence parallelism splits them along the
+sequence instead: tp rank r holds tokens [r t/tp, (r+1) t/tp) of every sequence there,
+(B, t/tp, C) instead of (B, t, C). Tensor parallelism's f and g become
+
+    f  (before a column-parallel layer)  all-gather along the sequence    forward
+                                         reduce-scatter along the sequence backward
+    g  (after a row-parallel layer)      reduce-scatter along the sequence forward
+                                         all-gather along the sequence     backward
+
+    block(x), x (B, t/tp, C):
+        x = x + [g(x_attn @ c_proj_r) + c_proj.b]     x_attn = attention(f(LN_1(x)) @ c_attn_r)
+        x = x + [g(x_mlp @ c_proj_r) + c_proj.b]      x_mlp = GELU(f(LN_2(x)) @ c_fc_r)
+
+An all-reduce is a reduce-scatter followed by an all-gather, and each of those sends
+(tp-1)/tp n per rank for n elements, so f and g send per layer exactly the bytes of
+tensor parallelism's two all-reduces each (2(tp-1)/tp n): tests/mpi/test_sequence_parallel.py
+holds the ledger to it. (minipar's tensor parallelism all-reduces messages up to 64 KiB by
+recursive doubling, log2(tp) n per rank: at tp = 2 that is the same n; at tp >= 4 sequence
+parallelism sends less than it on small messages.)
+
+What else changes:
+  - the embedding's g becomes a reduce-scatter (forward) / all-gather (backward); each
+    rank adds the position embeddings of its own tokens (PositionsOfShard);
+  - ln_f runs on the rank's tokens, and the vocabulary-parallel head's f gathers them;
+    the logits and the cross-entropy are tensor parallelism's;
+  - Megatron's memory trick: a column-parallel layer keeps only its input's shard and
+    all-gathers it again in backward for the weight gradient (GatherSequenceLinear), so
+    the linear layers' inputs are saved 1/tp too. It costs one more all-gather per such
+    layer in backward ("regather" in the ledger), which Megatron overlaps with the input
+    gradient's matmul;
+  - the trap: every replicated parameter used on the sequence shard (ln_1, ln_2, ln_f,
+    the row-parallel biases) now sees only 1/tp of the tokens, so its gradient on a rank
+    is a partial sum. SumGradOverTP all-reduces it over tp in backward (each use, each
+    micro-batch; Megatron does one coalesced all-reduce per step), so every gradient
+    synchroniser after it (dp buckets, ZeRO) sees whole gradients. wpe's rows are
+    disjoint between ranks: an all-gather of them suffices.
+
+The sequence length must be divisible by tp (a ValueError here, a one-line error from the
+trainer's flags): minipar does not pad.
+
+Layout: minipar's activations are batch-first (B, t, C), so a sequence piece is not
+contiguous; gather_seq and scatter_seq move the tp axis to the front around each
+collective (Megatron keeps (t, B, C) to avoid those copies).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minipar import comm
+from minipar.autograd import ops
+from minipar.parallel.tensor.tensor_parallel import (MaskColumns, MaskedEmbedding, TensorParallelGPT,
+                                                     tp_all_reduce, tp_collective)
+from minipar.autograd.tensor import Function, Tensor
+
+KINDS = ("f_gather", "f_scatter", "g_scatter", "g_gather", "regather", "sp_grads")
+
+
+# --- the collectives along the sequence axis (axis 1) ---------------------------------------
+
+def gather_seq(group: comm.Group, x: np.ndarray, kind: str) -> np.ndarray:
+    """(B, t/tp, ...) on each rank -> (B, t, ...), rank r's piece at [r t/tp, (r+1) t/tp)."""
+    tp = group.size
+    if tp == 1:                                                   # no partner: nothing to send
+        return x
+    flat = tp_collective(kind, x.size * tp, lambda: comm.all_gather(group, np.ascontiguousarray(x)))
+    parts = flat.reshape(tp, *x.shape)                            # (tp, B, t/tp, ...)
+    return np.ascontiguousarray(np.moveaxis(parts, 0, 1)).reshape(x.shape[0], tp * x.shape[1], *x.shape[2:])
+
+
+def scatter_seq(group: comm.Group, x: np.ndarray, kind: str) -> np.ndarray:
+    """(B, t, ...) partial sums on each rank -> rank r's tokens of the sum, (B, t/tp, ...)."""
+    tp, (B, t) = group.size, x.shape[:2]
+    if tp == 1:
+        return x
+    parts = np.ascontiguousarray(np.moveaxis(x.reshape(B, tp, t // tp, *x.shape[2:]), 1, 0))
+    piece = tp_collective(kind, x.size, lambda: comm.reduce_scatter(group, parts))
+    return piece.reshape(B, t // tp, *x.shape[2:])
+
+
+# --- f, g and the replicated parameters, as autograd nodes ------------------------------------
+
+class ScatterToSequence(Function):
+    """Sequence parallelism's g: reduce-scatter along the sequence forward (each rank keeps
+    the sum for its tokens), all-gather of the gradient backward."""
+
+    def forward(self, x, group):
+        self.group = group
+        return scatter_seq(group, x, "g_scatter")
+
+    def backward(self, g):
+        return gather_seq(self.group, g, "g_gather"), None
+
+
+class GatherSequenceLinear(Function):
+    """Sequence parallelism's f fused with the column-parallel linear after it:
+    y = all_gather_seq(x) @ w + b, x (B, t/tp, Cin) -> y (B, t, Cout/tp). Keeps x's shard
+    only (not the gathered (B, t, Cin)), and all-gathers it again in backward for dw;
+    dx is the reduce-scatter of the gathered input's gradient. The matmuls are ops.Linear's."""
+
+    def forward(self, x, w, b, group):
+        self.group, self.has_bias = group, b is not None
+        self.linear = ops.Linear()
+        self.linear.needs_input_grad = self.needs_input_grad[:3 if self.has_bias else 2]
+        full = gather_seq(group, x, "f_gather")                       # (B, t, Cin)
+        y = self.linear.forward(full, w, *([b] if self.has_bias else []))
+        self.linear.saved = ()                                        # the gathered input is not kept
+        self.save(x, w)
+        return y
+
+    def backward(self, g):
+        x, w = self.saved
+        needs = self.needs_input_grad            # backward_split may ask for dx or dw alone
+        self.linear.needs_input_grad = needs[:3 if self.has_bias else 2]
+        full = gather_seq(self.group, x, "regather") if needs[1] else x     # again, for dw
+        self.linear.saved = (full.reshape(-1, full.shape[-1]), w)
+        dx, *dparams = self.linear.backward(g)
+        self.linear.saved = ()
+        dx = None if dx is None else scatter_seq(self.group, dx, "f_scatter")
+        return (dx, *dparams, *([] if self.has_bias else [None]), None)
+
+
+class SumGradOverTP(Function):
+    """A replicated parameter used on this rank's tokens only: identity forward (the same
+    array, so nothing is copied or saved); backward all-reduces its gradient over tp, the
+    sum over the whole sequence. Without it each rank would step with its own tokens' part."""
+
+    def forward(self, p, group):
+        self.group = group
+        return p
+
+    def backward(self, g):
+        return tp_all_reduce(self.group, g, "sum", "sp_grads"), None
+
+
+class PositionsOfShard(Function):
+    """wpe rows [r t/tp, (r+1) t/tp) of this rank's positions. Each position's gradient is on
+    one rank only, so backward all-gathers the (t/tp, C) pieces into the (t, C) rows."""
+
+    def forward(self, wpe, t, group):
+        n = t // group.size
+        self.group, self.t, self.shape = group, t, wpe.shape
+        return wpe[group.rank * n:(group.rank + 1) * n]
+
+    def backward(self, g):
+        dw = np.zeros(self.shape, dtype=g.dtype)
+        dw[:self.t] = g if self.group.size == 1 else tp_collective(
+            "sp_grads", self.t * g.shape[-1],
+            lambda: comm.all_gather(self.group, np.ascontiguousarray(g))).reshape(self.t, -1)
+        return dw, None, None
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+class SequenceParallelGPT(TensorParallelGPT):
+    """TensorParallelGPT (the same shards, canonical names, checkpoints) with the residual
+    stream split along the sequence between the tensor-parallel layers (see the module).
+    Block i maps (B, t/tp, C) -> (B, t/tp, C); head() returns tensor parallelism's
+    vocabulary-sharded logits of all t tokens."""
+
+    sequence_parallel = True
+
+    def replicated(self, name: str) -> Tensor:
+        return SumGradOverTP.apply(self.params[name], self.group)
+
+    def embed(self, idx) -> Tensor:
+        idx = self.check_ids(idx)
+        t = idx.shape[-1]
+        if t % self.tp_size:
+            raise ValueError(f"sequence parallelism splits each sequence over tp {self.tp_size}: "
+                             f"length {t} is not divisible by {self.tp_size}")
+        tok = MaskedEmbedding.apply(idx, self.params["wte.weight"], self.vocab_start)  # (B, t, C), partial
+        tok = ScatterToSequence.apply(tok, self.group)                    # (B, t/tp, C), summed
+        return tok + PositionsOfShard.apply(self.params["wpe.weight"], t, self.group)
+
+    def block(self, i: int, x: Tensor) -> Tensor:
+        P, h, g, r = self.params, f"h.{i}.", self.group, self.replicated
+        a = ops.layer_norm(x, r(h + "ln_1.weight"), r(h + "ln_1.bias"))            # (B, t/tp, C)
+        qkv = GatherSequenceLinear.apply(a, P[h + "attn.c_attn.weight"], P[h + "attn.c_attn.bias"], g)
+        y = self.attend(qkv, self.cfg.n_head // self.tp_size)                     # (B, t, C/tp)
+        x = x + (ScatterToSequence.apply(ops.linear(y, P[h + "attn.c_proj.weight"]), g)
+                 + r(h + "attn.c_proj.bias"))
+        m = ops.layer_norm(x, r(h + "ln_2.weight"), r(h + "ln_2.bias"))
+        u = ops.gelu(GatherSequenceLinear.apply(m, P[h + "mlp.c_fc.weight"], P[h + "mlp.c_fc.bias"], g))
+        return x + (ScatterToSequence.apply(ops.linear(u, P[h + "mlp.c_proj.weight"]), g)
+                    + r(h + "mlp.c_proj.bias"))
+
+    def head(self, x: Tensor) -> Tensor:
+        """(B, t/tp, C) -> vocab-sharded logits (B, t, Vp/tp); padded columns are -inf."""
+        x = ops.layer_norm(x, self.replicated("ln_f.weight"), self.replicated("ln_f.bias"))
+        w = self.params["wte.weight" if self.cfg.tie_embeddings else "lm_head.weight"]   # (Vp/tp, C)
+        logits = GatherSequenceLinear.apply(x, ops.transpose(w), None, self.group)
+        return logits if self.vocab_valid == w.shape[0] else MaskColumns.apply(logits, self.vocab_valid)
+
+
+# --- the formulas: what sequence parallelism sends ---------------------------------------------
+
+def sp_count(cfg, rows: int, t: int, tp: int, n_layers: int | None = None, first: bool = True,
+             last: bool = True, recompute: str = "none") -> dict:
+    """{kind: (calls, elements)} of one micro-batch of `rows` sequences of t tokens on a tp
+    rank holding n_layers blocks (default all), the embedding if first, the head if last.
+    elements: of the whole (rows, t, C) tensor each gather/scatter assembles or splits (for
+    sp_grads, the parameter gradient). Per block: f and g twice each way, the re-gather of
+    both column-parallel inputs, six C-element gradient sums (ln_1, ln_2: weight and bias;
+    the two row-parallel biases); full recomputation runs each block's forward gathers and
+    scatters once more. The embedding: one g (scatter forward, gather backward) and wpe's
+    all-gather of t*C; the head: one f, its re-gather, ln_f's two sums, the cross-entropy's
+    three all-reduces of rows*t."""
+    L = cfg.n_layer if n_layers is None else n_layers
+    C, n = cfg.n_embd, rows * t * cfg.n_embd
+    again = 2 if recompute == "full" else 1
+    f_fwd = again * 2 * L + (1 if last else 0)            # column-parallel layers' gathers
+    g_fwd = again * 2 * L + (1 if first else 0)           # row-parallel layers' (and the embedding's) scatters
+    f_bwd, g_bwd = 2 * L + (1 if last else 0), 2 * L + (1 if first else 0)
+    grads = [(6 * L, 6 * L * C)] + ([(2, 2 * C)] if last else []) + ([(1, t * C)] if first else [])
+    out = {"f_gather": (f_fwd, f_fwd * n), "f_scatter": (f_bwd, f_bwd * n),
+           "g_scatter": (g_fwd, g_fwd * n), "g_gather": (g_bwd, g_bwd * n),
+           "regather": (f_bwd, f_bwd * n),
+           "sp_grads": (sum(c for c, _ in grads), sum(e for _, e in grads))}
+    if last:
+        out["cross_entropy"] = (3, 3 * rows * t)
+    return out

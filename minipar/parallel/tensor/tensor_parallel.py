@@ -1,0 +1,515 @@
+"""Tensor parallelism as in Megatron-LM (Shoeybi et al., 2019): every layer split across the
+tp ranks of a group, each rank holding 1/tp of the weights and doing 1/tp of the matmuls.
+
+What is split (rank r of tp; C channels, H heads, V vocab padded up to Vp = tp*ceil(V/tp)):
+    wte.weight, lm_head.weight   rows [r*Vp/tp, (r+1)*Vp/tp)          vocabulary-parallel
+    attn.c_attn  (C, 3C)         the columns of heads [r*H/tp, (r+1)*H/tp) taken from EACH
+                                 of q, k and v: [q_r | k_r | v_r]     column-parallel
+    attn.c_proj  (C, C)          rows of the same heads               row-parallel
+    mlp.c_fc     (C, 4C)         columns [r*4C/tp, (r+1)*4C/tp)      column-parallel
+    mlp.c_proj   (4C, C)         the same rows                        row-parallel
+Replicated on every tp rank: wpe, ln_1, ln_2, ln_f, and the biases of the row-parallel
+layers (added once, after the sum). Activations between blocks (B, t, C) are replicated.
+
+What is communicated, and when (all-reduces over the tp group, s bytes per element):
+    Megatron's f: identity forward, all-reduce of the input gradient in backward
+    Megatron's g: all-reduce forward, identity backward
+    attention = f -> column(c_attn) -> heads -> row(c_proj) -> g;  MLP = f -> column(c_fc)
+    -> GELU -> row(c_proj) -> g.  So per layer per micro-batch: 2 all-reduces of B*t*C
+    elements forward (the g's) and 2 backward (the f's): Megatron's count.
+    Once per micro-batch besides: the embedding's g (B*t*C, forward), the LM head's f
+    (B*t*C, backward), and the vocabulary-parallel cross-entropy's three all-reduces of B*t
+    elements (row max, target logit, sum of exp). Logits are never gathered.
+    In all: 4L + 5 all-reduces, (4L + 2) B t C + 3 B t elements per micro-batch.
+
+How many bytes: an all-reduce of n bytes on p ranks sends 2(p-1)/p * n per rank (ring or
+direct exchange), or log2(p) * n with recursive doubling for messages up to 64 KiB
+(docs/collectives.md); at tp = 2 both are n. traffic() below counts calls, elements and
+bytes sent of this module's all-reduces, by kind (f, g, cross_entropy). With --precision
+fp16/bf16 activations and their gradients are 2 bytes (s = 2); the cross-entropy's three
+all-reduces of B*t stay fp32, as its arithmetic does.
+
+Every all-reduce in minipar.comm gives bit-identical results on all ranks, so the
+replicated activations, the loss and the gradients of the replicated parameters are
+bit-identical across tp ranks by construction: f sits in front of every layer whose
+output is split, so the gradient flowing into the replicated stream is always complete.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minipar import comm, trace
+from minipar.autograd import ops
+from minipar.model.contract import Model
+from minipar.model.gpt import GPTConfig, init_param, param_specs
+from minipar.optim.adamw import clip_coef
+from minipar.autograd.dtypes import compute, store
+from minipar.autograd.tensor import Function, Tensor
+
+# --- the ledger: what this module sent, by kind --------------------------------------------
+
+_LEDGER: dict = {}
+
+
+def traffic() -> dict:
+    """{kind: {"calls", "elements", "bytes_sent"}} of this module's all-reduces in this
+    process (a copy). kind: f (in backward), g (in forward), cross_entropy (3 per loss),
+    grad_norm (1 per grad_norm_sq)."""
+    return {k: dict(v) for k, v in _LEDGER.items()}
+
+
+def reset_traffic():
+    _LEDGER.clear()
+
+
+def _sent() -> int:
+    return sum(op.get("bytes_sent", 0) for op in comm.traffic().values())
+
+
+def tp_collective(kind: str, elements: int, run):
+    """run() (one collective over the tp group), entered in this module's ledger under
+    `kind` with `elements` and the bytes it sent: every message tensor parallelism (and
+    sequence parallelism, sequence_parallel.py) sends goes through here."""
+    before = _sent()
+    y = run()
+    e = _LEDGER.setdefault(kind, {"calls": 0, "elements": 0, "bytes_sent": 0})
+    e["calls"] += 1
+    e["elements"] += elements
+    e["bytes_sent"] += _sent() - before
+    return y
+
+
+def tp_all_reduce(group: comm.Group, x: np.ndarray, op: str, kind: str) -> np.ndarray:
+    """comm.all_reduce over the tp group, in this module's ledger under `kind` (traffic())."""
+    if group.size == 1:                                   # no partner: nothing to send
+        return x
+    return tp_collective(kind, x.size, lambda: comm.all_reduce(group, x, op=op))
+
+
+# --- Megatron's f and g ---------------------------------------------------------------------
+
+class CopyToTP(Function):
+    """Megatron's f: identity forward, all-reduce (sum) of the gradient in backward.
+    Put in front of a column-parallel layer: each rank's x feeds only its columns, so each
+    holds a partial dL/dx; the sum over ranks is the whole gradient."""
+
+    def forward(self, x, group):
+        self.group = group
+        return x
+
+    def backward(self, g):
+        return tp_all_reduce(self.group, g, "sum", "f"), None
+
+
+class ReduceFromTP(Function):
+    """Megatron's g: all-reduce (sum) forward, identity backward. After a row-parallel
+    layer: each rank holds a partial sum x_r @ W[rows_r, :]; every rank needs the total."""
+
+    def forward(self, x, group):
+        return tp_all_reduce(group, x, "sum", "g")
+
+    def backward(self, g):
+        return g, None
+
+
+def copy_to_tp(x: Tensor, group: comm.Group) -> Tensor:
+    return CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: Tensor, group: comm.Group) -> Tensor:
+    return ReduceFromTP.apply(x, group)
+
+
+# --- column- and row-parallel linear layers -------------------------------------------------
+
+class ColumnParallelLinear:
+    """y_local = f(x) @ W[:, cols] + b[cols]: weight (Cin, Cout/tp), bias (Cout/tp,).
+    Input replicated, output split by columns (no communication forward)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor, group: comm.Group):
+        self.weight, self.bias, self.group = weight, bias, group
+
+    def __call__(self, x: Tensor) -> Tensor:                  # (B, t, Cin) -> (B, t, Cout/tp)
+        return ops.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear:
+    """y = g(x_local @ W[rows, :]) + b: weight (Cin/tp, Cout), bias (Cout,) replicated and
+    added after the all-reduce (adding it on every rank before would count it tp times)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor, group: comm.Group):
+        self.weight, self.bias, self.group = weight, bias, group
+
+    def __call__(self, x: Tensor) -> Tensor:                  # (B, t, Cin/tp) -> (B, t, Cout)
+        return reduce_from_tp(ops.linear(x, self.weight), self.group) + self.bias
+
+
+class ParallelMLP:
+    """column (c_fc) -> GELU -> row (c_proj): GELU is elementwise, so it runs on the split
+    (B, t, 4C/tp) activation with no communication between the two matmuls."""
+
+    def __init__(self, c_fc: ColumnParallelLinear, c_proj: RowParallelLinear):
+        self.c_fc, self.c_proj = c_fc, c_proj
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.c_proj(ops.gelu(self.c_fc(x)))            # (B, t, 4C/tp) inside
+
+
+class ParallelAttention:
+    """Heads split across ranks: c_attn column-parallel, attention on H/tp local heads,
+    c_proj row-parallel (its rows are the channels of the local heads).
+
+    The trap: c_attn.weight (C, 3C) is laid out [q | k | v]. Cutting it into tp contiguous
+    column blocks would give rank 0 (of 2) all of q and half of k, which still has the
+    right shape (C, 3C/tp), so nothing fails but the maths is wrong. A rank's shard must be
+    its head group from EACH of q, k and v, [q_r | k_r | v_r] (see TensorParallelGPT.shard),
+    so that ops.causal_self_attention(qkv_local, H/tp) reads it as q, k, v of H/tp heads."""
+
+    def __init__(self, c_attn: ColumnParallelLinear, c_proj: RowParallelLinear, local_heads: int):
+        self.c_attn, self.c_proj, self.local_heads = c_attn, c_proj, local_heads
+
+    def __call__(self, x: Tensor, attend=ops.causal_self_attention) -> Tensor:
+        """attend(qkv, heads): the model's attention (Model.attend; the ring with --cp)."""
+        qkv = self.c_attn(x)                                          # (B, t, 3C/tp)
+        y = attend(qkv, self.local_heads)                             # (B, t, C/tp)
+        return self.c_proj(y)                                         # (B, t, C)
+
+
+# --- the vocabulary-parallel embedding, head and cross-entropy ------------------------------
+
+class MaskedEmbedding(Function):
+    """w_local[idx - start] for the ids this rank owns, zero rows for the others.
+    idx (B, t) int, w (Vp/tp, C) -> (B, t, C). Backward scatters the owned rows only."""
+
+    def forward(self, idx, w, start):
+        local = idx - start
+        own = (local >= 0) & (local < w.shape[0])                     # (B, t)
+        local = np.where(own, local, 0)
+        out = w[local]                                                # (B, t, C)
+        out[~own] = 0.0
+        self.save(local[own], own)
+        self.w_shape = w.shape
+        return out
+
+    def backward(self, g):
+        rows, own = self.saved
+        g32 = compute(g)                                              # fp16/bf16: sum in fp32
+        dw = np.zeros(self.w_shape, dtype=g32.dtype)
+        np.add.at(dw, rows, g32[own])                                 # repeated ids sum up
+        return None, store(dw, g.dtype), None
+
+
+class VocabParallelEmbedding:
+    """tok = g(masked lookup): exactly one rank contributes each row, the all-reduce sums it
+    (Megatron's VocabParallelEmbedding)."""
+
+    def __init__(self, weight: Tensor, vocab_start: int, group: comm.Group):
+        self.weight, self.vocab_start, self.group = weight, vocab_start, group
+
+    def __call__(self, idx) -> Tensor:                                # (B, t) -> (B, t, C)
+        return reduce_from_tp(MaskedEmbedding.apply(idx, self.weight, self.vocab_start), self.group)
+
+
+class MaskColumns(Function):
+    """Logit columns >= n_valid (the vocabulary padding) set to -inf; their gradient is 0.
+    Then softmax gives them probability exactly 0 and the loss is the unpadded model's."""
+
+    def forward(self, logits, n_valid):
+        self.n_valid = n_valid
+        out = logits.copy()
+        out[..., n_valid:] = -np.inf
+        return out
+
+    def backward(self, g):
+        d = g.copy()
+        d[..., self.n_valid:] = 0.0
+        return d, None
+
+
+def parallel_lm_logits(x: Tensor, w_local: Tensor, group: comm.Group, n_valid: int) -> Tensor:
+    """(B, t, C) -> vocab-sharded logits (B, t, Vp/tp) = f(x) @ w_local.T: the head is a
+    column-parallel layer over the vocabulary, so it needs f (its backward all-reduce)."""
+    logits = ops.matmul(copy_to_tp(x, group), ops.transpose(w_local))    # (B, t, Vp/tp)
+    return logits if n_valid == w_local.shape[0] else MaskColumns.apply(logits, n_valid)
+
+
+class VocabParallelCrossEntropy(Function):
+    """The sum over rows of -log softmax(logits)[target], divided by denom (as
+    ops.cross_entropy), straight from vocab-sharded logits (N, Vp/tp), rank r holding the
+    columns [start, start + Vp/tp). Three all-reduces of N numbers instead of gathering
+    N*Vp: the row max (op max), the target logit (one rank owns it, the others add 0), and
+    the sum of exp. Backward is local: (softmax_local - onehot_local) * g / denom.
+    Padded vocabulary columns arrive as -inf (MaskColumns): exp gives them exactly 0.
+    fp16/bf16 logits: computed (and the three all-reduces sent) in fp32; the loss is fp32."""
+
+    def forward(self, logits, targets, group, start, denom=None):
+        self.dtype, logits = logits.dtype, compute(logits)
+        Vl = logits.shape[-1]
+        z = logits.reshape(-1, Vl)                                    # (N, Vp/tp)
+        t = targets.reshape(-1)                                       # (N,)
+        n = t.shape[0]
+        denom = float(n if denom is None else denom)
+        m = tp_all_reduce(group, z.max(-1), "max", "cross_entropy")   # (N,) global row max
+        e = np.exp(z - m[:, None])                                    # (N, Vp/tp); -inf -> 0
+        local_t = t - start
+        own = (local_t >= 0) & (local_t < Vl)                         # (N,) rows whose target is here
+        rows = np.nonzero(own)[0]
+        zt = np.zeros(n, dtype=z.dtype)
+        zt[rows] = z[rows, local_t[rows]] - m[rows]
+        zt = tp_all_reduce(group, zt, "sum", "cross_entropy")         # (N,) target logit - max
+        s = tp_all_reduce(group, e.sum(-1), "sum", "cross_entropy")   # (N,) sum of exp
+        loss = (np.log(s) - zt).sum() / denom
+        e /= s[:, None]                                               # local softmax
+        self.save(e, rows, local_t[rows])
+        self.denom, self.shape = denom, logits.shape
+        return np.asarray(loss, dtype=logits.dtype)
+
+    def backward(self, g):
+        p, rows, cols = self.saved
+        d = p.copy()                                                  # (N, Vp/tp)
+        d[rows, cols] -= 1.0
+        d *= g * (1.0 / self.denom)
+        return store(d.reshape(self.shape), self.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, targets, group: comm.Group, vocab_start: int,
+                                 denom=None) -> Tensor:
+    return VocabParallelCrossEntropy.apply(logits, np.asarray(targets), group, vocab_start, denom)
+
+
+# --- the model --------------------------------------------------------------------------------
+
+def layout_of(name: str) -> str:
+    """How canonical parameter `name` is split: vocab, qkv, column, row or replicated. A MoE
+    block's router and experts are replicated: every tp rank runs the whole MoE layer on the
+    (replicated) activations, so each computes their full gradient (docs/moe.md)."""
+    if ".mlp.experts." in name or name.endswith("mlp.router.weight"):
+        return "replicated"
+    if name in ("wte.weight", "lm_head.weight"):
+        return "vocab"
+    if name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias"):
+        return "qkv"
+    if name.endswith("mlp.c_fc.weight") or name.endswith("mlp.c_fc.bias"):
+        return "column"
+    if name.endswith("c_proj.weight"):
+        return "row"
+    return "replicated"
+
+
+class TensorParallelGPT(Model):
+    """GPT-2 (model.GPT's maths and canonical names) with every layer split across the tp
+    group. Parameters are leaf Tensors holding this rank's shard, under canonical names."""
+
+    def __init__(self, cfg: GPTConfig, tp_group: comm.Group, seed: int = 0, dtype=np.float64):
+        self.cfg = cfg.validate()
+        self.dtype = np.dtype(dtype)
+        self.group, self.tp_size, self.tp_rank = tp_group, tp_group.size, tp_group.rank
+        tp = self.tp_size
+        if cfg.n_head % tp:
+            raise ValueError(f"n_head {cfg.n_head} is not divisible by tp {tp}: tensor parallelism "
+                             f"gives each rank n_head/tp whole heads")
+        V = cfg.vocab_size
+        self.vocab_padded = -(-V // tp) * tp                          # Vp
+        self.vocab_per_rank = self.vocab_padded // tp                 # Vp/tp
+        self.vocab_start = self.tp_rank * self.vocab_per_rank
+        self.vocab_valid = min(max(V - self.vocab_start, 0), self.vocab_per_rank)   # real rows here
+        self.full_shapes = {name: tuple(shape) for name, shape, _ in param_specs(cfg)}
+        # each rank draws the full tensor from its own generator and keeps its slice
+        self.params = {
+            name: Tensor(self.shard(name, init_param(name, shape, init, seed, self.dtype)),
+                         requires_grad=True, name=name)
+            for name, shape, init in param_specs(cfg)
+        }
+        P, g = self.params, tp_group
+        self.wte = VocabParallelEmbedding(P["wte.weight"], self.vocab_start, g)
+        self.attn, self.mlp = [], []
+        for i in range(cfg.n_layer):
+            h = f"h.{i}."
+            self.attn.append(ParallelAttention(
+                ColumnParallelLinear(P[h + "attn.c_attn.weight"], P[h + "attn.c_attn.bias"], g),
+                RowParallelLinear(P[h + "attn.c_proj.weight"], P[h + "attn.c_proj.bias"], g),
+                cfg.n_head // tp))
+            self.mlp.append(None if cfg.is_moe(i) else ParallelMLP(
+                ColumnParallelLinear(P[h + "mlp.c_fc.weight"], P[h + "mlp.c_fc.bias"], g),
+                RowParallelLinear(P[h + "mlp.c_proj.weight"], P[h + "mlp.c_proj.bias"], g)))
+
+    # --- where each slice lives -------------------------------------------------------------
+    def is_replicated(self, name: str) -> bool:
+        return layout_of(name) == "replicated"
+
+    def shard(self, name: str, full: np.ndarray, rank: int | None = None) -> np.ndarray:
+        """The slice of canonical tensor `name` that tp rank `rank` (default: this one) holds."""
+        if name not in self.full_shapes:
+            raise ValueError(f"{name!r} is not a parameter of this model")
+        if self.full_shapes[name] != tuple(np.shape(full)):
+            raise ValueError(f"{name}: shape {np.shape(full)} is not the canonical {self.full_shapes[name]}")
+        r, tp, kind = self.tp_rank if rank is None else rank, self.tp_size, layout_of(name)
+        full = np.asarray(full)
+        if kind == "replicated":
+            return full.copy()
+        if kind == "vocab":                                           # (V, C) -> (Vp/tp, C)
+            pad = np.zeros((self.vocab_padded, full.shape[1]), dtype=full.dtype)
+            pad[:full.shape[0]] = full
+            n = self.vocab_per_rank
+            return pad[r * n:(r + 1) * n].copy()
+        if kind == "row":                                             # (Cin, C) -> (Cin/tp, C)
+            n = full.shape[0] // tp
+            return full[r * n:(r + 1) * n].copy()
+        if kind == "column":                                          # (..., 4C) -> (..., 4C/tp)
+            n = full.shape[-1] // tp
+            return full[..., r * n:(r + 1) * n].copy()
+        # qkv: (..., 3C) = [q | k | v] -> (..., 3, tp, C/tp): take head group r of each
+        C = full.shape[-1] // 3
+        parts = full.reshape(*full.shape[:-1], 3, tp, C // tp)
+        return np.ascontiguousarray(parts[..., r, :]).reshape(*full.shape[:-1], 3 * C // tp)
+
+    def unshard(self, name: str, shards) -> np.ndarray:
+        """The full canonical tensor from every tp rank's shard (in tp-rank order)."""
+        kind = layout_of(name)
+        if len(shards) != self.tp_size:
+            raise ValueError(f"{name}: {len(shards)} shards for tp {self.tp_size}")
+        if kind == "replicated":
+            return np.array(shards[0], copy=True)
+        if kind == "vocab":
+            return np.concatenate(shards, axis=0)[:self.cfg.vocab_size]      # drop the padding
+        if kind == "row":
+            return np.concatenate(shards, axis=0)
+        if kind == "column":
+            return np.concatenate(shards, axis=-1)
+        lead = shards[0].shape[:-1]                                   # qkv: undo shard()
+        parts = np.stack([s.reshape(*lead, 3, -1) for s in shards], axis=-2)   # (..., 3, tp, C/tp)
+        return parts.reshape(*lead, -1)
+
+    # --- the Python API of docs/design.md §4, on shards (interfaces.Model) ------------------
+    # named_parameters, parameters, num_params (the full canonical count), num_local_params
+    # (elements this rank holds: (P - replicated)/tp + replicated, plus vocab padding),
+    # zero_grad, load_state_dict (each tensor's shard()) and grad_norm_sq come from Model.
+
+    def consolidate(self, local: dict) -> dict:
+        """{name: local array} -> {name: full canonical array}, for parameters or any state
+        shaped like them (Adam's m and v). Collective over the tp group: one all_gather
+        per split tensor, in name order, on every rank; the result is identical on all."""
+        out = {}
+        for name in [n for n, _, _ in param_specs(self.cfg) if n in local]:    # (--ep: all experts)
+            a = np.ascontiguousarray(local[name])
+            if self.is_replicated(name) or self.tp_size == 1:
+                out[name] = self.unshard(name, [a] * self.tp_size)
+                continue
+            flat = comm.all_gather(self.group, a)                     # (tp * a.size,)
+            out[name] = self.unshard(name, list(flat.reshape(self.tp_size, *a.shape)))
+        return out
+
+    def counts_in_norm(self, name: str) -> bool:
+        """Split parameters count on every rank (its slice), replicated ones on tp rank 0."""
+        return self.tp_rank == 0 or not self.is_replicated(name)
+
+    def reduce_norm_sq(self, local: float) -> float:
+        """One all-reduce over tp of each rank's counted sum of squares."""
+        return float(tp_all_reduce(self.group, np.array([local]), "sum", "grad_norm")[0])
+
+    # --- forward, in pieces a pipeline stage can run ----------------------------------------
+    def check_ids(self, idx) -> np.ndarray:
+        idx = np.asarray(idx)
+        if idx.shape[-1] > self.cfg.block_size:
+            raise ValueError(f"sequence length {idx.shape[-1]} > block_size {self.cfg.block_size}")
+        if idx.size and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
+                             f"[{idx.min()}, {idx.max()}]")
+        return idx
+
+    def embed(self, idx) -> Tensor:
+        idx = self.check_ids(idx)
+        t = idx.shape[-1]
+        tok = self.wte(idx)                                                       # (B, t, C)
+        pos = ops.embedding(self.position_ids(t)[None, :], self.params["wpe.weight"])  # (1, t, C)
+        return tok + pos
+
+    def block(self, i: int, x: Tensor) -> Tensor:
+        P, h = self.params, f"h.{i}."
+        x = x + self.attn[i](ops.layer_norm(x, P[h + "ln_1.weight"], P[h + "ln_1.bias"]), self.attend)
+        m = ops.layer_norm(x, P[h + "ln_2.weight"], P[h + "ln_2.bias"])
+        return x + (self.moe_layer(i, m) if self.cfg.is_moe(i) else self.mlp[i](m))
+
+    def head(self, x: Tensor) -> Tensor:
+        """-> vocab-sharded logits (B, t, Vp/tp); padded columns are -inf."""
+        P = self.params
+        x = ops.layer_norm(x, P["ln_f.weight"], P["ln_f.bias"])
+        w = P["wte.weight"] if self.cfg.tie_embeddings else P["lm_head.weight"]   # (Vp/tp, C)
+        return parallel_lm_logits(x, w, self.group, self.vocab_valid)
+
+    def loss(self, logits: Tensor, targets, loss_denom=None) -> Tensor:
+        targets = np.asarray(targets)
+        if targets.size and (targets.min() < 0 or targets.max() >= self.cfg.vocab_size):
+            raise ValueError(f"targets must be in [0, {self.cfg.vocab_size}), got "
+                             f"[{targets.min()}, {targets.max()}]")
+        return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_start, loss_denom)
+
+    def __call__(self, idx, targets=None, loss_denom=None):
+        """Without targets the vocab-sharded logits (B, t, Vp/tp); with targets the scalar
+        loss (sum of per-position cross-entropies / loss_denom, default B*t), the same
+        on every tp rank."""
+        with trace.layer("embed"):                                      # --trace: a span each
+            x = self.embed(idx)
+        for i in range(self.cfg.n_layer):
+            x = self.run_block(i, x)
+        with trace.layer("head"):
+            logits = self.head(x)
+            return logits if targets is None else self.loss(logits, targets, loss_denom)
+
+    forward = __call__
+
+
+def clip_grad_norm(model: TensorParallelGPT, max_norm: float) -> float:
+    """optim.clip_grad_norm for a tensor-parallel model: the global norm from
+    grad_norm_sq() (each parameter once), the same clip factor on every rank. Returns the
+    norm before clipping; max_norm 0 only measures."""
+    total = math.sqrt(model.grad_norm_sq())
+    c = clip_coef(total, max_norm)
+    if c < 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad *= c
+    return total
+
+
+# --- the formulas: what a rank holds, what it sends (the planner and the summary use them) ----
+
+def local_size(name: str, shape, tp: int) -> int:
+    """Elements of canonical tensor `name` (of canonical `shape`) on one tp rank, as shard()
+    cuts it: a vocabulary tensor Vp/tp = ceil(V/tp) rows of C, a split one 1/tp of it, a
+    replicated one (wpe, LayerNorms, row-parallel biases) whole."""
+    kind = layout_of(name)
+    if kind == "vocab":
+        return -(-shape[0] // tp) * shape[1]                     # (Vp/tp, C)
+    n = math.prod(shape)
+    return n if kind == "replicated" else n // tp
+
+
+def local_param_count(cfg: GPTConfig, tp: int) -> int:
+    """Parameters one tp rank holds, by formula (what num_local_params() must measure):
+    (P - replicated)/tp + replicated, with the vocabulary tensors padded to Vp rows first;
+    the sum of local_size over the canonical tensors."""
+    return sum(local_size(name, shape, tp) for name, shape, _ in param_specs(cfg))
+
+
+def megatron_calls(n_layers: int, first: bool = True, last: bool = True,
+                   recompute: str = "none") -> tuple[int, int]:
+    """Megatron's all-reduces of one micro-batch, forward and backward, on a tp rank holding
+    `n_layers` blocks, the embedding if `first` and the head if `last` (a pipeline stage;
+    the whole model by default), as (calls on a (rows, t, C) activation or its gradient,
+    calls on rows*t numbers): 4 per block (attention's and the MLP's f and g), the
+    embedding's g, the head's f; the vocabulary-parallel cross-entropy's 3. With full
+    recomputation each block's forward, and so its two g's, runs again in backward."""
+    again = 2 * n_layers if recompute == "full" else 0
+    return 4 * n_layers + again + (1 if first else 0) + (1 if last else 0), 3 if last else 0
+
+
+def megatron_count(cfg: GPTConfig, rows: int, t: int, n_layers: int | None = None,
+                   first: bool = True, last: bool = True, recompute: str = "none") -> tuple[int, int]:
+    """(all-reduces, elements) of one micro-batch of `rows` sequences of t tokens: for the
+    whole model 4L + 5 calls and (4L + 2) * rows * t * C + 3 * rows * t elements (module
+    docstring); for a pipeline stage, its n_layers blocks and ends (megatron_calls)."""
+    act, per_row = megatron_calls(cfg.n_layer if n_layers is None else n_layers, first, last, recompute)
+    return act + per_row, act * rows * t * cfg.n_embd + per_row * rows * t

@@ -1,0 +1,4 @@
+"""ZeRO: optimizer state, gradients and parameters sharded over the data-parallel group.
+
+    sharded.py          stages 1, 2 and 3
+"""
