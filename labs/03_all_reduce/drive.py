@@ -26,7 +26,7 @@ P_MAX = 5
 OWN = [f"minipar.comm:{n}" for n in ("all_reduce", "all_reduce_async", "reduce_scatter", "all_gather",
                                      "reduce_scatter_async", "all_gather_async", "broadcast", "reduce",
                                      "scatter", "gather", "all_to_all", "all_to_all_async")] + \
-      [f"minipar.comm.{m}:{n}" for m in ("ring", "doubling", "direct", "hierarchical")
+      [f"minipar.comm.algorithms.{m}:{n}" for m in ("ring", "doubling", "direct", "hierarchical")
        for n in ("all_reduce", "start_all_reduce", "reduce_scatter", "start_reduce_scatter", "all_gather",
                  "start_all_gather")] + \
       [f"minipar.comm.algorithms.straight_line:{n}" for n in ("all_reduce_into", "all_reduce_direct_into",

@@ -264,7 +264,7 @@ def trainer(stage, **change):
                      hint={1: "the real trainer with your ZeRO-1 on 2 ranks; the grader compares it with one process",
                            2: "the real trainer with your ZeRO-2 on 2 ranks; the grader compares it with one process",
                            3: "stage 3 gathers each block before its forward and again before its backward "
-                              "(parallel.zero.Regather), and releases it after each"}[stage])
+                              "(parallel.zero.sharded.Regather), and releases it after each"}[stage])
 
 
 CRITERIA = [
