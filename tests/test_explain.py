@@ -1,9 +1,9 @@
 """python -m minipar.explain: each drawing is read back from the data that went on the wire.
 
 Every run below is the command a user types (it launches mpirun itself, under a timeout); the
-tests then read its trace with explain_read.collective_picture / mlp_picture / pipeline_picture and
-compare with the algorithms' own formulas (ring.py's docstring, tree.py's tree, Megatron's f
-and g), and check that a planted mistake in a trace is reported.
+tests then read its trace with collectives.collective_picture / megatron.mlp_picture /
+pipeline.pipeline_picture and compare with the algorithms' own formulas (ring.py's docstring,
+tree.py's tree, Megatron's f and g), and check that a planted mistake in a trace is reported.
 """
 import copy
 import json
@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from minipar.explain import pictures as explain, read as explain_read
+from minipar.explain import cli as explain, collectives, megatron, moe, pipeline, ring_attention
 from minipar.show import traceview
 from minipar.parallel.pipeline import schedules
 
@@ -57,23 +57,23 @@ def test_ring_all_reduce_cells_are_the_rings_piece_schedule(tmp_path_factory):
     partial sum collects one rank per step: the one that sends it at step s holds ranks r-s..r."""
     proc, trace, _ = explained("ring-all-reduce", 4, tmp_path_factory)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    pic = explain_read.collective_picture(trace)
+    pic = collectives.collective_picture(trace)
     p, full = 4, 0b1111
     assert pic.problems == [] and pic.steps == list(range(1, 2 * (p - 1) + 1)), pic.problems
     for r in range(p):
         for s in range(p - 1):
             cell = messages(pic, r, s + 1)
             (send,), (recv,) = cell["send"], cell["recv"]
-            got = (send.dst, explain_read.piece_of(send, pic.off)[1], ranks(send.mask),
-                   recv.src, explain_read.piece_of(recv, pic.off)[1], recv.op, ranks(recv.mask))
+            got = (send.dst, collectives.piece_of(send, pic.off)[1], ranks(send.mask),
+                   recv.src, collectives.piece_of(recv, pic.off)[1], recv.op, ranks(recv.mask))
             want = ((r + 1) % p, f"p{(r - s - 1) % p}", {(r - k) % p for k in range(s + 1)},
                     (r - 1) % p, f"p{(r - s - 2) % p}", "+=", {(r - 1 - k) % p for k in range(s + 1)})
             assert got == want, f"rank {r} reduce-scatter step {s}: {got} != {want}"
             assert len(ranks(send.mask)) == s + 1                           # one more rank per step
             cell = messages(pic, r, p + s)
             (send,), (recv,) = cell["send"], cell["recv"]
-            got = (explain_read.piece_of(send, pic.off)[1], send.mask,
-                   explain_read.piece_of(recv, pic.off)[1], recv.op, recv.mask)
+            got = (collectives.piece_of(send, pic.off)[1], send.mask,
+                   collectives.piece_of(recv, pic.off)[1], recv.op, recv.mask)
             want = (f"p{(r - s) % p}", full, f"p{(r - s - 1) % p}", "=", full)
             assert got == want, f"rank {r} all-gather step {s}: {got} != {want}"
     text = proc.stdout
@@ -90,7 +90,7 @@ def test_recursive_doubling_p5_shows_the_fix_up(tmp_path_factory):
     message must call it the same step (a trace whose ranks number steps differently draws
     an exchange in two columns)."""
     proc, trace, _ = explained("recursive-doubling", 5, tmp_path_factory)
-    pic = explain_read.collective_picture(trace)
+    pic = collectives.collective_picture(trace)
     first, last = pic.steps[0], pic.steps[-1]
     mine = [(s, k, m) for s in pic.steps for k, m in pic.cells.get((4, s), [])]
     assert [(s, k, m.src, m.dst, ranks(m.mask)) for s, k, m in mine] == \
@@ -109,7 +109,7 @@ def test_broadcast_tree_each_rank_receives_once(tmp_path_factory):
     a copy of rank 0's x; rank 0 receives nothing."""
     proc, trace, _ = explained("broadcast", 4, tmp_path_factory)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    pic = explain_read.collective_picture(trace)
+    pic = collectives.collective_picture(trace)
     assert pic.problems == [], pic.problems
     for r in range(4):
         got = [m for s in pic.steps for k, m in pic.cells.get((r, s), []) if k == "recv"]
@@ -124,10 +124,10 @@ def test_broadcast_tree_each_rank_receives_once(tmp_path_factory):
 @pytest.mark.parametrize("what", ["reduce-scatter", "all-gather", "reduce"])
 def test_other_collectives_replay_to_their_results(what, tmp_path_factory):
     """No problem in the replay: every message carried what its sender held, and each rank
-    ended with the collective's result (explain_read.end_state); the worker checked NumPy too."""
+    ended with the collective's result (collectives.end_state); the worker checked NumPy too."""
     proc, trace, out = explained(what, 4, tmp_path_factory)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    pic = explain_read.collective_picture(trace)
+    pic = collectives.collective_picture(trace)
     assert pic.problems == [] and len(pic.steps) == {"reduce": 2}.get(what, 3), (pic.problems, pic.steps)
     assert os.path.isfile(os.path.join(out, f"explain-{what}-p4.svg"))
 
@@ -147,23 +147,23 @@ def test_a_planted_mistake_is_reported(tmp_path_factory, tmp_path):
     """Three traces altered after the run: a partial sum that claims rank 2's input (it holds
     {0,1}), a value that is no sum of inputs, and a message nobody received. Each is named."""
     _, trace, _ = explained("ring-all-reduce", 4, tmp_path_factory)
-    assert explain_read.collective_picture(trace).problems == []
+    assert collectives.collective_picture(trace).problems == []
     wrong = copy.deepcopy(trace)                        # rank 1, step 2: piece 3 (elements 24..31) of
     _, m = _message(wrong, 1, 2)                        # x_0 + x_1; now its values say + x_2 too
     M = 2 ** 4
     m[4] += 25 * M + 4                                  # x_2[24] = (24+1)*M + 2**2
     m[5] += 32 * M + 4
-    problems = explain_read.collective_picture(wrong).problems
+    problems = collectives.collective_picture(wrong).problems
     assert any(p.startswith("step 2: rank 1 sends elements 24..31 with contributors {0-2} but holds {0,1}")
                for p in problems), problems
     garbled = copy.deepcopy(trace)
     _, m = _message(garbled, 2, 1)
     m[4] += 1.0                                         # (j+1)*M + 2**r + 1: rank bits that do not add up
-    assert any(p.startswith("step 1: rank 2 -> 3:") for p in explain_read.collective_picture(garbled).problems)
+    assert any(p.startswith("step 1: rank 2 -> 3:") for p in collectives.collective_picture(garbled).problems)
     lost = copy.deepcopy(trace)
     msgs, m = _message(lost, 3, 4, "recv")
     msgs.remove(m)
-    problems = explain_read.collective_picture(lost).problems     # the later ones pair up one step apart
+    problems = collectives.collective_picture(lost).problems     # the later ones pair up one step apart
     assert problems[0] == "rank 2 sends 64 B to rank 3 at its step 4; rank 3 receives 64 B at its step 5", problems
     assert "step 6: rank 2 sends to rank 3, which never receives it" in problems, problems
     path = str(tmp_path / "planted.json")
@@ -176,7 +176,7 @@ def test_a_planted_mistake_is_reported(tmp_path_factory, tmp_path):
 def test_pieces_are_the_rings():
     from minipar.comm.group import split_offsets
     for n, p in ((32, 4), (10, 3), (5, 5), (17, 16)):
-        assert explain_read.piece_offsets(n, p) == split_offsets(n, p), (n, p)
+        assert collectives.piece_offsets(n, p) == split_offsets(n, p), (n, p)
 
 
 def test_decode_inverts_the_encoding():
@@ -184,10 +184,10 @@ def test_decode_inverts_the_encoding():
     for mask in (1, 0b10110, 0b11111):
         for j in range(n):
             v = sum((j + 1) * 2 ** p + 2 ** r for r in ranks(mask))
-            assert explain_read.decode(float(v), p, n) == (mask, j)
+            assert collectives.decode(float(v), p, n) == (mask, j)
     for bad in (3.5, 2 * 2.0 ** p + 7, (n + 1) * 2.0 ** p + 1):      # 3 ranks cannot sum to 2*M
         with pytest.raises(ValueError):
-            explain_read.decode(bad, p, n)
+            collectives.decode(bad, p, n)
 
 
 # --- Megatron's MLP and 1F1B -------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_decode_inverts_the_encoding():
 def test_megatron_mlp_all_reduces_once_in_g_forward_and_once_in_f_backward(tmp_path_factory):
     proc, trace, _ = explained("megatron-mlp", 2, tmp_path_factory)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    pic = explain_read.mlp_picture(trace)
+    pic = megatron.mlp_picture(trace)
     assert pic.problems == [], pic.problems
     B, T, C = explain.MLP_SHAPE
     assert pic.columns[:5] == [("f", "forward"), ("c_fc", "forward"), ("gelu", "forward"), ("c_proj", "forward"),
@@ -213,7 +213,7 @@ def test_megatron_mlp_all_reduces_once_in_g_forward_and_once_in_f_backward(tmp_p
 def test_1f1b_measured_timeline_theory_and_instructions(tmp_path_factory):
     proc, trace, out = explained("1f1b", 3, tmp_path_factory)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    pic = explain_read.pipeline_picture(trace)
+    pic = pipeline.pipeline_picture(trace)
     p, m = 3, 6
     assert pic["n_stages"] == p and pic["micro_batches"] == m
     assert pic["theory"] == schedules.bubble_theory("1f1b", p, m) and 0 < pic["bubble"] < 1
@@ -254,7 +254,7 @@ def test_ring_attention_messages_and_blocks_are_the_rings(tmp_path_factory):
             [8 * 4 * n + HEADER_BYTES] * (C - 1) + [8 * 2 * n + HEADER_BYTES], r
         assert {p for e in sends for p in e["args"]["peers"]} == {(r + 1) % C}
         assert len(_sends(trace, r, "recv")) == (C - 1) + C
-    pic = explain_read.ring_picture(trace)
+    pic = ring_attention.ring_picture(trace)
     assert pic.problems == [], pic.problems
     for r in range(C):
         mine = [m for m in pic.messages if m.src == r]
@@ -310,19 +310,19 @@ def test_ring_attention_planted_mistakes_are_reported(tmp_path_factory, tmp_path
     wrong = copy.deepcopy(trace)                    # rank 1, forward step 0: its own K, V (positions 2..13)
     payload = _ring_send(wrong, 1, 0)["messages"][1]
     payload[4:6] = [5 / 16, 12 / 16]                # now claims rank 2's block (positions 4..11)
-    problems = explain_read.ring_picture(wrong).problems
+    problems = ring_attention.ring_picture(wrong).problems
     assert "forward step 0: rank 1 passes on the block of rank 2 but holds rank 1's" in problems, problems
     assert "forward step 1: rank 2 passes on the block of rank 1 but holds rank 2's" in problems, problems
     assert any("computed twice" in p for p in problems) and any("computed by no rank" in p for p in problems)
     lost = copy.deepcopy(trace)
     args = _ring_send(lost, 2, 3, "backward")        # rank 2's dK, dV home
     args["peers"], args["messages"] = [0], [[s, k, 0, *rest] for s, k, _, *rest in args["messages"]]
-    problems = explain_read.ring_picture(lost).problems
+    problems = ring_attention.ring_picture(lost).problems
     assert "backward step 3: rank 2 sends dK, dV of rank 3's block to rank 0, not home" in problems, problems
     assert "backward step 3: rank 2 sends to rank 0, which never receives it" in problems, problems
     counted = copy.deepcopy(trace)
     counted["otherData"]["minipar"]["blocks"][3][1] += 1
-    problems = explain_read.ring_picture(counted).problems
+    problems = ring_attention.ring_picture(counted).problems
     assert problems == ["sub-blocks per rank: [9, 9, 9, 9] in the picture, [9, 9, 9, 10] by measured backward"]
     split = ra.positions
 
@@ -330,7 +330,7 @@ def test_ring_attention_planted_mistakes_are_reported(tmp_path_factory, tmp_path
         mine = split(rank, C, T, layout)
         return mine + (2 if rank == 0 else -2 if rank == 1 else 0) * (mine < 2 * 2)
     monkeypatch.setattr(ra, "positions", wrong_split)
-    problems = explain_read.ring_picture(trace).problems
+    problems = ring_attention.ring_picture(trace).problems
     assert any(p.startswith("forward step 0: rank 0 -> 1: no rank's block starts and ends at positions 0 and 15")
                for p in problems), problems
     monkeypatch.undo()
@@ -378,8 +378,8 @@ def test_moe_dispatch_with_a_capacity_moves_each_kept_assignment_once(tmp_path_f
             assert sorted(m[2] for m in sends) == [q for q in range(P) if q != r]
             assert {m[3] for m in sends} == {E // P * cap * C * 8}, sends
             assert a["bytes_sent"] == (P - 1) * E // P * cap * C * 8
-    pic = explain_read.moe_picture(trace)
-    assert pic.problems == [] and pic.cap == cap and pic.calls == explain_read.MOE_CALLS[True], pic.problems
+    pic = moe.moe_picture(trace)
+    assert pic.problems == [] and pic.cap == cap and pic.calls == moe.MOE_CALLS[True], pic.problems
     seen = {}
     for (src, dst), per_expert in pic.rows.items():
         for i, rows in enumerate(per_expert):
@@ -407,8 +407,8 @@ def test_moe_dispatch_without_capacity_sends_exactly_the_kept_rows(tmp_path_fact
     expert's rows by source as a fifth all-to-all; each rank's bytes differ and equal ep_bytes."""
     proc, trace, _ = explained_moe(2, 0.0, tmp_path_factory)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    pic = explain_read.moe_picture(trace)
-    assert pic.problems == [] and pic.cap is None and pic.calls == explain_read.MOE_CALLS[False], pic.problems
+    pic = moe.moe_picture(trace)
+    assert pic.problems == [] and pic.cap is None and pic.calls == moe.MOE_CALLS[False], pic.problems
     assert all(route["kept"].all() for route in pic.routing)
     assert sum(len(pic.flat(s, d)) for s in range(2) for d in range(2)) == 2 * 6 * 2     # every assignment once
     for r in range(2):
@@ -424,28 +424,28 @@ def test_moe_dispatch_planted_mistakes_are_reported(tmp_path_factory, tmp_path):
     marked kept, and a layer count off by a byte: each is named; the drawing says PROBLEM in red and
     the command would exit 1."""
     _, trace, _ = explained_moe(4, 1.25, tmp_path_factory)
-    assert explain_read.moe_picture(trace).problems == []
+    assert moe.moe_picture(trace).problems == []
     wrong = copy.deepcopy(trace)                        # rank 0 -> 1: e1's rows start with t0
     _, m = _message(wrong, 0, 1)
-    assert m[2] == 1 and m[4] == 1 / explain_read.MOE_MARK, m
-    m[4] = 2 / explain_read.MOE_MARK                     # now the first row says t1
-    problems = explain_read.moe_picture(wrong).problems
+    assert m[2] == 1 and m[4] == 1 / moe.MOE_MARK, m
+    m[4] = 2 / moe.MOE_MARK                     # now the first row says t1
+    problems = moe.moe_picture(wrong).problems
     assert problems == ["dispatch: rank 0 -> 1 carries t1, t4 first and last; its routing puts t0, t4 there"], problems
     short = copy.deepcopy(trace)
     _, m = _message(short, 3, 2)                        # rank 3's dispatch, round 2: to rank 1
     m[3] -= 32
-    problems = explain_read.moe_picture(short).problems
+    problems = moe.moe_picture(short).problems
     assert "dispatch: rank 3 sends 96 B to rank 1, not 128 B (4 rows of C = 4 float64)" in problems, problems
     assert "dispatch: rank 1 receives 128 B from rank 3, which sent it 96 B" in problems, problems
     kept = copy.deepcopy(trace)
     kept["otherData"]["minipar"]["routing"][2]["kept"][5][1] = True      # t17's e1: dropped, now kept
-    problems = explain_read.moe_picture(kept).problems
+    problems = moe.moe_picture(kept).problems
     assert problems[0] == ("rank 2: token 5's choice 2 (expert 1) is kept; the claim order (moe.claim_slots) "
                            "drops it"), problems
     assert any(p.startswith("dispatch: rank 2 sends 128 B to rank 1, not 160 B") for p in problems), problems
     counted = copy.deepcopy(trace)
     counted["otherData"]["minipar"]["counted"][1] += 1
-    problems = explain_read.moe_picture(counted).problems
+    problems = moe.moe_picture(counted).problems
     assert problems == ["rank 1 sends 1536 B in its all-to-alls; ep_bytes says 1536 B, the layer counted 1537 B"]
     path = str(tmp_path / "planted.json")
     with open(path, "w") as f:

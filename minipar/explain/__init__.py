@@ -1,10 +1,15 @@
 """python -m minipar.explain: each mechanism drawn from a real run's trace, checked against
-the formulas. Read in this order:
+the formulas. One file per picture: its run, what it reads from the trace, its drawing. Read
+in this order:
 
-    pictures.py         the runs behind each picture and the command line
-    read.py             what a picture reads from the trace, checked
-    draw.py             the pictures
+    cli.py              the command line: the WHATs, the launch under mpirun, a trace drawn
+    common.py           what the pictures share: the table of pictures, the errors, the palette
+    collectives.py      the collectives (ring, recursive doubling, the trees); every WHAT's worker
+    megatron.py         Megatron's MLP on tp ranks
+    pipeline.py         the 1F1B pipeline, the trainer's own trace
+    ring_attention.py   ring attention (context parallelism)
+    moe.py              one MoE layer's all-to-alls (expert parallelism)
 """
-from minipar.explain.pictures import build_parser, main, settle
+from minipar.explain.cli import build_parser, main, settle
 
 __all__ = ["build_parser", "main", "settle"]

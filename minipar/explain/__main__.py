@@ -1,4 +1,4 @@
-"""python -m minipar.explain (minipar/explain/pictures.py)."""
+"""python -m minipar.explain (minipar/explain/cli.py)."""
 import sys
 
 from minipar.explain import main
