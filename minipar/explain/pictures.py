@@ -17,7 +17,7 @@ What runs. The launcher starts `mpirun -n P python -m minipar.explain --worker W
 a timeout, MINIPAR_EXPLAIN_TIMEOUT seconds, 120 by default). Each rank calls the algorithm
 module itself, not the dispatcher of minipar.comm, so the algorithm drawn is the one named
 whatever the size. The trace records with peek=True: each float64 message sent keeps its
-first and last value (trace.py; Call.note in comm/group.py). Rank 0 writes the trace,
+first and last value (trace.py; Call.note in comm/calls.py). Rank 0 writes the trace,
 DIR/explain-WHAT-pP.json, which the launcher reads back and draws.
 
 ring-attention runs ring_attention.RingAttention on P ranks (zig-zag, RING_SHAPE) inside a
