@@ -174,7 +174,7 @@ def test_a_planted_mistake_is_reported(tmp_path_factory, tmp_path):
 
 
 def test_pieces_are_the_rings():
-    from minipar.comm.group import split_offsets
+    from minipar.comm.helpers import split_offsets
     for n, p in ((32, 4), (10, 3), (5, 5), (17, 16)):
         assert collectives.piece_offsets(n, p) == split_offsets(n, p), (n, p)
 
@@ -242,7 +242,7 @@ def test_ring_attention_messages_and_blocks_are_the_rings(tmp_path_factory):
     """ring_attention.py: forward step j = 0..C-2 sends the K, V of rank r-j to rank r+1; backward
     sends K, V, dK, dV of rank r-j, then dK, dV home: (C-1) + C messages a rank, ring_traffic's bytes.
     Every causal sub-block is computed once, 2C+1 of them on every rank under zig-zag."""
-    from minipar.comm.group import HEADER_BYTES
+    from minipar.comm.protocol import HEADER_BYTES
     from minipar.parallel.context import ring_attention as ra
     proc, trace, _ = explained("ring-attention", 4, tmp_path_factory)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -36,7 +36,7 @@ from minipar import comm
 from minipar.model import moe
 from minipar.autograd import ops, recompute
 from minipar.model.gpt import GPT, GPTConfig, param_specs, train_flops_per_token
-from minipar.comm.group import HEADER_BYTES
+from minipar.comm.protocol import HEADER_BYTES
 from minipar.parallel.expert import expert_parallel
 from minipar.parallel.pipeline import stage as pipeline, schedules
 from minipar.parallel.context import ring_attention

@@ -210,7 +210,7 @@ def test_off_means_nothing_recorded():
     assert trace.span("x", "y") is trace.NOTHING and trace.layer("h.0") is trace.NOTHING
     g = comm.Group.__new__(comm.Group)      # Call keeps no recorder when tracing is off
     g.axis, g.comm, g.trace, g.remote = None, None, False, (False,)
-    assert comm.group.Call(g, "all_reduce", 1, 0).rec is None
+    assert comm.calls.Call(g, "all_reduce", 1, 0).rec is None
 
 
 def test_an_unwritable_trace_path_is_a_config_error(capsys, tmp_path):

@@ -1,8 +1,13 @@
 """minipar.comm: collectives written by hand on MPI point-to-point messages (docs/design.md §5).
 
-This file is the API and the choice of algorithm; beside it: group.py (Group, the ledger,
-point-to-point messages, handles, timeouts), algorithms/ (one algorithm per file) and
-static_check.py (no library file calls MPI's own collectives).
+This file is the API and the choice of algorithm; beside it: group.py (Group: a communicator
+of minipar's own, its hosts, axis views, the MINIPAR_DEBUG check), calls.py (Call, the one
+way a message moves: a polled Isend/Irecv, with its timeout; run and Handle, the blocking
+and non-blocking drivers of an algorithm's generator), ledger.py (the traffic ledger),
+p2p.py (send/recv and their async forms), protocol.py (tags, the dtype-and-shape header),
+helpers.py (argument checks and array helpers shared by the algorithms), errors.py
+(CommError and its kinds; ending the whole job on an uncaught error), algorithms/ (one
+algorithm per file) and static_check.py (no library file calls MPI's own collectives).
 
     g = Group(MPI.COMM_WORLD)                 # or any sub-communicator, of any size
     g = Group(sub_comm, axis="dp")            # its messages counted under "dp" (default None)
@@ -59,9 +64,12 @@ import os
 
 from minipar.comm.algorithms import (alltoall, direct, doubling, hierarchical, hierarchical_alltoall, ring,
                                      straight_line, tree)
-from minipar.comm.group import (CollectiveMismatch, CommError, CommTimeout, Group, Handle, abort_on_error,
-                                abort_world, array, recv, recv_async, reset_traffic, run, send, send_async,
-                                traffic, traffic_by_axis, untracked)
+from minipar.comm.calls import Handle, run
+from minipar.comm.errors import CollectiveMismatch, CommError, CommTimeout, abort_on_error, abort_world
+from minipar.comm.group import Group
+from minipar.comm.helpers import array
+from minipar.comm.ledger import reset_traffic, traffic, traffic_by_axis, untracked
+from minipar.comm.p2p import recv, recv_async, send, send_async
 from minipar.comm.algorithms.tree import broadcast, gather, reduce, scatter
 
 # Measured crossovers (bytes of x, or of the result for all_gather): up to and including

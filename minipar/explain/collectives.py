@@ -90,7 +90,7 @@ def work(what: str, n: int, path: str, factor: float = MOE_FACTOR):
 # --- the data on the wire -------------------------------------------------------------------------
 def piece_offsets(n: int, p: int) -> tuple:
     """Where each piece of np.array_split(range(n), p) starts, and n: the pieces the ring
-    cuts (comm.group.split_offsets, which imports MPI; the launcher never starts MPI)."""
+    cuts (comm.helpers.split_offsets, which imports MPI; the launcher never starts MPI)."""
     return tuple(int(k) for k in np.cumsum([0] + [len(a) for a in np.array_split(np.arange(n), p)]))
 
 

@@ -199,7 +199,7 @@ def _ring_messages(calls: dict, C: int, problems: list) -> list:
 def _read_owners(pic: RingPicture, problems: list):
     """Each message's block (decoded, or for dK, dV home derived) and each rank's block in hand
     per step; checked against the ring's order (step j: the block of rank r - j) and the sizes."""
-    from minipar.comm.group import HEADER_BYTES                         # noqa: PLC0415
+    from minipar.comm.protocol import HEADER_BYTES                      # noqa: PLC0415
     C, T, n = pic.C, pic.T, pic.n
     by = {(m.pas, m.src, m.step): m for m in pic.messages}
     for pas in RING_PASSES:

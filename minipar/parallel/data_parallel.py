@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from minipar import comm
-from minipar.comm.group import split_offsets
+from minipar.comm.helpers import split_offsets
 from minipar.optim.adamw import sum_of_squares
 from minipar.optim.mixed_precision import local_found_inf
 

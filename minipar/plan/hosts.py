@@ -51,7 +51,8 @@ from minipar import comm
 from minipar.config import flags as config
 from minipar.comm.algorithms import (alltoall, direct, doubling, hierarchical, hierarchical_alltoall, ring,
                                      tree)
-from minipar.comm.group import HEADER_BYTES, split_offsets
+from minipar.comm.helpers import split_offsets
+from minipar.comm.protocol import HEADER_BYTES
 from minipar.parallel.expert.expert_parallel import COUNT_BYTES
 
 AXES = ("dp", "tp", "pp", "other")      # the planner's axes (plan.py's docstring)

@@ -147,7 +147,8 @@ from minipar.model import moe
 from minipar.optim import mixed_precision
 from minipar.autograd import recompute
 from minipar.comm.algorithms import direct, tree
-from minipar.comm.group import HEADER_BYTES, split_offsets
+from minipar.comm.helpers import split_offsets
+from minipar.comm.protocol import HEADER_BYTES
 from minipar.model.gpt import GPTConfig, param_specs, train_flops_per_token
 from minipar.parallel.context import context_parallel
 from minipar.parallel import data_parallel

@@ -69,7 +69,7 @@ class Recorder:
             self.events.append(["X", name, cat, tid, start, end, args, None])
 
     def call(self, c, end):
-        """A finished comm Call (comm/group.py): a span on the communication thread."""
+        """A finished comm Call (comm/calls.py): a span on the communication thread."""
         if self.paused:
             return
         w = c.g.world_ranks

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 import minipar.comm as comm
 from minipar.comm.algorithms import direct, doubling, ring, tree
-from minipar.comm.group import HEADER_BYTES
+from minipar.comm.protocol import HEADER_BYTES
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from minipar import comm
 from named_hosts import group_on_hosts
 from minipar.comm.algorithms import hierarchical, ring
-from minipar.comm.group import split_offsets
+from minipar.comm.helpers import split_offsets
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()

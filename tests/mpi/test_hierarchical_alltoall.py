@@ -15,7 +15,7 @@ from mpi4py import MPI
 from minipar import comm
 from named_hosts import group_on_hosts
 from minipar.comm.algorithms import alltoall, hierarchical_alltoall as ha
-from minipar.comm import group as group_mod
+from minipar.comm import calls as calls_mod
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -148,7 +148,7 @@ def test_messages_across_hosts(name, monkeypatch):
     if g is None:
         return
     sent = []
-    real = group_mod.Call.isend
+    real = calls_mod.Call.isend
 
     def counting(self, step, buf, dst):
         reqs = real(self, step, buf, dst)
@@ -156,7 +156,7 @@ def test_messages_across_hosts(name, monkeypatch):
             sent.append(self.remote[dst])
         return reqs
 
-    monkeypatch.setattr(group_mod.Call, "isend", counting)
+    monkeypatch.setattr(calls_mod.Call, "isend", counting)
     ha.all_to_all(g, np.ones((2 * g.size, 3)))
     assert (len(sent) - sum(sent), sum(sent)) == ha.messages(g.nodes, g.rank)
     assert sum(sent) <= sum(g.remote)               # never more than the flat exchange's

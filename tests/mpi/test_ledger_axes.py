@@ -13,7 +13,7 @@ from mpi4py import MPI
 import minipar.comm as comm
 from minipar.comm import Handle
 from minipar.comm.algorithms import ring
-from minipar.comm.group import HEADER_BYTES
+from minipar.comm.protocol import HEADER_BYTES
 from minipar.parallel.grid import ProcessGrid
 from minipar.plan.table import all_reduce_sent
 

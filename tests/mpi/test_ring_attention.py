@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from minipar import comm
-from minipar.comm.group import HEADER_BYTES
+from minipar.comm.protocol import HEADER_BYTES
 from minipar.parallel.context import ring_attention as ra
 from minipar.autograd.tensor import Tensor
 

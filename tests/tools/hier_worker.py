@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from minipar import comm
 from minipar.comm.algorithms import hierarchical, hierarchical_alltoall
-from minipar.comm.group import split_offsets
+from minipar.comm.helpers import split_offsets
 
 world = MPI.COMM_WORLD
 g = comm.Group(world, axis="world")

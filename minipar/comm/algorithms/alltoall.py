@@ -52,7 +52,8 @@ import functools
 
 import numpy as np
 
-from minipar.comm.group import array, describe, result, run
+from minipar.comm.calls import run
+from minipar.comm.helpers import array, describe, result
 
 
 # ------------------------------------------------------------------------ the bytes, one home

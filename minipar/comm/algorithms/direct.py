@@ -23,7 +23,8 @@ the p-1 flows share it (same bytes, no gain) and many small messages pay p-1 alp
 ring's two neighbours per rank scale to large p. minipar uses direct exchange for groups of
 up to DIRECT_MAX_RANKS ranks (measured on one machine, p <= 4), the ring above.
 """
-from minipar.comm.group import array, describe, reduce_op, result, run, split_offsets
+from minipar.comm.calls import run
+from minipar.comm.helpers import array, describe, reduce_op, result, split_offsets
 from minipar.comm.algorithms.ring import begin_reduce_scatter, describe_gather, gather_layout
 
 DIRECT_MAX_RANKS = 8

@@ -25,7 +25,8 @@ receives as many from rank r + 2^k. Pieces collect in rotated order (r, r+1, ...
 rotated into rank order at the end, one local copy.
     bytes sent per rank (p-1)/p * b (the same as the ring)   time ceil(log2 p) * alpha + ...
 """
-from minipar.comm.group import array, describe, reduce_op, result, run, split_offsets
+from minipar.comm.calls import run
+from minipar.comm.helpers import array, describe, reduce_op, result, split_offsets
 from minipar.comm.algorithms.ring import describe_gather, gather_layout
 
 

@@ -38,7 +38,8 @@ import functools
 
 import numpy as np
 
-from minipar.comm.group import array, describe, reduce_op, result, run, split_offsets
+from minipar.comm.calls import run
+from minipar.comm.helpers import array, describe, reduce_op, result, split_offsets
 from minipar.comm.algorithms.ring import begin_reduce_scatter, describe_gather, gather_layout
 
 ALGORITHM = "hierarchical"

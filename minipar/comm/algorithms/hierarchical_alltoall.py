@@ -41,7 +41,8 @@ import functools
 import numpy as np
 
 from minipar.comm.algorithms.alltoall import _describe, _offsets, check_args
-from minipar.comm.group import array, run
+from minipar.comm.calls import run
+from minipar.comm.helpers import array
 from minipar.comm.algorithms.hierarchical import layout
 
 ALGORITHM = "hierarchical"

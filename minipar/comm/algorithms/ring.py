@@ -30,7 +30,8 @@ No extra copies: the reduction writes op(received, own piece) straight into the 
 into slices of the result. The input is only read. All ranks get bit-identical results,
 because every piece is reduced once, on one rank, and then copied.
 """
-from minipar.comm.group import array, describe, reduce_op, result, run, split_offsets
+from minipar.comm.calls import run
+from minipar.comm.helpers import array, describe, reduce_op, result, split_offsets
 
 
 def _reduce_scatter(c, x, op, res):

@@ -7,7 +7,7 @@ one piece of code runs either blocking (`run`) or a step at a time (`Handle`, fo
 all_reduce_async & co.). Each function here sends exactly the same messages as its general
 twin (same peers, sizes, steps, tags, ledger entries and trace lines) but runs straight
 through: post one step's Isend/Irecv, `c.wait` for them, reduce, next step. Nothing else
-differs: timeouts, MINIPAR_TRACE and MINIPAR_DEBUG live in `Call` (group.py) and work the
+differs: timeouts, MINIPAR_TRACE and MINIPAR_DEBUG live in `Call` (calls.py) and work the
 same; receive buffers are the group's reused scratch (Group.scratch).
 
     all_reduce_into          recursive doubling, as doubling.all_reduce (fix-up steps when p
@@ -35,7 +35,7 @@ generator at 1 MiB too, see the comment on SMALL_MAX_BYTES). The non-blocking ca
 (all_reduce_async, ...) always take the general path. tests/mpi/test_comm_features.py checks
 that both paths give the same results, ledger and trace lines.
 """
-from minipar.comm.group import describe, reduce_op, result, split_offsets
+from minipar.comm.helpers import describe, reduce_op, result, split_offsets
 from minipar.comm.algorithms.doubling import all_reduce_steps, bruck_offsets
 from minipar.comm.algorithms.ring import describe_gather, gather_layout
 

@@ -29,8 +29,9 @@ on the other ranks.
 """
 import numpy as np
 
-from minipar.comm.group import (array, check_rank, decode_header, describe, encode_header, reduce_op,
-                                run, split_offsets, HEADER_BYTES)
+from minipar.comm.calls import run
+from minipar.comm.helpers import array, check_rank, describe, reduce_op, split_offsets
+from minipar.comm.protocol import HEADER_BYTES, decode_header, encode_header
 from minipar.comm.algorithms.ring import gather_layout
 
 # Measured crossovers (scripts/bench_collectives.py --crossover, p = 3 and 4): above these,

@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 from minipar import comm
-from minipar.comm.group import HEADER_BYTES
+from minipar.comm.protocol import HEADER_BYTES
 from minipar.autograd.tensor import Function
 
 LAYOUTS = ("zigzag", "contiguous")

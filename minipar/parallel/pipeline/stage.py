@@ -55,7 +55,7 @@ import numpy as np
 
 from minipar.autograd import backward_split, ops
 from minipar import comm, trace
-from minipar.comm.group import TAG_P2P_GRAD
+from minipar.comm.protocol import TAG_P2P_GRAD
 from minipar.model.contract import GradSync, Model
 from minipar.parallel.data_parallel import NoSync
 from minipar.model.gpt import GPTConfig, param_specs
