@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 
-from minipar.plan import activations, table as plan
+from minipar.plan import activations, table
 from minipar.autograd import recompute
 from minipar.model.gpt import train_flops_per_token
 
@@ -80,8 +80,8 @@ def run(flags, steps, log):
 
 def planned(flags):
     """The planner's result for the trainer's flags (its flags have the same names)."""
-    cfg, lay, _ = plan.resolve(plan.build_parser().parse_args(flags))
-    return cfg, lay, plan.plan(cfg, lay)
+    cfg, lay, _ = table.resolve(table.build_parser().parse_args(flags))
+    return cfg, lay, table.plan(cfg, lay)
 
 
 def main():

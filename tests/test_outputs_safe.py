@@ -14,7 +14,7 @@ import pytest
 
 from minipar.train import checkpoint, faults, setup, trainer as train
 from minipar.config import flags as config, outputs
-from minipar.plan import table as plan
+from minipar.plan import memory
 from minipar.plot import curves as plot
 
 from trainer_runs import TINY, assert_main_exits_2, read_log
@@ -156,10 +156,10 @@ def test_a_layout_too_large_is_refused_by_the_run_and_the_dry_run(capsys, fixed_
 
 
 def test_the_memory_figure_is_the_planners(capsys, fixed_peak):
-    """The refusal quotes plan.peak_memory of this layout: a limit one byte above it passes."""
+    """The refusal quotes memory.peak_memory of this layout: a limit one byte above it passes."""
     from minipar.plan.peak import human_bytes
     args = train.build_parser().parse_args(TINY)
-    need = plan.planned_memory(args, setup.prepare(args, 1).cfg, 1, 1, 1)
+    need = memory.planned_memory(args, setup.prepare(args, 1).cfg, 1, 1, 1)
     assert_main_exits_2(TINY + ["--max-memory", str(need - 1)], [human_bytes(need)], capsys, "below")
     train.main(TINY + ["--max-memory", str(need), "--steps", "1"])
 

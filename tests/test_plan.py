@@ -1,4 +1,4 @@
-"""The planner (minipar/plan/table.py), on one process: its formulas against minipar's own code.
+"""The planner (minipar/plan/), on one process: its formulas against minipar's own code.
 
 - parameters: the exact count of the architecture, and each device's share
   (pipeline.local_tensors) equals pipeline.local_param_count and, with one stage,
@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from minipar.plan import activations, table as plan
+from minipar.plan import activations, comm_bytes, layout, memory, render, table
 from minipar import comm
 from minipar.model import moe
 from minipar.autograd import ops, recompute
@@ -51,15 +51,15 @@ MiB = 2 ** 20
 
 def run_plan(*flags):
     """The planner's dict for these flags, as `python -m minipar.plan --json` prints it."""
-    cfg, lay, params = plan.resolve(plan.build_parser().parse_args(list(flags)))
-    return plan.plan(cfg, lay, params)
+    cfg, lay, params = table.resolve(table.build_parser().parse_args(list(flags)))
+    return table.plan(cfg, lay, params)
 
 
 def cli(capsys, *flags):
     """main() in process: (exit code, stdout, stderr)."""
     code = 0
     try:
-        plan.main(list(flags))
+        table.main(list(flags))
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()
@@ -68,9 +68,9 @@ def cli(capsys, *flags):
 
 # ---------------------------------------------------------------- parameters
 
-@pytest.mark.parametrize("model", list(plan.PRESETS))
+@pytest.mark.parametrize("model", list(table.PRESETS))
 def test_params_is_the_exact_count_of_each_preset(model):
-    L, H, C, V, T = plan.PRESETS[model]
+    L, H, C, V, T = table.PRESETS[model]
     want = sum(math.prod(s) for _, s, _ in param_specs(GPTConfig(V, T, L, H, C)))
     assert run_plan("--model", model)["params"] == want
     # per layer 12C^2 + 13C, embeddings VC + TC, ln_f 2C: biases, LayerNorms, wpe included
@@ -82,7 +82,7 @@ def test_params_is_the_exact_count_of_each_preset(model):
 def test_params_equals_the_model_num_params():
     for flags, untied in ((["--n-layer", "2", "--n-embd", "32"], False), (["--vocab-size", "100"], True)):
         r = run_plan(*flags, *(["--untied"] if untied else []))
-        cfg = GPTConfig(**{k: r["model"][k] for k in (*plan.SHAPE_FLAGS, "tie_embeddings")})
+        cfg = GPTConfig(**{k: r["model"][k] for k in (*table.SHAPE_FLAGS, "tie_embeddings")})
         assert r["params"] == GPT(cfg).num_params(), flags
 
 
@@ -118,7 +118,7 @@ def test_embedding_example():
     # the same through the model's own vocabulary-parallel wte (Vp/tp rows on each tp rank)
     cfg = GPTConfig(vocab_size=rows, block_size=1, n_layer=1, n_head=2, n_embd=C)
     wte = dict(pipeline.local_tensors(cfg, 0, 1, 2))["wte.weight"]
-    assert wte == rows // 2 * C and plan.model_states(wte, wte, 4, 8, 0, 1)["model_states"] / MiB == 2500
+    assert wte == rows // 2 * C and memory.model_states(wte, wte, 4, 8, 0, 1)["model_states"] / MiB == 2500
 
 
 @pytest.mark.parametrize("N", [1, 2, 4, 8])
@@ -206,7 +206,7 @@ def test_activation_bytes_equal_saved_bytes(dtype, s, c, pp, mode):
         m = stage_model(cfg, 1, pp, st, dtype, mode)
         y = rng.integers(0, cfg.vocab_size, (2, cfg.block_size))
         out = m.forward(stage_input(cfg, st, 2, dtype, rng), y if st == pp - 1 else None, 24)
-        assert out.saved_bytes() == plan.activation_bytes(cfg, st, pp, 1, 2, s, c, sp=False, recompute=mode), \
+        assert out.saved_bytes() == memory.activation_bytes(cfg, st, pp, 1, 2, s, c, sp=False, recompute=mode), \
             (st, np.dtype(dtype).name, mode)
 
 
@@ -223,7 +223,7 @@ def test_activation_bytes_with_tp_within_5_percent(no_tp_comm):
             y = rng.integers(0, cfg.vocab_size, (4, cfg.block_size))
             x = stage_input(cfg, st, 4, np.float64, rng)
             out = m.forward(x, y if st == pp - 1 else None, 48)
-            got, est = out.saved_bytes(), plan.activation_bytes(cfg, st, pp, 2, 4, 8, 8)
+            got, est = out.saved_bytes(), memory.activation_bytes(cfg, st, pp, 2, 4, 8, 8)
             assert abs(est / got - 1) < 0.05, (pp, st, got, est)
 
 
@@ -293,9 +293,9 @@ def test_in_flight_peak_is_the_checkers(name):
     held = [m["micro_batches_in_flight"] for m in r["memory_per_stage"]]
     assert held == schedules.check(4, 8, name, virtual=V).peak_in_flight, (name, held)
     if V == 1:
-        cfg = GPTConfig(**{k: r["model"][k] for k in (*plan.SHAPE_FLAGS, "tie_embeddings")})
+        cfg = GPTConfig(**{k: r["model"][k] for k in (*table.SHAPE_FLAGS, "tie_embeddings")})
         assert [m["activations"] for m in r["memory_per_stage"]] == [
-            n * plan.activation_bytes(cfg, st, 4, 1, 2, 4, 4) for st, n in enumerate(held)]
+            n * memory.activation_bytes(cfg, st, 4, 1, 2, 4, 4) for st, n in enumerate(held)]
 
 
 def test_zero_bubble_holds_until_w():
@@ -345,7 +345,7 @@ def test_flops_follow_chinchilla_component_by_component():
 @pytest.mark.parametrize("model", ["gpt2", "gpt3-175b"])
 def test_matmul_flops_are_the_trainers_mfu_numerator(model):
     r = run_plan("--model", model)
-    L, H, C, V, T = plan.PRESETS[model]
+    L, H, C, V, T = table.PRESETS[model]
     per_token = train_flops_per_token(GPTConfig(V, T, L, H, C))
     assert 3 * r["flops"]["matmul_forward"] == per_token * 16 * T
     assert 0.9 < r["flops"]["total"] / r["flops"]["six_nd"] < 1.5       # 6ND is the approximation
@@ -403,15 +403,15 @@ def test_forward_flops_equal_instrumented_matmuls(matmul_counter, no_tp_comm, tp
 def test_all_reduce_bytes_follow_comm_algorithms():
     """Recursive doubling up to 64 KiB: log2(p) b (p a power of two), fix-up pairs send one
     more b, the extra ranks b; above: np.array_split pieces, direct exchange (p <= 8) or ring."""
-    ar = plan.all_reduce_sent
+    ar = comm_bytes.all_reduce_sent
     assert ar(1000, 8, 4) == 2 * 8000 and ar(1000, 8, 2) == 8000
     assert [ar(10, 8, 3, r) for r in range(3)] == [160, 80, 80]          # q = 2: rank 0 folds in rank 2
     n = 10_001                                                            # 80 KB: direct exchange
     assert ar(n, 8, 4, 0) == 8 * ((n - 2501) + 3 * 2501) and ar(n, 8, 4, 3) == 8 * ((n - 2500) + 3 * 2500)
     assert ar(n, 8, 9, 0) == 8 * ((n - 1112) + (n - 1112))                # ring: all but own, all but next
     assert ar(n, 8, 9, 1) == 8 * ((n - 1112) + (n - 1111))                # (pieces 1112, 1112, 1111 ...)
-    assert plan.reduce_scatter_sent(16, 2, 4) == 24 and plan.all_gather_sent(4, 2, 4) == 24
-    assert plan.broadcast_sent(8, 4, 3, 3) == 2 * 136 and plan.broadcast_sent(8, 4, 0, 3) == 0
+    assert comm_bytes.reduce_scatter_sent(16, 2, 4) == 24 and comm_bytes.all_gather_sent(4, 2, 4) == 24
+    assert comm_bytes.broadcast_sent(8, 4, 3, 3) == 2 * 136 and comm_bytes.broadcast_sent(8, 4, 0, 3) == 0
 
 
 def test_bubble():
@@ -440,7 +440,7 @@ def test_pp_messages_follow_the_instruction_lists(name):
     V = 2 if name == "interleaved" else 1
     r = run_plan(*P4_M8, *schedule_flags(name), "--untied")
     act = 2 * 64 * 128 * 4 + HEADER_BYTES                                   # b = 2, T = 64, C = 128, fp32
-    broadcast = [plan.broadcast_sent(8, 4, st, 3) for st in range(4)]
+    broadcast = [comm_bytes.broadcast_sent(8, 4, st, 3) for st in range(4)]
     want = [(2 * V * 8 - (8 if st in (0, 3) else 0)) * act + broadcast[st] for st in range(4)]
     assert [c["pp"] for c in r["comm_per_stage"]] == want, name
 
@@ -526,14 +526,14 @@ def test_seq_ceiling_fits_and_the_next_does_not(cp):
     """The ceiling T (a multiple of 2cp) fits the budget and T + 2cp does not, the block size
     taken to be T; with cp it is at least the ceiling without; and the bisection finds what
     a scan over every multiple of 2cp finds."""
-    cfg, lay, _ = plan.resolve(plan.build_parser().parse_args([*BUDGET_MODEL, "--cp", str(cp)]))
+    cfg, lay, _ = table.resolve(table.build_parser().parse_args([*BUDGET_MODEL, "--cp", str(cp)]))
     budget = 64 * MiB
-    c = plan.ceilings(cfg, lay, budget)
+    c = memory.ceilings(cfg, lay, budget)
     with_cp, without = c["with_cp"], c["without_cp"]
     assert with_cp["T"] >= without["T"] > 0 and (with_cp["step"], without["step"]) == (2 * cp, 2)
 
     def peak(T, cp):
-        return plan.peak_memory(GPTConfig(**{**vars(cfg), "block_size": T}), lay.but(cp=cp))
+        return memory.peak_memory(GPTConfig(**{**vars(cfg), "block_size": T}), lay.but(cp=cp))
     for s, step, cp_ in ((with_cp, 2 * cp, cp), (without, 2, 1)):
         T = s["T"]
         assert T % step == 0 and peak(T, cp_) == s["bytes_at_T"] <= budget < peak(T + step, cp_) == s["bytes_at_next"]
@@ -589,7 +589,7 @@ def test_moe_params_total_and_active_by_hand():
     assert r["params_active"] == dense + 2 * ((K - 1) * mlp + C * E)
     assert r["params"] == GPT(moe_cfg(E, K, L=4, every=2, V=256, T=16, H=2, C=16)).num_params()
     assert (dense, r["params"], r["params_active"]) == (17_504, 30_400, 21_888)
-    assert r["moe"]["blocks"] == [1, 3] and "30,400 parameters (21,888 active per token)" in plan.table(r)
+    assert r["moe"]["blocks"] == [1, 3] and "30,400 parameters (21,888 active per token)" in render.table(r)
 
 
 def test_moe_memory_holds_e_over_ep_experts_and_all_of_them_on_tp():
@@ -770,8 +770,9 @@ def test_moe_gradients_summed_over_dp_and_experts_over_their_replicas():
     experts = 2 * (E // 2) * (8 * C * C + 5 * C)                # 2 blocks x 2 experts on the rank
     others = m["params_local"] - experts
     c = r["comm"]
-    assert c["dp"] == plan.all_reduce_sent(others, 4, 4) + plan.all_reduce_sent(experts, 4, 2)
-    assert c["other"] == plan.all_reduce_sent(1, 8, 4) + plan.all_reduce_sent(1, 8, 2)   # loss over dp, norm over ep
+    assert c["dp"] == comm_bytes.all_reduce_sent(others, 4, 4) + comm_bytes.all_reduce_sent(experts, 4, 2)
+    # loss over dp, norm over ep
+    assert c["other"] == comm_bytes.all_reduce_sent(1, 8, 4) + comm_bytes.all_reduce_sent(1, 8, 2)
     assert r["moe"]["expert_replicas"] == 2 and r["moe"]["experts_per_rank"] == 2
 
 
@@ -782,12 +783,12 @@ def test_moe_zero_shards_the_experts_over_their_replicas(stage):
     (zero.formula of each part, summed). Each unit's reduce-scatters and all-gathers run on its
     own group; the gradient norm over dp (each element in exactly one shard)."""
     r = run_plan(*MOE_SMALL, "--dp", "4", "--ep", "2", "--zero", str(stage), "--micro-batches", "2")
-    cfg, lay, _ = plan.resolve(plan.build_parser().parse_args([*MOE_SMALL, "--dp", "4", "--ep", "2"]))
-    tensors = plan.device_tensors(cfg, lay, 0)
+    cfg, lay, _ = table.resolve(table.build_parser().parse_args([*MOE_SMALL, "--dp", "4", "--ep", "2"]))
+    tensors = layout.device_tensors(cfg, lay, 0)
     experts = [(n, k) for n, k in tensors if expert_parallel.expert_of(n) is not None]
     others = [(n, k) for n, k in tensors if expert_parallel.expert_of(n) is None]
     assert sum(k for _, k in experts) == 2 * 2 * (8 * 16 * 16 + 5 * 16)
-    plain_units, expert_units = plan.zero_units(others, 4), plan.zero_units(experts, 2)
+    plain_units, expert_units = layout.zero_units(others, 4), layout.zero_units(experts, 2)
     assert len(expert_units) == 2                                         # blocks h.1 and h.3
     want = {k: zero.formula(stage, sum(n for _, n in others), sum(plain_units), 4, 4, 8)[k]
             + zero.formula(stage, sum(n for _, n in experts), sum(expert_units), 2, 4, 8)[k]
@@ -795,10 +796,12 @@ def test_moe_zero_shards_the_experts_over_their_replicas(stage):
     m = r["memory"]
     assert {k: m[k] for k in want} == want and m["params_padded"] == sum(plain_units) + sum(expert_units)
     rs, ag = zero.collectives_per_step(stage, 2)
-    sent = (sum(rs * plan.reduce_scatter_sent(n, 4, 4) + ag * plan.all_gather_sent(n // 4, 4, 4) for n in plain_units)
-            + sum(rs * plan.reduce_scatter_sent(n, 4, 2) + ag * plan.all_gather_sent(n // 2, 4, 2) for n in expert_units))
+    sent = (sum(rs * comm_bytes.reduce_scatter_sent(n, 4, 4) + ag * comm_bytes.all_gather_sent(n // 4, 4, 4)
+                for n in plain_units)
+            + sum(rs * comm_bytes.reduce_scatter_sent(n, 4, 2) + ag * comm_bytes.all_gather_sent(n // 2, 4, 2)
+                  for n in expert_units))
     assert r["comm"]["dp"] == sent
-    assert r["comm"]["other"] == 2 * plan.all_reduce_sent(1, 8, 4)      # loss and norm over dp
+    assert r["comm"]["other"] == 2 * comm_bytes.all_reduce_sent(1, 8, 4)      # loss and norm over dp
 
 
 def test_moe_blocks_have_half_the_tp_all_reduces():
@@ -807,8 +810,8 @@ def test_moe_blocks_have_half_the_tp_all_reduces():
     calls on b T C, the cross-entropy's 3 on b T)."""
     r = run_plan(*MOE_SMALL, "--tp", "2")
     b, T, C = 8, 16, 16
-    want = (4 * 2 + 2 * 2 + 2) * plan.all_reduce_sent(b * T * C, 4, 2) + 3 * plan.all_reduce_sent(b * T, 4, 2) \
-        + plan.all_reduce_sent(1, 8, 2)
+    want = (4 * 2 + 2 * 2 + 2) * comm_bytes.all_reduce_sent(b * T * C, 4, 2) \
+        + 3 * comm_bytes.all_reduce_sent(b * T, 4, 2) + comm_bytes.all_reduce_sent(1, 8, 2)
     assert r["comm"]["tp"] == want
 
 
@@ -893,7 +896,7 @@ def test_activations_per_layer_mark_the_runs_setting(capsys, flags, setting):
 
 def test_defaults_are_the_trainers():
     from minipar.config import flags as config
-    t, p = config.build_parser(), plan.build_parser()
+    t, p = config.build_parser(), table.build_parser()
     for key in ("batch_size", "micro_batches", "schedule", "virtual_stages", "dtype", "precision", "tp", "pp",
                 "zero", "cp", "ep"):
         assert p.get_default(key) == t.get_default(key), key

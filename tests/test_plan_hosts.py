@@ -1,7 +1,7 @@
 """The planner across hosts (minipar/plan/hosts.py): bytes inside and across hosts, and time.
 
 - Each algorithm walked message by message (plan_hosts.Placed) sends, with every rank on
-  one host, what plan.py's formulas say (all_reduce_sent & co.), for every rank of p = 1..10
+  one host, what comm_bytes.py's formulas say (all_reduce_sent & co.), for every rank of p = 1..10
   and messages on both sides of every crossover; across N hosts of k ranks the hierarchical
   collectives follow hierarchical.py's table.
 - Against the trainer: `mpirun -n N tests/tools/fake_hosts.sh python -m minipar.train` puts
@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from minipar.plan import table as plan, hosts as plan_hosts
+from minipar.plan import comm_bytes, hosts as plan_hosts, table
 from minipar.show import traceview
 from minipar.comm.algorithms import hierarchical
 
@@ -51,20 +51,20 @@ LAYOUTS = [
 
 
 def run_plan(*flags):
-    args = plan.build_parser().parse_args(list(flags))
-    cfg, lay, params = plan.resolve(args)
-    return plan.plan(cfg, lay, params, args.device_tflops, plan_hosts.Hosts.from_args(args))
+    args = table.build_parser().parse_args(list(flags))
+    cfg, lay, params = table.resolve(args)
+    return table.plan(cfg, lay, params, args.device_tflops, plan_hosts.Hosts.from_args(args))
 
 
 # ---------------------------------------------------------------- message by message
 
 def test_one_host_walk_equals_the_formulas():
-    """Placed on one host sends what plan.Flat's closed forms say, for every rank."""
+    """Placed on one host sends what comm_bytes.Flat's closed forms say, for every rank."""
     for p in range(1, 11):
         for n in (0, 1, 7, 8 * 1024 // 8 + 1, 64 * 1024 // 8, 64 * 1024 // 8 + 1, 100_003):
             for itemsize in (2, 8):
                 for r in range(p):
-                    g, f = plan_hosts.Placed(range(p), r, p), plan.Flat(p, r)
+                    g, f = plan_hosts.Placed(range(p), r, p), comm_bytes.Flat(p, r)
                     case = (p, n, itemsize, r)
                     assert g.all_reduce(n, itemsize) == plan_hosts.Traffic(f.all_reduce(n, itemsize)), case
                     assert g.reduce_scatter(n, itemsize).bytes == f.reduce_scatter(n, itemsize), case
@@ -74,7 +74,7 @@ def test_one_host_walk_equals_the_formulas():
             for nbytes in (8, 9 << 20):                   # the binomial tree; the pipelined chain
                 for r in range(p):
                     got = plan_hosts.Placed(range(p), r, p).broadcast(nbytes // 8, 8, root).bytes
-                    assert got == plan.broadcast_sent(nbytes, p, r, root), (p, root, nbytes, r)
+                    assert got == comm_bytes.broadcast_sent(nbytes, p, r, root), (p, root, nbytes, r)
 
 
 @pytest.mark.parametrize("N,k", [(2, 2), (2, 4), (4, 2), (3, 3)])

@@ -30,7 +30,7 @@ import os
 
 import pytest
 
-from minipar.plan import activations, table as plan
+from minipar.plan import activations, layout, table
 from minipar.train import data
 
 from trainer_runs import TINY_MPI, mpirun, read_log
@@ -103,7 +103,7 @@ def planner_flags(n: int, flags: list) -> list:
             next(it)
         else:
             out.append(f)
-    args = plan.build_parser().parse_args(out)
+    args = table.build_parser().parse_args(out)
     return out if "--dp" in out else out + ["--dp", str(n // (args.cp * args.tp * args.pp))]
 
 
@@ -113,8 +113,8 @@ def test_planner_equals_what_the_trainer_measures(n, flags, tmp_path):
     p = mpirun(n, *flags, "--steps", "3", "--log", log)
     assert p.returncode == 0, p.stdout + p.stderr
     rows, summary = read_log(log)
-    cfg, lay, _ = plan.resolve(plan.build_parser().parse_args(planner_flags(n, flags)))
-    r = plan.plan(cfg, lay)
+    cfg, lay, _ = table.resolve(table.build_parser().parse_args(planner_flags(n, flags)))
+    r = table.plan(cfg, lay)
     assert r["params"] == summary["params_count"]
     mem = r["memory_per_stage"][0]
     for key in ("params", "grads", "optimizer"):
@@ -153,9 +153,9 @@ def owned_peaks(cfg, lay, r) -> list:
     train on it) has no byte at or above ceil(V/tp), where rank 1's vocabulary slice starts."""
     first_foreign = -(-cfg.vocab_size // lay.tp)
     assert data.load_tokens(None, cfg.block_size).max() < first_foreign, "not every token on tp rank 0"
-    itemsize, compute_itemsize, _ = plan.itemsizes(lay)
+    itemsize, compute_itemsize, _ = layout.itemsizes(lay)
     N = lay.rows * cfg.block_size
-    return [activations.peak_in_flight_bytes(cfg, lay.schedule, stage, lay.pp, plan.chunks(lay), lay.micro_batches,
+    return [activations.peak_in_flight_bytes(cfg, lay.schedule, stage, lay.pp, layout.chunks(lay), lay.micro_batches,
                                              lay.tp, lay.rows, itemsize, compute_itemsize, lay.sp, lay.recompute,
                                              owned=(N, N))[0]
             for stage in range(lay.pp)]
@@ -163,5 +163,5 @@ def owned_peaks(cfg, lay, r) -> list:
 
 def test_planner_flags_keep_sp_and_recompute():
     flags = planner_flags(4, ["--tp", "2", "--sp", "--recompute", "full", "--steps", "3", "--log", "x.jsonl"])
-    args = plan.build_parser().parse_args(flags)
+    args = table.build_parser().parse_args(flags)
     assert (args.sp, args.recompute, args.tp, args.dp) == (True, "full", 2, 2), flags

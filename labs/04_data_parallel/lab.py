@@ -6,7 +6,7 @@ DataParallelBucketed, their finish() counted.
 Oracles, computed here: the single-process twin (drive.Run with no synchroniser: a tiny GPT,
 L=1 C=16, float64 or float32, through minipar.train's own step loop with the same weights and
 data, no messages); for the buckets, minipar.parallel.data_parallel.bucket_members; for the
-bytes, minipar.plan.table.all_reduce_sent of each bucket. The child hands back each run's losses,
+bytes, minipar.plan.comm_bytes.all_reduce_sent of each bucket. The child hands back each run's losses,
 gradients and parameters, exposed_seconds, and what its observers saw (addresses, the
 ledger's all-reduces per step, every all-reduce started with its members and timing).
 """
@@ -18,7 +18,7 @@ import numpy as np
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
 from labs.results import Opaque, key
 from labs.scan import Allowed
-from minipar.plan import table as plan
+from minipar.plan import comm_bytes
 from minipar.parallel import data_parallel
 
 TITLE = "data parallelism: naive, then bucketed all-reduce started from gradient hooks"
@@ -191,7 +191,7 @@ def judge_bucketed(res):
 
 def judge_bytes(res):
     """Per step: one all-reduce per bucket (per parameter for naive), whatever the number of
-    micro-batches, and exactly the bytes of plan.all_reduce_sent for those all-reduces."""
+    micro-batches, and exactly the bytes of comm_bytes.all_reduce_sent for those all-reduces."""
     for dp in (2, 4):
         for mode, bucket_mb, n_embd, m, dtype in drive.BYTES:
             itemsize = np.dtype(dtype).itemsize
@@ -204,7 +204,7 @@ def judge_bytes(res):
                 label = f"bucketed, bucket_mb={drive.mb_text(bucket_mb)} ({len(buckets)} bucket(s))"
             k = key("bytes", dp, mode, bucket_mb, n_embd, m, dtype)
             for r in range(4):
-                sent = [plan.all_reduce_sent(sum(nbytes[i] for i in b) // itemsize, itemsize, dp, r % dp)
+                sent = [comm_bytes.all_reduce_sent(sum(nbytes[i] for i in b) // itemsize, itemsize, dp, r % dp)
                         for b in buckets]
                 what = f"{label}, L=1 C={n_embd} {dtype}, {where(dp, r)}, micro-batches {m}"
                 steps = res.get(r, key(k, "steps"))
@@ -220,7 +220,7 @@ def judge_bytes(res):
                         f"on the last micro-batch only"
                     assert got == sum(sent), \
                         f"{what}, step {step}: the ledger counted {got} B sent, want {sum(sent)} B " \
-                        f"(plan.all_reduce_sent of each all-reduce of {dtype} gradients: " \
+                        f"(comm_bytes.all_reduce_sent of each all-reduce of {dtype} gradients: " \
                         f"{sent[:6]}{' ...' if len(sent) > 6 else ''})"
                 exposed_ok(res, r, k, 2, what)
 
@@ -365,7 +365,7 @@ CRITERIA = [
     Criterion("one all-reduce per bucket, bytes", ranks=4, run="bytes_runs", judge=judge_bytes, timeout=60,
               uses=("DataParallelNaive", "DataParallelBucketed"),
               hint="communicate only while sync_now(True), i.e. on the last micro-batch; comm.traffic() "
-                   "counts the calls and bytes, minipar.plan.table.all_reduce_sent gives the formula"),
+                   "counts the calls and bytes, minipar.plan.comm_bytes.all_reduce_sent gives the formula"),
     Criterion("buckets start in backward, reverse", ranks=4, run="events", judge=judge_events, timeout=60,
               uses=("DataParallelNaive", "DataParallelBucketed"),
               hint="walk the parameters from the last to the first, closing a bucket at >= "

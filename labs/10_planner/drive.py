@@ -1,6 +1,6 @@
 """Lab 10, the student's side (labs/framework.py says what a lab is): the cases the child runs
 on the student's formulas. Nothing here judges; lab.py does, in the grader, against minipar's
-own formulas (model.param_specs, zero.formula, plan.flop_components,
+own formulas (model.param_specs, zero.formula, flops.flop_components,
 model.train_flops_per_token) and figures printed in papers.
 
 Every case is a fixed list of shapes and numbers written here. The last criterion also runs
@@ -19,7 +19,7 @@ from labs.results import key
 
 # minipar's own formulas, the oracle: reached from the student's file, each raises (labs/child.py)
 OWN = ["minipar.model.gpt:param_specs", "minipar.model.gpt:train_flops_per_token", "minipar.parallel.zero.sharded:formula",
-       "minipar.plan.table:flop_components", "minipar.plan.table:model_states", "minipar.plan.table:active_params",
+       "minipar.plan.flops:flop_components", "minipar.plan.memory:model_states", "minipar.plan.layout:active_params",
        "minipar.optim.mixed_precision:optimizer_bytes_per_param"]
 STATES = ("params", "grads", "optimizer")
 GPT2 = dict(V=50257, T=1024, L=12, H=12, C=768)          # GPT-2 small

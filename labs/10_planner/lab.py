@@ -4,7 +4,7 @@ Seam: none. The student's functions are formulas, not a mechanism the trainer ru
 trainer flag puts them in minipar's place. The oracles are minipar's own, called here:
 model.param_specs (the tensors a GPT is built from), mixed_precision.optimizer_bytes_per_param,
 zero.formula (what Zero.memory_report sets beside its buffers), model.train_flops_per_token
-(the trainer's MFU numerator), plan.flop_components (the planner's Chinchilla count); figures
+(the trainer's MFU numerator), flops.flop_components (the planner's Chinchilla count); figures
 printed in papers (ZeRO's figure 1, arXiv:1910.02054; GPT-3's training compute,
 arXiv:2005.14165); and, last, what a real trainer run on 2 ranks holds: the summary's
 `memory`, counted from nbytes in the child (drive.trainer) and checked here against
@@ -19,7 +19,7 @@ import numpy as np
 from labs.framework import Criterion, first_difference, load_drive
 from labs.results import key
 from labs.scan import Allowed
-from minipar.plan import table as plan
+from minipar.plan import flops
 from minipar.optim import mixed_precision
 from minipar.config.flags import build_parser
 from minipar.model.gpt import GPTConfig, param_specs, train_flops_per_token
@@ -28,7 +28,7 @@ from minipar.parallel.zero import sharded as zero
 TITLE = "the planner's formulas: parameters, ZeRO's model states, Chinchilla's FLOPs, 6ND"
 drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
 # the handout gives no minipar name: every import of minipar is refused (the oracle is
-# minipar's own param_specs, zero.formula, plan.flop_components, train_flops_per_token)
+# minipar's own param_specs, zero.formula, flops.flop_components, train_flops_per_token)
 ALLOWED = Allowed()
 STATES = drive.STATES
 FLOP_KEYS = ("embeddings", "kqv_projections", "key_query_logits", "softmax", "softmax_value",
@@ -45,7 +45,7 @@ def oracle_params(s: dict, tied: bool = True) -> int:
 
 
 def oracle_flops(s: dict) -> dict:
-    c = plan.flop_components(config(s))
+    c = flops.flop_components(config(s))
     return {**c, "total": sum(c.values())}
 
 
@@ -150,7 +150,7 @@ def judge_forward_flops(res):
                       f"forward_flops {drive.text(s)} (counted by hand)")
     for s in drive.SHAPES:
         expect_whole_dict(res.get(0, key("flops", drive.text(s))), oracle_flops(s), FLOP_KEYS,
-                          f"forward_flops {drive.text(s)} against plan.flop_components")
+                          f"forward_flops {drive.text(s)} against flops.flop_components")
 
 
 # --- 4. the MFU numerator and 6ND -------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Lab 10 answered by minipar's own code (python -m labs.grade 10 --solution): model.param_specs,
 mixed_precision.optimizer_bytes_per_param, zero.formula (unpadded: P_pad = P), the planner's
-plan.flop_components and model.train_flops_per_token, behind the lab's signatures."""
+flops.flop_components and model.train_flops_per_token, behind the lab's signatures."""
 import math
 
-from minipar.plan import table as plan
+from minipar.plan import flops
 from minipar.optim import mixed_precision
 from minipar.model.gpt import GPTConfig, param_specs, train_flops_per_token
 from minipar.parallel.zero import sharded as zero
@@ -27,7 +27,7 @@ def model_state_bytes(P, itemsize, K, zero_stage, N):
 
 
 def forward_flops(T, C, H, V, L):
-    components = plan.flop_components(config(V, T, L, C, H))
+    components = flops.flop_components(config(V, T, L, C, H))
     return {**components, "total": sum(components.values())}
 
 

@@ -1,5 +1,5 @@
 """Lab 10, solved by hand as a student would: each formula written out term by term
-(minipar's own are model.param_specs, zero.formula and plan.flop_components)."""
+(minipar's own are model.param_specs, zero.formula and flops.flop_components)."""
 
 
 def param_count(V, T, L, C, tied=True):

@@ -3,7 +3,7 @@
 Write the six functions below (labs/10_planner/README.md has the pictures and the hints).
 They take numbers and return numbers: plain arithmetic, no NumPy or MPI needed. Write each
 formula yourself: the grader compares them with minipar's own code (model.param_specs,
-zero.formula, model.train_flops_per_token, plan.flop_components), with figures published
+zero.formula, model.train_flops_per_token, flops.flop_components), with figures published
 in papers and with the bytes a real trainer run on 2 ranks holds; calling minipar's
 functions would grade minipar, not you.
 

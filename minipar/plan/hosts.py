@@ -9,8 +9,8 @@ So a tp group stays inside a host when K is a multiple of tp, a cp ring (ranks t
 when K is a multiple of cp*tp, and dp and pp groups, whose ranks are cp*tp and dp*cp*tp
 apart, are the first to cross; an ep group is P consecutive dp ranks.
 
-What is sent: plan.py's axis functions (dp_bytes, tp_bytes, pp_bytes, other_parts) name
-every collective and message a device makes in one step, on a group (plan.Flat on one
+What is sent: comm_bytes.py's axis functions (dp_bytes, tp_bytes, pp_bytes, other_parts) name
+every collective and message a device makes in one step, on a group (comm_bytes.Flat on one
 host). `Placed` answers the same calls message by message, on the device's real group:
 the algorithm is the one comm's dispatcher picks for that group and size
 (comm.all_reduce_algorithm & co., asked with the group stand-in itself), and each algorithm's
@@ -55,13 +55,13 @@ from minipar.comm.helpers import split_offsets
 from minipar.comm.protocol import HEADER_BYTES
 from minipar.parallel.expert.expert_parallel import COUNT_BYTES
 
-AXES = ("dp", "tp", "pp", "other")      # the planner's axes (plan.py's docstring)
+AXES = ("dp", "tp", "pp", "other")      # the planner's axes (comm_bytes.py's docstring)
 
 
 @dataclass(frozen=True)
 class Traffic:
     """What one device sends: bytes inside its host and across hosts, and how many messages
-    cross (each pays the link's latency). An int added to it is bytes on one host (plan.Flat)."""
+    cross (each pays the link's latency). An int added to it is bytes on one host (comm_bytes.Flat)."""
     intra: int = 0
     inter: int = 0
     inter_messages: int = 0
@@ -245,7 +245,7 @@ class Placed:
     (world rank w on host w // K): what each collective sends from the device, by the
     algorithm comm's dispatcher picks. It stands in for a comm.Group in the dispatcher
     (size, nodes numbered in order of first appearance as Group.set_nodes does, n_nodes).
-    The same calls as plan.Flat; with every rank on one host they send the same bytes."""
+    The same calls as comm_bytes.Flat; with every rank on one host they send the same bytes."""
 
     def __init__(self, world_ranks: list, rank: int, per_host: int):
         self.world_ranks, self.rank, self.size = list(world_ranks), rank, len(world_ranks)
@@ -482,7 +482,7 @@ def table_lines(r: dict, cols: list, row, human_bytes) -> list:
 
 def tp_note(lay, hosts: Hosts, tp_traffic) -> dict | None:
     """A layout whose tp groups cross hosts: how many, the first, and what its rank 0 sends
-    across hosts per step (tp_traffic(stage, group): plan.tp_bytes on that tp group)."""
+    across hosts per step (tp_traffic(stage, group): comm_bytes.tp_bytes on that tp group)."""
     spanning = spanning_tp_groups(lay, hosts) if lay.tp > 1 else []
     if not spanning:
         return None

@@ -36,7 +36,7 @@ from minipar import comm, trace
 from minipar.show import tracing
 from minipar.model import moe
 from minipar.config import outputs
-from minipar.plan import table as plan
+from minipar.plan import memory
 from minipar.optim import mixed_precision
 from minipar.config.flags import ConfigError, build_parser
 from minipar.train.setup import RunSpec, agree_on_errors, prepare
@@ -331,7 +331,7 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
     err, spec, logf, lock = None, None, None, None
     try:
         spec = prepare(args, world)
-        plan.check_fits(args, spec.cfg, spec.dp, spec.tp, spec.pp)     # the planner's peak vs this machine
+        memory.check_fits(args, spec.cfg, spec.dp, spec.tp, spec.pp)     # the planner's peak vs this machine
         if rank == 0:
             logf, lock = open_rank0_outputs(args)
     except ConfigError as e:

@@ -15,7 +15,7 @@ from minipar.comm import Handle
 from minipar.comm.algorithms import ring
 from minipar.comm.protocol import HEADER_BYTES
 from minipar.parallel.grid import ProcessGrid
-from minipar.plan.table import all_reduce_sent
+from minipar.plan.comm_bytes import all_reduce_sent
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -207,7 +207,7 @@ def test_a_handle_counts_under_the_axis_it_was_started_on(groups):
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_grid_groups_carry_their_axis(tp, pp):
     """ProcessGrid tags its groups "tp", "dp", "pp" and "world"; an all-reduce on each is
-    counted under that axis with the bytes plan.all_reduce_sent predicts for the group."""
+    counted under that axis with the bytes comm_bytes.all_reduce_sent predicts for the group."""
     if SIZE % (tp * pp):
         pytest.skip(f"world of {SIZE} ranks is not divisible by tp*pp = {tp * pp}")
     grid = ProcessGrid(WORLD, SIZE // (tp * pp), tp, pp)

@@ -98,7 +98,7 @@ def padded(n: int, N: int) -> int:
 def formula(stage: int, P: int, P_pad: int, N: int, itemsize: int, K: int) -> dict:
     """Bytes per rank of each model state (the table above): `itemsize`-byte parameters and
     gradients, K optimizer bytes per parameter; P the rank's parameters, P_pad with every
-    unit padded for N ranks. The planner (minipar/plan/table.py) takes its memory table from here."""
+    unit padded for N ranks. The planner (minipar/plan/memory.py) takes its memory table from here."""
     params = itemsize * (P if stage == 0 else P_pad // N if stage == 3 else P_pad)
     grads = itemsize * (P if stage == 0 else P_pad // N if stage >= 2 else P_pad)
     optimizer = K * (P if stage == 0 else P_pad // N)

@@ -1,0 +1,272 @@
+"""Bytes a device sends per step, by formula, as minipar.comm sends them.
+
+Communication: bytes one device sends per step (dp, cp and tp rank 0 of each stage), as
+minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm/):
+    dp     zero 0: the gradient buckets, each all-reduced once per step (2(p-1)/p n, or
+           recursive doubling's log2(p) n up to 64 KiB); with ZeRO, unit by unit of its
+           padded size: zero 1 reduce-scatter + all-gather once, zero 2 a reduce-scatter
+           per micro-batch + one all-gather, zero 3 per micro-batch 2 all-gathers + 1
+           reduce-scatter, (p-1)/p n each (zero.collectives_per_step)
+    tp     per micro-batch Megatron's 4 all-reduces per layer of b*T*C, the embedding's g,
+           the head's f and the vocab-parallel cross-entropy's 3 of b*T (4L + 5 in all,
+           tensor_parallel.megatron_calls), and the 8-byte gradient-norm all-reduce once
+           per step
+    pp     one message per SendActivation and SendGrad of the stage's instruction list
+           (b*T*C*s, /tp with --sp, + a 128-byte header each): M down and M up per
+           boundary, V times as many with --virtual-stages V (rank pp-1's chunks send to
+           rank 0's next, round the ring); the tied wte gradient between the two ends
+           (with ZeRO: the rank's shard of it), the loss broadcast
+    other  8-byte all-reduces: the loss over dp, the gradient norm over pp and over dp
+           (ZeRO: each rank squares its shard; bucketed dp: its piece of each bucket;
+           not with --dp-mode naive), the fp16/bf16 overflow flag over the world
+    cp     context parallelism's ring attention (above)
+
+Across hosts (--ranks-per-host K: rank r on host r // K): the same calls, walked message by
+message on the device's real groups with the algorithm comm's dispatcher picks there (the
+hierarchical one for large messages on a group with several ranks on some host), split into
+bytes inside the host and across hosts, and timed with --inter-node-gbps, --intra-node-gbps
+and --inter-node-latency-us: minipar/plan/hosts.py. The cp ring and the ep group are placed too:
+every ring message goes to the next cp rank, each all-to-all's messages follow the algorithm
+comm picks (the hierarchical all-to-all for small ones on an ep group that spans hosts).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minipar import comm
+from minipar.comm.algorithms import direct, tree
+from minipar.comm.helpers import split_offsets
+from minipar.comm.protocol import HEADER_BYTES
+from minipar.model import moe
+from minipar.model.gpt import GPTConfig
+from minipar.parallel import data_parallel
+from minipar.parallel.context import context_parallel
+from minipar.parallel.expert import expert_parallel
+from minipar.parallel.pipeline import schedules
+from minipar.parallel.tensor import sequence_parallel, tensor_parallel
+from minipar.parallel.zero import sharded as zero
+from minipar.plan import hosts as plan_hosts
+from minipar.plan.layout import chunks, rank_layer_count, rank_moe_count, sync_groups, zero_units
+
+INT64 = 8                 # token ids, and the 8-byte scalars (loss, norms, flags) on the wire
+
+
+def pieces(n: int, p: int) -> list:
+    """Element counts of np.array_split(range(n), p), the pieces comm cuts (split_offsets)."""
+    offsets = split_offsets(n, p)
+    return [offsets[i + 1] - offsets[i] for i in range(p)]
+
+
+def all_reduce_sent(n: int, itemsize: int, p: int, rank: int = 0) -> int:
+    """Bytes `rank` sends in comm.all_reduce of n elements on p ranks: recursive doubling up
+    to comm.ALL_REDUCE_DOUBLING_MAX_BYTES (log2(q) rounds of the whole message among the
+    largest power of two q <= p, + the fix-up hand-overs), else reduce-scatter + all-gather
+    of np.array_split pieces: direct exchange up to direct.DIRECT_MAX_RANKS, else the ring."""
+    b = n * itemsize
+    if p == 1 or n == 0:
+        return 0
+    if b <= comm.ALL_REDUCE_DOUBLING_MAX_BYTES:
+        q = 1 << (p.bit_length() - 1)
+        if rank >= q:                                     # hands x over, gets the result back
+            return b
+        return (q.bit_length() - 1) * b + (b if rank < p - q else 0)
+    sizes = pieces(n, p)
+    rs = (n - sizes[rank]) * itemsize                     # every piece but its own
+    ag = (p - 1) * sizes[rank] if p <= direct.DIRECT_MAX_RANKS else n - sizes[(rank + 1) % p]
+    return rs + ag * itemsize
+
+
+def reduce_scatter_sent(n: int, itemsize: int, p: int, rank: int = 0) -> int:
+    """comm.reduce_scatter (direct exchange or ring): every piece but its own."""
+    return 0 if p == 1 else (n - pieces(n, p)[rank]) * itemsize
+
+
+def all_gather_sent(n_each: int, itemsize: int, p: int) -> int:
+    """comm.all_gather of equal pieces (Bruck, direct or ring): p - 1 pieces."""
+    return (p - 1) * n_each * itemsize
+
+
+def broadcast_sent(nbytes: int, p: int, rank: int, root: int) -> int:
+    """comm.broadcast (tree.py): a 128-byte header down the binomial tree, then the payload
+    down the same tree (or a pipelined chain above tree.BROADCAST_TREE_MAX_BYTES)."""
+    v = (rank - root) % p
+    m = (v & -v) >> 1 if v else (1 << ((p - 1).bit_length() - 1) if p > 1 else 0)
+    kids = 0
+    while m:
+        kids += v + m < p
+        m >>= 1
+    if nbytes > tree.BROADCAST_TREE_MAX_BYTES and p > 2:
+        return kids * HEADER_BYTES + (nbytes if v < p - 1 else 0)
+    return kids * (HEADER_BYTES + nbytes)
+
+
+class Flat:
+    """A group of p ranks on one host, the device its rank `rank`: what each call sends from
+    the device, by the formulas above. The axis functions below ask their group; on several
+    hosts plan_hosts.Placed answers the same calls, message by message."""
+
+    n_nodes = 1
+
+    def __init__(self, p: int, rank: int = 0):
+        self.size, self.rank = p, rank
+
+    def all_reduce(self, n: int, itemsize: int) -> int:
+        return all_reduce_sent(n, itemsize, self.size, self.rank)
+
+    def reduce_scatter(self, n: int, itemsize: int) -> int:
+        return reduce_scatter_sent(n, itemsize, self.size, self.rank)
+
+    def all_gather(self, n_each: int, itemsize: int) -> int:
+        return all_gather_sent(n_each, itemsize, self.size)
+
+    def broadcast(self, n: int, itemsize: int, root: int) -> int:
+        return broadcast_sent(n * itemsize, self.size, self.rank, root)
+
+    def send(self, nbytes: int, peer: int) -> int:       # comm.send / send_async: header, payload
+        return HEADER_BYTES + nbytes
+
+
+def flat_groups(lay, stage: int) -> dict:
+    """The groups of dp, cp and tp rank 0 of `stage`, all on one host; "dp" is the gradient
+    group, dp*cp ranks (ProcessGrid.grad_group)."""
+    return {"dp": Flat(lay.grad_ranks), "tp": Flat(lay.tp), "pp": Flat(lay.pp, stage),
+            "world": Flat(lay.world, stage * lay.grad_ranks * lay.tp)}
+
+
+def dp_bytes(tensors: list, units: list, lay, itemsize: int, g=None):
+    """Gradient synchronisation over the dp group g (data_parallel.py, or ZeRO's units): the
+    dp*cp ranks of ProcessGrid.grad_group."""
+    N, M = lay.grad_ranks, lay.micro_batches
+    if N == 1:
+        return 0
+    g = Flat(N) if g is None else g
+    if lay.zero:
+        rs = sum(g.reduce_scatter(n, itemsize) for n in units)
+        ag = sum(g.all_gather(n // N, itemsize) for n in units)
+        rs_calls, ag_calls = zero.collectives_per_step(lay.zero, M)
+        return rs_calls * rs + ag_calls * ag
+    if lay.dp_mode == "naive":                            # one all-reduce per parameter
+        return sum(g.all_reduce(n, itemsize) for _, n in tensors)
+    members = data_parallel.bucket_members([n * itemsize for _, n in tensors], lay.bucket_mb)
+    buckets = [sum(tensors[i][1] for i in m) for m in members]     # elements per bucket
+    return sum(g.all_reduce(n, itemsize) for n in buckets)
+
+
+def grad_sync_bytes(tensors: list, lay, itemsize: int, g=None):
+    """The dp axis: dp_bytes of each of sync_groups' sets, the non-expert tensors on the dp
+    group g, the experts' (with --ep) on their dp/ep replicas: ExpertParallelSync's two
+    bucketed synchronisers, or ZeRO's expert units sharded over the replicas."""
+    return sum(dp_bytes(ts, zero_units(ts, gl.grad_ranks), gl, itemsize, g if gl is lay else Flat(gl.grad_ranks))
+               for ts, gl in sync_groups(tensors, lay))
+
+
+def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: int, g=None):
+    """Megatron's all-reduces of one step on tp rank 0 of the tp group g
+    (tensor_parallel.megatron_calls), over the blocks of all the rank's chunks."""
+    tp, pp, M = lay.tp, lay.pp, lay.micro_batches
+    if tp == 1:
+        return 0
+    g = Flat(tp) if g is None else g
+    rows, T, C = lay.rows, cfg.block_size // lay.cp, cfg.n_embd          # --cp: the rank's T/cp tokens
+    n_layers = rank_layer_count(cfg, stage, pp, chunks(lay))
+    n_moe = rank_moe_count(cfg, stage, pp, chunks(lay))
+    first, last = stage == 0, stage == pp - 1
+    if lay.sp:                                            # sequence_parallel.sp_count, by kind
+        count = sequence_parallel.sp_count(cfg, rows, T, tp, n_layers, first, last, lay.recompute)
+        n = rows * T * C
+        gathers = sum(count[k][0] for k in ("f_gather", "g_gather", "regather"))
+        scatters = count["f_scatter"][0] + count["g_scatter"][0]
+        per_mb = (gathers * g.all_gather(n // tp, itemsize) + scatters * g.reduce_scatter(n, itemsize)
+                  + 6 * n_layers * g.all_reduce(C, itemsize)                 # replicated parameters' sums
+                  + (2 * g.all_reduce(C, itemsize) + 3 * g.all_reduce(rows * T, compute_itemsize) if last else 0)
+                  + (g.all_gather(T // tp * C, itemsize) if first else 0))   # wpe's rows
+        return M * per_mb + g.all_reduce(1, INT64)
+    act_calls, row_calls = tensor_parallel.megatron_calls(n_layers - n_moe, first, last, lay.recompute)
+    # a MoE block runs its MLP whole on every tp rank: attention's f and g alone, half a block's calls
+    act_calls += tensor_parallel.megatron_calls(n_moe, False, False, lay.recompute)[0] // 2
+    per_mb = (act_calls * g.all_reduce(rows * T * C, itemsize)           # (b, T, C) activations, gradients
+              + row_calls * g.all_reduce(rows * T, compute_itemsize))    # the cross-entropy's (b*T,)
+    return M * per_mb + g.all_reduce(1, INT64)            # + the gradient norm
+
+
+def pp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, g=None):
+    """Point-to-point messages and the loss broadcast of one step on the pp group g
+    (pipeline.py): one message per SendActivation and SendGrad in the stage's instruction
+    list, to the rank of the neighbouring virtual stage (schedules.neighbour)."""
+    pp, M, V = lay.pp, lay.micro_batches, chunks(lay)
+    if pp == 1:
+        return 0
+    g = Flat(pp, stage) if g is None else g
+    act = lay.rows * cfg.block_size // lay.cp * cfg.n_embd * itemsize     # (b, T/cp, C), + a header
+    act //= lay.tp if lay.sp else 1                                        # --sp: (b, T/tp, C)
+    sent = sum(g.send(act, schedules.neighbour(stage, ins.chunk, ins.peer, pp, V)[0])
+               for ins in schedules.schedule(lay.schedule, stage, pp, M, V) if isinstance(ins, schedules.SENDS))
+    if cfg.tie_embeddings and stage in (0, pp - 1):       # wte's gradient to the other end (ZeRO: its shard)
+        n = tensor_parallel.local_size("wte.weight", (cfg.vocab_size, cfg.n_embd), lay.tp)
+        N = lay.grad_ranks
+        sent += g.send((zero.padded(n, N) // N if lay.zero else n) * itemsize, pp - 1 - stage)
+    return sent + g.broadcast(1, INT64, pp - 1)
+
+
+def other_parts(stage: int, lay, groups: dict) -> dict:
+    """The step's 8-byte all-reduces outside the three mechanisms (train.train_step), by the
+    group they run on: {"dp", "pp", "world"} (groups: the device's, placed or not; "ep" when
+    placed)."""
+    dp = groups["dp"].all_reduce(1, INT64)                # the loss, summed over dp (x cp)
+    if lay.zero or (lay.dp_mode != "naive" and lay.ep == 1):   # the gradient norm over dp: each rank
+        dp = 2 * dp                                       # squares its ZeRO shard / bucket pieces
+    elif lay.ep > 1:                                      # ExpertParallelSync: the experts' squares over
+        dp += groups.get("ep", Flat(lay.ep)).all_reduce(1, INT64)   # ep only (tagged dp), either --dp-mode
+    world = groups["world"].all_reduce(1, INT64) if lay.precision != "fp32" else 0   # the overflow flag
+    return {"dp": dp, "pp": groups["pp"].all_reduce(1, INT64), "world": world}       # pp: the gradient norm
+
+
+def cp_bytes(cfg: GPTConfig, stage: int, lay, compute_itemsize: int, g=None):
+    """Ring attention's messages of one step: context_parallel.step_traffic (one
+    ring_traffic per layer of the device and micro-batch, n = b*(T/cp)*C/tp elements of its q,
+    the forward twice with --recompute full), the trainer summary's formula too; on the
+    placed cp ring g (plan_hosts.Placed.ring), the bytes that leave the host."""
+    if lay.cp == 1:
+        return 0
+    messages, nbytes = context_parallel.step_traffic(rank_layer_count(cfg, stage, lay.pp, chunks(lay)),
+                                                     lay.micro_batches, lay.rows, cfg.block_size,
+                                                     cfg.n_embd // lay.tp, lay.cp, compute_itemsize, lay.recompute)
+    return nbytes if g is None else g.ring(messages, nbytes)
+
+
+def shaped(shape: tuple, itemsize: int) -> np.ndarray:
+    """An array of this shape and itemsize that occupies no memory (a broadcast zero): for
+    expert_parallel.ep_bytes, which reads only its size and bytes."""
+    return np.broadcast_to(np.zeros((), dtype=f"f{itemsize}"), shape)
+
+
+def ep_layer_bytes(cfg: GPTConfig, lay, itemsize: int, passes: int, g=None):
+    """expert_parallel.ep_bytes of one MoE layer and micro-batch on an ep rank, `passes` each
+    way (2: forward and backward), n = b*T tokens routed: with a capacity the dispatched
+    (E cap, C) tensor, whatever the routing; without, balanced routing's n K (P-1)/P rows to
+    other ranks and as many back (they depend on the routing), and the E row counts. g: the
+    placed ep group (plan_hosts.Placed: Traffic), else one host (bytes)."""
+    P, E, K, C = lay.ep, cfg.moe_experts, cfg.moe_top_k, cfg.n_embd
+    n = lay.rows * cfg.block_size
+    cap = moe.capacity(n, K, E, cfg.moe_capacity_factor)
+    g = expert_parallel.Sent(Flat(P)) if g is None else g
+    if cap is not None:
+        return expert_parallel.ep_bytes(g, C * itemsize, passes, shaped((E * cap, C), itemsize))
+    rows = n * K * (P - 1) / P
+    return expert_parallel.ep_bytes(g, C * itemsize, passes, None, rows, rows, shaped((E,), INT64))
+
+
+def ep_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, g=None):
+    """The all-to-alls of one step: per MoE block of the device and micro-batch
+    ep_layer_bytes with 2 passes, or with --recompute full 1 (the forward, under no_grad) and
+    2 (the forward again, and backward). Exact with a capacity; without, an estimate. g: the
+    placed ep group (Traffic), else bytes on one host."""
+    if lay.ep == 1:
+        return 0
+    per_layer = ep_layer_bytes(cfg, lay, itemsize, 2, g)
+    if lay.recompute == "full":
+        per_layer += ep_layer_bytes(cfg, lay, itemsize, 1, g)
+    total = rank_moe_count(cfg, stage, lay.pp, chunks(lay)) * lay.micro_batches * per_layer
+    if isinstance(total, plan_hosts.Traffic):
+        return plan_hosts.Traffic(*(round(v) for v in (total.intra, total.inter, total.inter_messages)))
+    return round(total)

@@ -1,0 +1,70 @@
+"""FLOPs per device, by formula.
+
+FLOPs of a forward pass over one sequence of T tokens, the count of Hoffmann et al.
+2022 (arXiv:2203.15556, "Chinchilla", appendix F), C channels, H heads, V vocabulary, 4C MLP width:
+    embeddings 2TVC;  per layer: K,Q,V projections 2*3TCC, key-query logits 2TTC,
+    softmax 3HTT, softmax-value reduction 2TTC, final linear 2TCC, dense block 2T(4CC + 4CC);
+    final logits 2TCV.   backward = 2 x forward;  6ND beside it (N params, D = B*T).
+All but the embeddings (a row lookup in minipar) and the softmax are matmuls that minipar
+runs exactly so (the T x T products in full, masked afterwards); 3x their sum is
+model.train_flops_per_token. Per device: the stage's layers (all its chunks' with
+--virtual-stages: schedules.rank_layers; embeddings on the first, logits on the last), / tp
+(heads, MLP columns, Vp/tp vocabulary rows), B/dp sequences.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from minipar.autograd import recompute
+from minipar.model.gpt import GPTConfig, train_flops_per_token
+from minipar.plan.layout import rank_layer_count, rank_moe_count
+
+
+def flop_components(cfg: GPTConfig, tp: int = 1, stage: int = 0, pp: int = 1, n_chunks: int = 1,
+                    cp: int = 1) -> dict:
+    """The Chinchilla appendix F forward FLOPs of one sequence, by component, on one device of
+    `stage` (with n_chunks: its chunks' blocks; rank 0 holds virtual stage 0, rank pp-1 pV-1).
+    cp: the device's Tq = T/cp query rows of each product, against all T keys.
+    A MoE block's dense block is its K active experts' (each token through K expert MLPs)
+    plus the router's logits, 2 T C E: replicated over tp, so not divided by it; with --ep a
+    device runs K experts' rows per token on average (balanced routing), the same count."""
+    T, C, H, V = cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size
+    Tq = T // cp                                          # this device's tokens (queries)
+    Vl = V if tp == 1 else -(-V // tp)                    # vocabulary rows on this device
+    L = rank_layer_count(cfg, stage, pp, n_chunks)
+    n_moe = rank_moe_count(cfg, stage, pp, n_chunks)
+    first, last = stage == 0, stage == pp - 1
+    mlp = 2 * Tq * (C * 4 * C + 4 * C * C)               # one MLP on the device's tokens
+    out = {
+        "embeddings": 2 * Tq * Vl * C if first else 0,
+        "kqv_projections": L * 2 * 3 * Tq * C * C // tp,
+        "key_query_logits": L * 2 * Tq * T * C // tp,
+        "softmax": L * 3 * (H // tp) * Tq * T,
+        "softmax_value": L * 2 * Tq * T * C // tp,
+        "final_linear": L * 2 * Tq * C * C // tp,
+        "dense": (L - n_moe) * mlp // tp,
+    }
+    if cfg.moe_experts:
+        out.update(experts=n_moe * cfg.moe_top_k * mlp, router=n_moe * 2 * Tq * C * cfg.moe_experts)
+    out["logits"] = 2 * Tq * C * Vl if last else 0
+    return out
+
+
+def flops(components: dict, sequences: int) -> dict:
+    """Forward, backward (2x forward) and total FLOPs of `sequences` sequences; the matmul
+    part of the forward (all but the embeddings and the softmax); the components."""
+    fwd = sequences * sum(components.values())
+    matmul = fwd - sequences * (components["embeddings"] + components["softmax"])
+    return {"forward": fwd, "backward": 2 * fwd, "total": 3 * fwd, "matmul_forward": matmul,
+            "components": {k: sequences * v for k, v in components.items()}}
+
+
+def recompute_flops(cfg: GPTConfig, lay) -> int:
+    """What --recompute runs again: recompute.added_flops (blocks with one dense MLP) and,
+    with full, what a MoE block's forward adds to that, K experts' MLPs and the router
+    instead of one MLP: the forward third of model.train_flops_per_token's MoE term."""
+    added = recompute.added_flops(cfg.n_layer, lay.batch_size, cfg.block_size, cfg.n_embd, lay.recompute)
+    if lay.recompute == "full" and cfg.moe_experts:
+        moe_term = train_flops_per_token(cfg) - train_flops_per_token(dataclasses.replace(cfg, moe_experts=0))
+        added += round(moe_term / 3 * lay.batch_size * cfg.block_size)
+    return added
