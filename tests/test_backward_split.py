@@ -6,15 +6,14 @@ import pytest
 
 from minipar.autograd import backward_split, ops
 from minipar.model.gpt import GPT, GPTConfig
+from minipar.parallel.parallelize import parts
 from minipar.autograd.tensor import Tensor
 
 CFG = dict(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
 
 
 def model(recompute="none", tied=True):
-    m = GPT(GPTConfig(**CFG, tie_embeddings=tied), seed=0, dtype=np.float64)
-    m.recompute = recompute
-    return m
+    return GPT(GPTConfig(**CFG, tie_embeddings=tied), seed=0, dtype=np.float64, parts=parts(recompute))
 
 
 def ids(seed=0):

@@ -43,6 +43,7 @@ from minipar.parallel.context import ring_attention
 from minipar.parallel.tensor import tensor_parallel
 from minipar.parallel.zero import sharded as zero
 from minipar.parallel.pipeline.stage import PipelineStage
+from minipar.parallel.parallelize import parts
 from minipar.parallel.tensor.tensor_parallel import TensorParallelGPT
 from minipar.autograd.tensor import Tensor
 
@@ -180,8 +181,9 @@ def no_tp_comm(monkeypatch):
 
 
 def stage_model(cfg, tp, pp, stage, dtype, recompute="none", n_chunks=1):
-    inner = TensorParallelGPT(cfg, FakeGroup(tp), dtype=dtype) if tp > 1 else GPT(cfg, dtype=dtype)
-    inner.recompute = recompute                       # as train.py sets it, before the stage wraps it
+    p = parts(recompute)                              # as parallelize builds them
+    inner = (TensorParallelGPT(cfg, FakeGroup(tp), dtype=dtype, parts=p) if tp > 1
+             else GPT(cfg, dtype=dtype, parts=p))
     return PipelineStage(inner, stage, pp, FakeGroup(pp, stage), n_chunks)
 
 
@@ -594,7 +596,7 @@ def test_moe_params_total_and_active_by_hand():
 
 def test_moe_memory_holds_e_over_ep_experts_and_all_of_them_on_tp():
     """--ep 2: a rank holds 2 of the 4 experts of each MoE block (the same count as a model
-    placed by expert_parallel.place); --tp 2 splits attention but not the experts, which every
+    placed by parallelize: only its experts held); --tp 2 splits attention but not the experts, which every
     tp rank holds whole (tensor_parallel.layout_of: replicated)."""
     cfg = moe_cfg(L=4, every=2)
     flags = ["--vocab-size", "97", "--block-size", "12", "--n-layer", "4", "--n-head", "3", "--n-embd", "24",
@@ -602,9 +604,8 @@ def test_moe_memory_holds_e_over_ep_experts_and_all_of_them_on_tp():
     one, ep2 = run_plan(*flags)["memory"], run_plan(*flags, "--ep", "2")["memory"]
     expert = 8 * 24 * 24 + 5 * 24
     assert one["params_local"] - ep2["params_local"] == 2 * 2 * expert          # 2 blocks x 2 experts
-    model = GPT(cfg)
-    model.moe = moe.MoESettings(4, 2)
-    expert_parallel.place(model, expert_parallel.ExpertPlacement(FakeGroup(2), 4))     # ep rank 0: experts 0, 1
+    placement = expert_parallel.ExpertPlacement(FakeGroup(2), 4)                     # ep rank 0: experts 0, 1
+    model = GPT(cfg, parts=parts(moe=moe.MoESettings(4, 2, placement=placement), holds=placement.owns))
     assert model.num_local_params() == ep2["params_local"]
     assert ep2["params"] == 4 * ep2["params_local"] and ep2["optimizer"] == 8 * ep2["params_local"]
     tp2 = run_plan(*flags, "--tp", "3")["memory"]
@@ -615,10 +616,9 @@ def test_moe_memory_holds_e_over_ep_experts_and_all_of_them_on_tp():
 
 def moe_stage(cfg, pp, stage, dtype, recompute="none"):
     """A stage of a MoE model whose routing records its decisions (MoESettings.stats)."""
-    inner = GPT(cfg, dtype=dtype)
-    inner.recompute = recompute
-    inner.moe = moe.MoESettings(cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor, stats=[])
-    return PipelineStage(inner, stage, pp, FakeGroup(pp, stage)), inner.moe
+    settings = moe.MoESettings(cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor, stats=[])
+    inner = GPT(cfg, dtype=dtype, parts=parts(recompute, moe=settings))
+    return PipelineStage(inner, stage, pp, FakeGroup(pp, stage)), settings
 
 
 @pytest.mark.parametrize("dtype,s,c", [(np.float64, 8, 8), (np.float32, 4, 4), (np.float16, 2, 4),

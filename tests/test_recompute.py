@@ -9,6 +9,7 @@ import pytest
 from minipar.train import trainer as train
 from minipar.train.checkpoint import canonical_state
 from minipar.model.gpt import GPT, GPTConfig
+from minipar.parallel.parallelize import parts
 from trainer_runs import mpirun
 
 FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
@@ -36,8 +37,7 @@ def test_bit_identical_to_none_in_float64(mode, baseline):
 
 
 def saved(mode, cfg, B=3):
-    model = GPT(cfg, seed=0, dtype=np.float64)
-    model.recompute = mode
+    model = GPT(cfg, seed=0, dtype=np.float64, parts=parts(mode))
     idx = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, cfg.block_size))
     return model(idx, idx).saved_bytes()
 
@@ -58,8 +58,7 @@ def test_full_recompute_hooks_fire_once_per_parameter():
     """Data parallelism's buckets start in the gradient hooks: with full recompute each
     parameter's hook still fires exactly once per backward, after its gradient is complete."""
     cfg = GPTConfig(vocab_size=256, block_size=8, n_layer=2, n_head=2, n_embd=16)
-    model = GPT(cfg, seed=0, dtype=np.float64)
-    model.recompute = "full"
+    model = GPT(cfg, seed=0, dtype=np.float64, parts=parts("full"))
     fired = []
     for name, p in model.named_parameters():
         p.register_grad_hook(lambda t, name=name: fired.append(name))
@@ -108,8 +107,7 @@ def test_added_flops_are_counted_exactly(monkeypatch):
     B, T, C, L = 2, 8, 16, 3
     counted = {}
     for mode in ("none", "selective", "full"):
-        model = GPT(cfg, seed=0, dtype=np.float64)
-        model.recompute = mode
+        model = GPT(cfg, seed=0, dtype=np.float64, parts=parts(mode))
         idx = np.random.default_rng(0).integers(0, 256, (B, T))
         count[0] = 0
         model(idx, idx).backward()

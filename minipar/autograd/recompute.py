@@ -26,6 +26,7 @@ block's backward would have without recomputation.
 """
 from __future__ import annotations
 
+from minipar import trace
 from minipar.autograd import backward_split
 from minipar.autograd.tensor import Function, Tensor, enable_grad, is_grad_enabled, no_grad
 
@@ -62,6 +63,18 @@ class Recompute(Function):
         else:
             y.backward(g)
         return leaf.grad, None
+
+
+def runner(mode: str):
+    """Parts.run_block for --recompute `mode`: block(i, x) in a trace span of its own
+    (trace.layer), recomputed in backward when mode is "full"."""
+    if mode not in MODES:
+        raise ValueError(f"recompute must be one of {MODES}, got {mode!r}")
+
+    def run_block(blk, i: int, x: Tensor) -> Tensor:
+        with trace.layer(f"h.{i}"):
+            return block(lambda t: blk(i, t), x, mode)
+    return run_block
 
 
 def block(run, x: Tensor, mode: str) -> Tensor:

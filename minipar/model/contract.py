@@ -1,8 +1,12 @@
-"""The two contracts the trainer relies on (docs/design.md §4).
+"""The two contracts the trainer relies on (docs/design.md §4), and the parts a layout gives a model.
+
+Parts       what a layout plugs into the model's forward, fixed when the model is built:
+            attention, positions, how a block runs, the MoE settings, which parameters it holds
+            (minipar/parallel/parallelize.py builds them; the defaults are one process's).
 
 Model       what every layout of the GPT offers: the single-process model.GPT, its
-            tensor-parallel shards (parallel/tensor_parallel.TensorParallelGPT) and one
-            pipeline stage of either (parallel/pipeline.PipelineStage). The base class holds
+            tensor-parallel shards (parallel/tensor/tensor_parallel.TensorParallelGPT) and one
+            pipeline stage of either (parallel/pipeline/stage.PipelineStage). The base class holds
             the whole-model behaviour; a sharded model overrides the four sharding hooks:
                 shard(name, full)      the canonical tensor -> this rank's slice of it
                 consolidate(local)     this rank's slices -> the canonical tensors (collective)
@@ -24,54 +28,115 @@ GradSync    what the trainer asks of gradient synchronisation across the dp grou
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import numpy as np
 
 from minipar.model import moe
-from minipar.autograd import ops, recompute
+from minipar.autograd import ops
 from minipar import trace
 from minipar.optim.adamw import sum_of_squares
+
+
+def whole_attention(qkv, n_head: int):
+    """Causal self-attention of the packed qkv (B, t, 3C') on this rank's whole sequence."""
+    return ops.causal_self_attention(qkv, n_head)
+
+
+def whole_positions(t: int, block_size: int) -> np.ndarray:
+    """The positions of a sequence's t tokens when a rank holds all of them: 0..t-1."""
+    if t > block_size:
+        raise ValueError(f"sequence length {t} > block_size {block_size}")
+    return np.arange(t)
+
+
+def plain_block(block, i: int, x):
+    """block(i, x) in a trace span of its own (trace.layer)."""
+    with trace.layer(f"h.{i}"):
+        return block(i, x)
+
+
+def every_parameter(name: str) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a layout plugs into the model's forward: given to the model when it is built and
+    never changed. The defaults are one process's; minipar/parallel/parallelize.py builds
+    the others (ring attention, recomputation, expert placement, a pipeline stage's share).
+
+        attention(qkv, n_head)      causal self-attention of the packed projection (B, t, 3C')
+        positions(t, block_size)    the global positions of the t tokens of a sequence this rank holds
+        run_block(block, i, x)      block(i, x) as the forward runs it: traced, maybe recomputed
+        moe                         the MoE blocks' routing settings (moe.MoESettings), or None:
+                                    the config's, no capacity limit, no auxiliary loss
+        holds(name)                 does this rank hold canonical parameter `name`?"""
+    attention: Callable = whole_attention
+    positions: Callable = whole_positions
+    run_block: Callable = plain_block
+    moe: object = None
+    holds: Callable = every_parameter
 
 
 class Model:
     """Base class of every model layout. A subclass sets, in its constructor:
         cfg          the model.GPTConfig of the whole model
-        dtype        the parameters' storage dtype
+        parts        the Parts its layout plugs into the forward
         params       {canonical name: Tensor} of the parameters this rank holds, model order
-        full_shapes  {canonical name: shape} of every parameter of the whole model"""
+        full_shapes  {canonical name: shape} of every parameter of the whole model
+    and provides embed(idx), block(i, x) and head(x); loss(logits, targets, denom) too when
+    its logits are not the whole vocabulary's."""
 
     cfg: object
-    dtype: np.dtype
+    parts: Parts = Parts()
     params: dict
     full_shapes: dict
     tp_size: int = 1          # tensor-parallel ranks the model is split over
     tp_rank: int = 0          # and this rank's place among them
-    recompute: str = "none"   # --recompute: none, selective or full (recompute.py)
-    context = None            # --cp: this rank's context_parallel.ContextSplit, or None
-    moe = None                # MoE blocks: the moe.MoESettings (default: no capacity, no aux loss)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The parameters' storage dtype (2 bytes once a mixed-precision optimizer holds the
+        fp32 master weights)."""
+        return next(iter(self.params.values())).data.dtype
+
+    @property
+    def moe(self):
+        """The MoE blocks' routing settings (Parts.moe), or None."""
+        return self.parts.moe
 
     # --- forward -----------------------------------------------------------------------------
+    def __call__(self, idx, targets=None, loss_denom=None):
+        """Logits (B, t, V) without targets (a tensor-parallel layout: its vocabulary shard);
+        with targets, the scalar loss: the sum of per-position cross-entropies divided by
+        loss_denom (default: B*t, the mean), the same on every rank of the layout."""
+        with trace.layer("embed"):                                      # --trace: a span each
+            x = self.embed(idx)
+        for i in range(self.cfg.n_layer):
+            x = self.run_block(i, x)
+        with trace.layer("head"):
+            logits = self.head(x)
+            return logits if targets is None else self.loss(logits, targets, loss_denom)
+
+    forward = __call__
+
+    def loss(self, logits, targets, loss_denom=None):
+        """The cross-entropy of whole-vocabulary logits."""
+        return ops.cross_entropy(logits, targets, loss_denom)
+
     def run_block(self, i: int, x):
-        """Block i on x, as the forward of every layout runs it: a trace span of its own
-        (trace.layer) and, with recompute "full", recomputed in backward."""
-        with trace.layer(f"h.{i}"):
-            return recompute.block(lambda t: self.block(i, t), x, self.recompute)
+        """Block i on x, as the layout runs it (Parts.run_block)."""
+        return self.parts.run_block(self.block, i, x)
 
     def position_ids(self, t: int) -> np.ndarray:
-        """The global positions of the t tokens of each sequence this rank holds: 0..t-1,
-        or with context parallelism its share of a sequence of t * cp tokens."""
-        T = t if self.context is None else t * self.context.size
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence length {T} > block_size {self.cfg.block_size}")
-        return np.arange(t) if self.context is None else self.context.positions(T)
+        """The global positions of the t tokens of each sequence this rank holds (Parts.positions)."""
+        return self.parts.positions(t, self.cfg.block_size)
 
     def attend(self, qkv, n_head: int):
-        """Causal self-attention of the packed qkv (B, t, 3C'): the fused op, or with
-        context parallelism the ring over the cp group (context_parallel.py)."""
-        if self.context is not None:
-            return self.context.attention(qkv, n_head)
-        return ops.causal_self_attention(qkv, n_head, self.recompute == "selective")
+        """Causal self-attention of the packed qkv (B, t, 3C') (Parts.attention)."""
+        return self.parts.attention(qkv, n_head)
 
     def moe_layer(self, i: int, x):
         """Block i's mixture of experts on x (B, t, C) (moe.py)."""
@@ -124,7 +189,7 @@ class Model:
     def load_state_dict(self, state: dict):
         """Load this rank's slices from a full canonical state: every name, no other, each of
         its canonical shape (all checked before anything changes)."""
-        placement = getattr(self.moe, "placement", None)          # --ep: other ranks' experts are not here
+        placement = None if self.moe is None else self.moe.placement     # --ep: other ranks' experts are not here
         missing = sorted(set(self.params) - set(state))
         extra = sorted(n for n in set(state) - set(self.params) if placement is None or placement.owns(n))
         if missing or extra:

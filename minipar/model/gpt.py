@@ -19,8 +19,7 @@ import numpy as np
 
 from minipar.model import moe
 from minipar.autograd import ops
-from minipar import trace
-from minipar.model.contract import Model
+from minipar.model.contract import Model, Parts
 from minipar.autograd.tensor import Tensor, no_grad
 
 
@@ -107,14 +106,16 @@ def train_flops_per_token(cfg: GPTConfig, t: int | None = None) -> float:
 
 
 class GPT(Model):
-    """The single-process model. Parameters are leaf Tensors in `self.params`."""
+    """The single-process model. Parameters are leaf Tensors in `self.params`. It knows
+    nothing of how it is split: a layout gives it its Parts (model/contract.py), and holds
+    only the parameters Parts.holds names."""
 
-    def __init__(self, cfg: GPTConfig, seed: int = 0, dtype=np.float64):
-        self.cfg = cfg.validate()
-        self.dtype = np.dtype(dtype)
+    def __init__(self, cfg: GPTConfig, seed: int = 0, dtype=np.float64, parts: Parts = Parts()):
+        self.cfg, self.parts = cfg.validate(), parts
+        dtype = np.dtype(dtype)
         self.params = {
-            name: Tensor(init_param(name, shape, init, seed, self.dtype), requires_grad=True, name=name)
-            for name, shape, init in param_specs(cfg)
+            name: Tensor(init_param(name, shape, init, seed, dtype), requires_grad=True, name=name)
+            for name, shape, init in param_specs(cfg) if parts.holds(name)
         }
         self.full_shapes = {name: tuple(shape) for name, shape, _ in param_specs(cfg)}
 
@@ -147,19 +148,6 @@ class GPT(Model):
         x = ops.layer_norm(x, P["ln_f.weight"], P["ln_f.bias"])
         w = P["wte.weight"] if self.cfg.tie_embeddings else P["lm_head.weight"]
         return ops.matmul(x, ops.transpose(w))                          # (B, t, V)
-
-    def __call__(self, idx, targets=None, loss_denom=None):
-        """Logits (B, t, V) without targets; with targets, the scalar loss: the sum of
-        per-position cross-entropies divided by loss_denom (default: B*t, the mean)."""
-        with trace.layer("embed"):                                      # --trace: a span each
-            x = self.embed(idx)
-        for i in range(self.cfg.n_layer):
-            x = self.run_block(i, x)
-        with trace.layer("head"):
-            logits = self.head(x)
-            return logits if targets is None else ops.cross_entropy(logits, targets, loss_denom)
-
-    forward = __call__
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40,
                  rng: np.random.Generator | None = None) -> np.ndarray:

@@ -8,4 +8,5 @@ gradients apart over a group of ranks and puts the result back together. Read in
     pipeline/           schedules as data, their deadlock check, a stage and its executor
     context/            context parallelism: ring attention over sequence shards
     expert/             expert parallelism: experts on ranks, tokens sent by all-to-all
+    parallelize.py      a rank's model: the mechanisms above applied to the plain GPT, in order
 """

@@ -47,9 +47,10 @@ from minipar.parallel.context import context_parallel
 from minipar.parallel import data_parallel
 from minipar.parallel.expert import expert_parallel
 from minipar.parallel.pipeline import stage as pipeline
-from minipar.parallel.tensor import sequence_parallel, tensor_parallel
+from minipar.parallel.tensor import tensor_parallel
 from minipar.parallel.zero import sharded as zero
 from minipar.parallel.grid import ProcessGrid
+from minipar.parallel.parallelize import parallelize
 from minipar.plan.peak import keep_freed_memory, matmul_peak_flops
 from minipar.autograd.tensor import no_grad
 
@@ -118,32 +119,17 @@ def build_optimizer(model: Model, args) -> AdamW:
     if args.precision == "fp32":
         return AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     dtype = mixed_precision.storage_dtype(args.precision)
-    opt = mixed_precision.MixedPrecisionAdamW(
+    return mixed_precision.MixedPrecisionAdamW(
         model.parameters(), dtype, lr=args.lr, weight_decay=args.weight_decay,
         scaler=mixed_precision.make_scaler(args.precision, args.loss_scale, args.loss_scale_window))
-    model.dtype = dtype
-    if isinstance(model, pipeline.PipelineStage):
-        model.inner.dtype = dtype
-    return opt
 
 
-def init_model(spec: RunSpec, args, grid: ProcessGrid | None = None):
-    """(model, optimizer) for this rank: GPT, or its tensor-parallel shards when the grid's tp
-    group has > 1 rank; with pp > 1, only this rank's pipeline stage of it. With --resume,
-    loaded from the checkpoint."""
-    if grid is not None and grid.tp_size > 1:
-        layers = sequence_parallel.SequenceParallelGPT if args.sp else tensor_parallel.TensorParallelGPT
-        model = layers(spec.cfg, grid.tp_group, seed=args.seed, dtype=spec.dtype)
-    else:
-        model = GPT(spec.cfg, seed=args.seed, dtype=spec.dtype)
-    model.recompute = args.recompute                 # before a pipeline stage wraps it
-    model.moe = moe_settings(spec, args)
-    if grid is not None and grid.ep_size > 1:       # this rank's experts only
-        expert_parallel.place(model, expert_parallel.ExpertPlacement(grid.ep_group, spec.cfg.moe_experts))
-    if grid is not None and grid.cp_size > 1:
-        model.context = context_parallel.ContextSplit(grid.cp_group, args.cp_layout)
-    if grid is not None and grid.pp_size > 1:
-        model = pipeline.PipelineStage(model, grid.pp_rank, grid.pp_size, grid.pp_group, args.virtual_stages)
+def init_model(spec: RunSpec, args, grid: ProcessGrid | None = None,
+               context: context_parallel.ContextSplit | None = None):
+    """(model, optimizer) for this rank: the layout's model (parallelize: every mechanism
+    applied in order), its optimizer, and with --resume both loaded from the checkpoint."""
+    model = parallelize(spec.cfg, grid, args.seed, spec.dtype, args.recompute, args.sp, context,
+                        moe_settings(spec, args), args.virtual_stages)
     opt = build_optimizer(model, args)
     if spec.meta is not None:
         try:
@@ -347,7 +333,8 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
         print(f"checkpoint: {os.path.abspath(args.resume)} is missing (a save was cut off between its two "
               f"renames): resuming from the one before it, {spec.meta['loaded_from']}", flush=True)
     grid = ProcessGrid(world_comm, spec.dp, spec.tp, spec.pp, spec.cp, args.ep)
-    model, opt = init_model(spec, args, grid)
+    context = context_parallel.ContextSplit(grid.cp_group, args.cp_layout) if grid.cp_size > 1 else None
+    model, opt = init_model(spec, args, grid, context)
     sync = None
     grads = grid.grad_group        # dp x cp: every rank of it has a partial gradient of the same weights
     if args.zero:                  # one object: the dp synchroniser and the sharded optimizer
@@ -361,7 +348,7 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
     if args.trace and not args.dry_run:         # after the clocks' ping-pong with rank 0
         tracing.start(grid.world, tracing.process_name(grid))
     return Session(args, model, opt, data.Sampler(spec.tokens, T, B, args.seed), sync=sync,
-                   rows=(r * B // dp, (r + 1) * B // dp), context=model.context,
+                   rows=(r * B // dp, (r + 1) * B // dp), context=context,
                    dp_group=grads if grads.size > 1 else None,
                    world_group=grid.world if world > 1 else None,
                    pipe=(pipeline.PipelineEngine(model, args.schedule, args.micro_batches)

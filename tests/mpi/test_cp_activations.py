@@ -18,6 +18,7 @@ from minipar.plan import activations
 from minipar.model.gpt import GPT, GPTConfig
 from minipar.parallel.context.context_parallel import ContextSplit
 from minipar.parallel.grid import ProcessGrid
+from minipar.parallel.parallelize import parts
 from minipar.parallel.tensor.tensor_parallel import TensorParallelGPT
 
 WORLD = MPI.COMM_WORLD
@@ -39,8 +40,7 @@ def forward_bytes(make, split, recompute):
     x, y = batch()
     out = {}
     for n_layer in (2, 3):
-        model = make(n_layer)
-        model.context, model.recompute = split, recompute
+        model = make(n_layer, parts(recompute, context=split))
         out[n_layer] = model(split.local(x), split.local(y), loss_denom=B * T).saved_bytes()
     return out
 
@@ -57,7 +57,7 @@ def test_saved_bytes_equal_the_formula(groups, cp, n_head, layout, dtype, recomp
         pytest.skip(f"needs {cp} ranks")
     dt, s, c = DTYPES[dtype]
     split = ContextSplit(g, layout)
-    got = forward_bytes(lambda n: GPT(config(n, n_head), seed=0, dtype=dt), split, recompute)
+    got = forward_bytes(lambda n, p: GPT(config(n, n_head), seed=0, dtype=dt, parts=p), split, recompute)
     where = f"cp={cp} rank {g.rank} {dtype} {recompute} {layout} H={n_head}"
     assert got[3] == activations.stage_bytes(config(3, n_head), 0, 1, 1, B, s, c, False, recompute, cp=cp), where
     assert got[3] - got[2] == activations.layer_bytes(B, T, C, n_head, 1, s, c, False, recompute, cp), where
@@ -82,8 +82,8 @@ def test_saved_bytes_with_tp_equal_the_formula(grid, n_head, dtype, recompute):
     split = ContextSplit(grid.cp_group, "zigzag")
     made = []
 
-    def make(n):
-        made.append(TensorParallelGPT(config(n, n_head), grid.tp_group, seed=0, dtype=dt))
+    def make(n, p):
+        made.append(TensorParallelGPT(config(n, n_head), grid.tp_group, seed=0, dtype=dt, parts=p))
         return made[-1]
 
     got = forward_bytes(make, split, recompute)

@@ -16,6 +16,7 @@ from minipar.parallel.tensor import sequence_parallel as spar
 from minipar.parallel.tensor import tensor_parallel as tpar
 from minipar.parallel.tensor.sequence_parallel import SequenceParallelGPT
 from minipar.parallel.tensor.tensor_parallel import TensorParallelGPT
+from minipar.parallel.parallelize import parts
 
 RANK = MPI.COMM_WORLD.Get_rank()
 V, T, L, H, C = 256, 24, 2, 12, 48           # 12 heads and T = 24: tp = 2, 3, 4 divide both
@@ -115,8 +116,7 @@ def test_ledger_equals_sp_count(groups, tp, recompute):
     """Calls and elements of every kind, forward + backward, equal sequence_parallel.sp_count
     (full recomputation gathers and scatters each block's forward again)."""
     cfg, (x, y) = config(), batch(2)
-    model = SequenceParallelGPT(cfg, groups[tp], seed=0, dtype=np.float64)
-    model.recompute = recompute
+    model = SequenceParallelGPT(cfg, groups[tp], seed=0, dtype=np.float64, parts=parts(recompute))
     tpar.reset_traffic()
     grads(model, x, y)
     got = {k: (v["calls"], v["elements"]) for k, v in tpar.traffic().items()}
@@ -145,8 +145,7 @@ def test_saved_bytes_equal_the_formula(groups, tp, sp, recompute):
     x, y = batch(3, length=T)
     measured = {}
     for n_layer in (2, 3):
-        model = cls(config(n_layer=n_layer), groups[tp], seed=0, dtype=np.float64)
-        model.recompute = recompute
+        model = cls(config(n_layer=n_layer), groups[tp], seed=0, dtype=np.float64, parts=parts(recompute))
         measured[n_layer] = model(x, y).saved_bytes()
     g = groups[tp]
     lo, n = model.vocab_start, model.vocab_per_rank

@@ -11,7 +11,8 @@ so the loss summed over the cp ranks (and dp) is the mean over the global batch,
 parameter's gradient is a partial sum over this rank's tokens: the gradient synchroniser
 sums it over dp x cp (ProcessGrid.grad_group), and ZeRO shards over the same ranks.
 
-A model takes part through one attribute, model.context: None, or this rank's ContextSplit.
+A model takes part through its Parts (model/contract.py): ContextSplit.attention is its attention
+and ContextSplit.global_positions its positions (minipar/parallel/parallelize.py).
 """
 from __future__ import annotations
 
@@ -40,6 +41,14 @@ class ContextSplit:
     def positions(self, T: int) -> np.ndarray:
         """Global positions of this rank's T/C tokens of a sequence of T, in its order."""
         return positions(self.group.rank, self.group.size, T, self.layout)
+
+    def global_positions(self, t: int, block_size: int) -> np.ndarray:
+        """Parts.positions with context parallelism: the global positions of this rank's t
+        tokens of a sequence of t * C."""
+        T = t * self.size
+        if T > block_size:
+            raise ValueError(f"sequence length {T} > block_size {block_size}")
+        return self.positions(T)
 
     def local(self, a) -> np.ndarray:
         """This rank's tokens of a (..., T) array of ids or targets: (..., T/C)."""

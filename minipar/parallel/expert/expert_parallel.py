@@ -78,12 +78,6 @@ def held_elsewhere(cfg, layers, ep: int) -> int:
     return sum((E - E // ep) * (8 * C * C + 5 * C) for i in layers if cfg.is_moe(i))
 
 
-def place(model, placement: ExpertPlacement):
-    """Keep only this rank's experts' parameters (before a pipeline stage wraps the model)."""
-    model.params = {n: p for n, p in model.params.items() if placement.owns(n)}
-    model.moe.placement = placement
-
-
 class AllToAll(Function):
     """x's rows to the ranks of `group` (comm.all_to_all, sizes rows each, or equal pieces);
     backward sends the gradient rows back the same way round."""

@@ -53,7 +53,7 @@ import time
 
 import numpy as np
 
-from minipar.autograd import backward_split, ops
+from minipar.autograd import backward_split
 from minipar import comm, trace
 from minipar.comm.protocol import TAG_P2P_GRAD
 from minipar.model.contract import GradSync, Model
@@ -68,14 +68,14 @@ from minipar.autograd.tensor import Tensor, no_grad
 
 
 class PipelineStage(Model):
-    """One stage of the model: a GPT or TensorParallelGPT with every parameter the stage
-    does not own dropped, so named_parameters() (and the memory report) holds only the
-    stage's. Forward in pieces: embed on the first stage, its blocks, head and loss on the
-    last. Collective methods (state_dict, consolidate, grad_norm_sq, evaluate) run on every
-    rank of the pp group (and the tp group)."""
+    """One stage of the model: a GPT or TensorParallelGPT built holding only the stage's
+    parameters (its Parts.holds: minipar/parallel/parallelize.py), so named_parameters() (and
+    the memory report) holds only the stage's. Forward in pieces: embed on the first stage,
+    its blocks, head and loss on the last. Collective methods (state_dict, consolidate,
+    grad_norm_sq, evaluate) run on every rank of the pp group (and the tp group)."""
 
     def __init__(self, inner, stage: int, n_stages: int, pp_group: comm.Group, n_chunks: int = 1):
-        self.inner, self.cfg, self.dtype = inner, inner.cfg, inner.dtype
+        self.inner, self.cfg, self.parts = inner, inner.cfg, inner.parts
         self.stage, self.n_stages, self.group = stage, n_stages, pp_group
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.n_chunks = n_chunks                  # > 1: interleaved, chunks stage, stage + p, ...
@@ -83,18 +83,10 @@ class PipelineStage(Model):
         self.layers = [i for chunk in self.chunks for i in chunk]
         self.names = schedules.stage_param_names(self.cfg, stage, n_stages, n_chunks)
         self.tp_size, self.tp_rank = inner.tp_size, inner.tp_rank
-        self.context = inner.context              # --cp: the stage's tokens are the rank's share
-        self.moe = inner.moe                      # MoE blocks: the routing settings, shared
         self.tp_group = inner.group if self.tp_size > 1 else None
-        inner.params = {n: inner.params[n] for n in self.names if n in inner.params}   # drop the other
-        # stages' (and with --ep the experts other ranks hold)
-        if self.tp_size > 1:                                          # and their tp layers
-            for i in range(self.cfg.n_layer):
-                if i not in self.layers:
-                    inner.attn[i] = inner.mlp[i] = None
-            if not self.is_first:
-                inner.wte = None
-        self.params, self.full_shapes = inner.params, inner.full_shapes
+        # the stage's names in stage order (with --ep, only the experts this rank holds)
+        self.params = {n: inner.params[n] for n in self.names if n in inner.params}
+        self.full_shapes = inner.full_shapes
         self.tied_copy = self.is_last and not self.is_first and self.cfg.tie_embeddings
 
     # --- parameters (interfaces.Model: named_parameters, parameters, num_params of the whole
@@ -170,9 +162,7 @@ class PipelineStage(Model):
             logits = self.inner.head(x)                               # (b, T, V) or (b, T, Vp/tp)
             if targets is None:
                 return logits
-            if self.tp_size > 1:
-                return self.inner.loss(logits, targets, loss_denom)
-            return ops.cross_entropy(logits, targets, loss_denom)
+            return self.inner.loss(logits, targets, loss_denom)
 
     def evaluate(self, idx, targets) -> float:
         """The mean loss of (idx, targets) through every (virtual) stage, no graph; the same on

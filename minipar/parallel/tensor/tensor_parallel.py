@@ -40,9 +40,9 @@ import math
 
 import numpy as np
 
-from minipar import comm, trace
+from minipar import comm
 from minipar.autograd import ops
-from minipar.model.contract import Model
+from minipar.model.contract import Model, Parts
 from minipar.model.gpt import GPTConfig, init_param, param_specs
 from minipar.optim.adamw import clip_coef
 from minipar.autograd.dtypes import compute, store
@@ -302,9 +302,10 @@ class TensorParallelGPT(Model):
     """GPT-2 (model.GPT's maths and canonical names) with every layer split across the tp
     group. Parameters are leaf Tensors holding this rank's shard, under canonical names."""
 
-    def __init__(self, cfg: GPTConfig, tp_group: comm.Group, seed: int = 0, dtype=np.float64):
-        self.cfg = cfg.validate()
-        self.dtype = np.dtype(dtype)
+    def __init__(self, cfg: GPTConfig, tp_group: comm.Group, seed: int = 0, dtype=np.float64,
+                 parts: Parts = Parts()):
+        self.cfg, self.parts = cfg.validate(), parts
+        dtype = np.dtype(dtype)
         self.group, self.tp_size, self.tp_rank = tp_group, tp_group.size, tp_group.rank
         tp = self.tp_size
         if cfg.n_head % tp:
@@ -318,20 +319,23 @@ class TensorParallelGPT(Model):
         self.full_shapes = {name: tuple(shape) for name, shape, _ in param_specs(cfg)}
         # each rank draws the full tensor from its own generator and keeps its slice
         self.params = {
-            name: Tensor(self.shard(name, init_param(name, shape, init, seed, self.dtype)),
+            name: Tensor(self.shard(name, init_param(name, shape, init, seed, dtype)),
                          requires_grad=True, name=name)
-            for name, shape, init in param_specs(cfg)
+            for name, shape, init in param_specs(cfg) if parts.holds(name)
         }
         P, g = self.params, tp_group
-        self.wte = VocabParallelEmbedding(P["wte.weight"], self.vocab_start, g)
+        # the layers of what this rank holds (a pipeline stage: its blocks; the embedding on
+        # the first stage, or on the last with tied embeddings, where it is not run)
+        self.wte = VocabParallelEmbedding(P["wte.weight"], self.vocab_start, g) if "wte.weight" in P else None
         self.attn, self.mlp = [], []
         for i in range(cfg.n_layer):
             h = f"h.{i}."
+            held = h + "attn.c_attn.weight" in P
             self.attn.append(ParallelAttention(
                 ColumnParallelLinear(P[h + "attn.c_attn.weight"], P[h + "attn.c_attn.bias"], g),
                 RowParallelLinear(P[h + "attn.c_proj.weight"], P[h + "attn.c_proj.bias"], g),
-                cfg.n_head // tp))
-            self.mlp.append(None if cfg.is_moe(i) else ParallelMLP(
+                cfg.n_head // tp) if held else None)
+            self.mlp.append(None if cfg.is_moe(i) or not held else ParallelMLP(
                 ColumnParallelLinear(P[h + "mlp.c_fc.weight"], P[h + "mlp.c_fc.bias"], g),
                 RowParallelLinear(P[h + "mlp.c_proj.weight"], P[h + "mlp.c_proj.bias"], g)))
 
@@ -445,20 +449,6 @@ class TensorParallelGPT(Model):
             raise ValueError(f"targets must be in [0, {self.cfg.vocab_size}), got "
                              f"[{targets.min()}, {targets.max()}]")
         return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_start, loss_denom)
-
-    def __call__(self, idx, targets=None, loss_denom=None):
-        """Without targets the vocab-sharded logits (B, t, Vp/tp); with targets the scalar
-        loss (sum of per-position cross-entropies / loss_denom, default B*t), the same
-        on every tp rank."""
-        with trace.layer("embed"):                                      # --trace: a span each
-            x = self.embed(idx)
-        for i in range(self.cfg.n_layer):
-            x = self.run_block(i, x)
-        with trace.layer("head"):
-            logits = self.head(x)
-            return logits if targets is None else self.loss(logits, targets, loss_denom)
-
-    forward = __call__
 
 
 def clip_grad_norm(model: TensorParallelGPT, max_norm: float) -> float:
