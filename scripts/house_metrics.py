@@ -24,7 +24,9 @@ Prints one table:
   - getattr/hasattr calls in the library (probing objects instead of knowing them);
   - attributes set on another object (`x.attr = ...` with x not `self`, outside a class's own
     methods: wiring after construction), and of those, methods replaced on a live object (the
-    value a lambda, a def of the same module, a bound method of self, or functools.partial);
+    value a lambda, a def of the same module, a bound method of self, or functools.partial),
+    and those whose name no class declares (in an __init__ as self.X, or as a class-level
+    field): the wiring that no constructor shows;
   - import cycles between subpackages (each top-level module counts as its own unit);
   - the largest file.
 The figures are counted from the syntax tree (ast), so comments and strings never count.
@@ -101,8 +103,28 @@ def probes(trees):
                and node.func.id in ("getattr", "hasattr"))
 
 
-def set_from_outside(tree):
-    """(attributes set on an object other than self, of those methods replaced)."""
+def declared_fields(trees) -> set:
+    """Attribute names a class declares: set as self.X in an __init__, or a class-level field
+    (a dataclass's, an annotation)."""
+    out = set()
+    for tree in trees.values():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for item in cls.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    out.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    out |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+                elif isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    for n in ast.walk(item):
+                        if (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                                and isinstance(n.value, ast.Name) and n.value.id == "self"):
+                            out.add(n.attr)
+    return out
+
+
+def set_from_outside(tree, declared=frozenset()):
+    """(attributes set on an object other than self, of those methods replaced, of those
+    fields its class never declares: wiring from outside)."""
     local_defs = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
     def is_method(v):          # a lambda, a def of this module, a bound method of self, a partial
@@ -111,7 +133,7 @@ def set_from_outside(tree):
                     and v.attr in local_defs)
                 or (isinstance(v, ast.Call) and getattr(v.func, "attr", getattr(v.func, "id", "")) == "partial"))
 
-    wired = replaced = 0
+    wired = replaced = undeclared = 0
     for node in ast.walk(tree):
         if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             continue
@@ -125,7 +147,8 @@ def set_from_outside(tree):
                     continue
                 wired += 1
                 replaced += bool(v is not None and is_method(v))
-    return wired, replaced
+                undeclared += a.attr not in declared
+    return wired, replaced, undeclared
 
 
 def unit_of(module):
@@ -212,9 +235,11 @@ def measure(root):
         rows.append((f"files: {name}", f"{len(hits)} in {len(folders)} folder(s){using}"))
     rows.append(("lines of train_step", str(function_lines(trees, "train_step"))))
     rows.append(("getattr/hasattr calls", str(probes(trees))))
-    wired = [set_from_outside(t) for t in trees.values()]
-    rows.append(("attributes set on another object", str(sum(w for w, _ in wired))))
-    rows.append(("  of which methods replaced", str(sum(r for _, r in wired))))
+    declared = declared_fields(trees)
+    wired = [set_from_outside(t, declared) for t in trees.values()]
+    rows.append(("attributes set on another object", str(sum(w[0] for w in wired))))
+    rows.append(("  of which methods replaced", str(sum(w[1] for w in wired))))
+    rows.append(("  of which fields no class declares", str(sum(w[2] for w in wired))))
     found = cycles(import_graph(root, trees))
     rows.append(("import cycles between units", f"{len(found)}" + (f": {found}" if found else "")))
     big = max(files, key=lambda p: lines[p])

@@ -70,6 +70,11 @@ class ExpertPlacement:
         e = expert_of(name)
         return e is None or e in self.local
 
+    def run(self, P: dict, i: int, x2: Tensor, tokens, rows, cap, expert_mlp) -> Tensor:
+        """moe.moe_mlp's dispatch when experts are spread over ranks (run_experts below): the
+        MoE layer calls placement.run, so the model imports no parallel module."""
+        return run_experts(self, P, i, x2, tokens, rows, cap, expert_mlp)
+
 
 def held_elsewhere(cfg, layers, ep: int) -> int:
     """Parameters of `layers`' MoE blocks that other ep ranks hold: (E - E/ep) experts of
@@ -182,9 +187,6 @@ def run_experts(placement: ExpertPlacement, P: dict, i: int, x2: Tensor, tokens,
     back = AllToAll.apply(ops.embedding(np.argsort(order), out), placement.group,
                           None if cap is not None else counts.sum(1))
     return ops.embedding(slot, back) if cap is not None else back
-
-
-ExpertPlacement.run = run_experts   # moe.moe_mlp calls placement.run: model.py imports no parallel module
 
 
 class ExpertParallelSync:
