@@ -8,7 +8,8 @@ import pytest
 from mpi4py import MPI
 
 from minipar import comm
-from minipar.model.contract import GradSync, Model
+from minipar.model.contract import Model
+from minipar.parallel.data_parallel import GradSync
 from minipar.model.gpt import GPT, GPTConfig
 from minipar.optim.adamw import AdamW
 from minipar.parallel import data_parallel

@@ -29,7 +29,7 @@ ALLOWED = Allowed(
     # the dotted path minipar.parallel.data_parallel.X is checked name by name too
     modules={"minipar": {"comm", "parallel"}, "minipar.parallel": {"data_parallel"},
              "minipar.comm": {"all_reduce", "all_reduce_async", "traffic", "reset_traffic", "CommTimeout"},
-             "minipar.parallel.data_parallel": {"NoSync"}},
+             "minipar.parallel.data_parallel": {"GradSyncBase"}},
     refused={"minipar.parallel.data_parallel.DataParallelNaive": OWN_SYNC,
              "minipar.parallel.data_parallel.DataParallelBucketed": OWN_SYNC,
              "minipar.parallel.data_parallel.Bucket": "minipar's own bucket: this lab grades yours",
@@ -107,7 +107,7 @@ def same_as_twin(res, rank, k, want, what, dtype="float64"):
 
 def exposed_ok(res, rank, k, steps, what):
     """exposed_seconds after each finish(): a float, >= 0, no more than finish() itself took
-    (the drive timed it around the call), and > 0 in some step (set, not NoSync's 0.0)."""
+    (the drive timed it around the call), and > 0 in some step (set, not GradSyncBase's 0.0)."""
     exposed = a_list(res.get(rank, key(k, "exposed")), steps, what, "exposed_seconds readings")
     took = a_list(res.get(rank, key(k, "finish seconds")), steps, what, "finish() timings")
     for step, (e, t) in enumerate(zip(exposed, took)):

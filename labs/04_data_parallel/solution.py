@@ -6,15 +6,15 @@ import time
 import numpy as np
 
 from minipar import comm
-from minipar.parallel.data_parallel import NoSync
+from minipar.parallel.data_parallel import GradSyncBase
 
 MiB = 1024 * 1024
 
 
-class DataParallelNaive(NoSync):
+class DataParallelNaive(GradSyncBase):
 
     def __init__(self, params, group):
-        self.params = [p for p in params if p.requires_grad]      # NoSync's zero_grad clears them
+        self.params = [p for p in params if p.requires_grad]      # GradSyncBase's zero_grad clears them
         self.group = group
 
     def finish(self):
@@ -40,7 +40,7 @@ def plan_buckets(nbytes, bucket_mb):
     return plan
 
 
-class DataParallelBucketed(NoSync):
+class DataParallelBucketed(GradSyncBase):
 
     def __init__(self, params, group, bucket_mb=1.0):
         self.params = [p for p in params if p.requires_grad]

@@ -17,7 +17,7 @@ What you may use (and nothing else of minipar's data parallelism):
     from minipar import comm                        # call comm.all_reduce(...) and
                                                     # comm.all_reduce_async(...) through the
                                                     # module: the grader watches them there
-    from minipar.parallel.data_parallel import NoSync   # the base class: params, zero_grad,
+    from minipar.parallel.data_parallel import GradSyncBase   # the base class: params, zero_grad,
                                                     # grad_norm_sq, local_found_inf, ...
 and on each parameter p (a minipar.tensor.Tensor): p.data, p.grad, p.shape, p.size,
 p.requires_grad, p.name, p.register_grad_hook(fn), p.set_grad_buffer(view).
@@ -37,15 +37,15 @@ import time  # noqa: F401 - you will want it
 import numpy as np  # noqa: F401 - you will want it
 
 from minipar import comm  # noqa: F401 - you will want it
-from minipar.parallel.data_parallel import NoSync
+from minipar.parallel.data_parallel import GradSyncBase
 
 
-class DataParallelNaive(NoSync):
+class DataParallelNaive(GradSyncBase):
     """After the last backward, all-reduce every gradient, one parameter at a time."""
 
     def __init__(self, params, group):
         """params: the model's parameters (Tensors, in model order); keep those that require
-        grad (as self.params: NoSync's zero_grad clears their .grad). group: the dp group
+        grad (as self.params: GradSyncBase's zero_grad clears their .grad). group: the dp group
         (group.size ranks, each with its own slice of the batch)."""
         raise NotImplementedError("lab 04: DataParallelNaive.__init__, see labs/04_data_parallel/README.md")
 
@@ -56,7 +56,7 @@ class DataParallelNaive(NoSync):
         raise NotImplementedError("lab 04: DataParallelNaive.finish, see labs/04_data_parallel/README.md")
 
 
-class DataParallelBucketed(NoSync):
+class DataParallelBucketed(GradSyncBase):
     """Buckets of gradients, each all-reduced from a gradient hook while backward goes on."""
 
     def __init__(self, params, group, bucket_mb=1.0):

@@ -1,4 +1,4 @@
-"""The two contracts the trainer relies on (docs/design.md §4), and the parts a layout gives a model.
+"""The model's contract the trainer relies on (docs/design.md §4), and the parts a layout gives a model.
 
 Parts       what a layout plugs into the model's forward, fixed when the model is built:
             attention, positions, how a block runs, the MoE settings, which parameters it holds
@@ -13,23 +13,12 @@ Model       what every layout of the GPT offers: the single-process model.GPT, i
                 counts_in_norm(name)   does this rank count `name` in the global gradient norm?
                 reduce_norm_sq(local)  this rank's counted sum of squares -> the whole model's
             and everything else (parameters, state_dict/load_state_dict, grad_norm_sq) follows.
-
-GradSync    what the trainer asks of gradient synchronisation across the dp group:
-            data_parallel.NoSync (one dp rank: nothing to send), DataParallelNaive,
-            DataParallelBucketed and zero.Zero. One step of it reads
-
-                sync.zero_grad(); sync.start_step()
-                for each micro-batch:  sync.sync_now(last micro-batch?); loss.backward()
-                sync.finish()                       # every .grad (or shard) now summed over dp
-                norm = sqrt(sync.grad_norm_sq(model))
-
-            with the pipeline calling sync_now / finish / tied_grad from its schedule instead.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 
@@ -213,31 +202,3 @@ class Model:
     def evaluate(self, idx, targets) -> float:
         """The mean loss of (idx, targets), no graph kept (the caller holds no_grad)."""
         return self(idx, targets).item()
-
-
-class GradSync(Protocol):
-    """Gradient synchronisation over the dp group, as the trainer and the pipeline use it."""
-
-    exposed_seconds: float    # the last step's wait for communication after backward
-
-    def zero_grad(self) -> None:
-        """Clear (or mark for overwriting) every gradient before a step."""
-
-    def start_step(self) -> None:
-        """A step begins: reset the per-step bookkeeping."""
-
-    def sync_now(self, on: bool) -> None:
-        """A backward is about to run; communicate during it only if `on` (the last one)."""
-
-    def finish(self) -> None:
-        """After the last backward: wait until every gradient is summed over dp."""
-
-    def grad_norm_sq(self, model: Model) -> float:
-        """The sum of squares of the whole model's summed gradients, each counted once."""
-
-    def local_found_inf(self, model: Model) -> bool:
-        """Does any gradient this rank holds contain inf or NaN?"""
-
-    def tied_grad(self, w) -> np.ndarray:
-        """The array holding the tied wte.weight's gradient that the pipeline's two ends
-        exchange: w.grad, or with ZeRO this rank's shard of it."""

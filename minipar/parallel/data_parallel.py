@@ -18,12 +18,21 @@ When:                naive: one blocking all-reduce per parameter after backward
                      after backward ends ("exposed" communication) costs step time.
 
 Both modes give the same numbers: the same sums, just issued at different times. Each
-is an interfaces.GradSync, as is NoSync (one dp rank, nothing to send) and zero.Zero.
+is a GradSync (below), as is NoSync (one dp rank, nothing to send) and ZeRO's synchroniser.
+One step of it reads
+
+    sync.zero_grad(); sync.start_step()
+    for each micro-batch:  sync.sync_now(last micro-batch?); loss.backward()
+    sync.finish()                       # every .grad (or shard) now summed over dp
+    norm = sqrt(sync.grad_norm_sq(model))
+
+with the pipeline calling sync_now / finish / tied_grad from its schedule instead.
 """
 from __future__ import annotations
 
 import hashlib
 import time
+from typing import Protocol
 
 import numpy as np
 
@@ -33,9 +42,38 @@ from minipar.optim.adamw import sum_of_squares
 from minipar.optim.mixed_precision import local_found_inf
 
 
-class NoSync:
-    """The synchroniser of a single dp rank: every gradient is already the whole batch's, so
-    nothing is sent. Its methods are also the defaults the two real modes share."""
+class GradSync(Protocol):
+    """Gradient synchronisation over the dp group, as the trainer and the pipeline use it."""
+
+    exposed_seconds: float    # the last step's wait for communication after backward
+
+    def zero_grad(self) -> None:
+        """Clear (or mark for overwriting) every gradient before a step."""
+
+    def start_step(self) -> None:
+        """A step begins: reset the per-step bookkeeping."""
+
+    def sync_now(self, on: bool) -> None:
+        """A backward is about to run; communicate during it only if `on` (the last one)."""
+
+    def finish(self) -> None:
+        """After the last backward: wait until every gradient is summed over dp."""
+
+    def grad_norm_sq(self, model) -> float:
+        """The sum of squares of the whole model's summed gradients, each counted once."""
+
+    def local_found_inf(self, model) -> bool:
+        """Does any gradient this rank holds contain inf or NaN?"""
+
+    def tied_grad(self, w) -> np.ndarray:
+        """The array holding the tied wte.weight's gradient that the pipeline's two ends
+        exchange: w.grad, or with ZeRO this rank's shard of it."""
+
+
+class GradSyncBase:
+    """What the synchronisers of this file share: the parameters, clearing their gradients,
+    and the norm and overflow check of what this rank holds (already summed: a subclass
+    sends in sync_now and finish)."""
 
     exposed_seconds = 0.0
 
@@ -65,7 +103,12 @@ class NoSync:
         return w.grad
 
 
-class DataParallelNaive(NoSync):
+class NoSync(GradSyncBase):
+    """The synchroniser of a single dp rank: every gradient is already the whole batch's, so
+    nothing is sent."""
+
+
+class DataParallelNaive(GradSyncBase):
     """The lesson: after backward, all-reduce each parameter's gradient, one at a time."""
 
     def __init__(self, params, group: comm.Group):
@@ -99,7 +142,7 @@ class Bucket:
         return self.flat.nbytes
 
 
-class DataParallelBucketed(NoSync):
+class DataParallelBucketed(GradSyncBase):
     """Gradient buckets all-reduced asynchronously while backward runs (PyTorch DDP's idea).
 
     Gradients accumulate straight into the buckets' flat buffers (each p.grad is a view),

@@ -40,7 +40,8 @@ from minipar.plan import memory
 from minipar.optim import mixed_precision
 from minipar.config.flags import ConfigError, build_parser
 from minipar.train.setup import RunSpec, agree_on_errors, prepare
-from minipar.model.contract import GradSync, Model
+from minipar.model.contract import Model
+from minipar.parallel.data_parallel import GradSync
 from minipar.model.gpt import GPT, train_flops_per_token
 from minipar.optim.adamw import AdamW, clip_coef, lr_at
 from minipar.parallel.context import context_parallel

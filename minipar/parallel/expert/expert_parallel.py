@@ -192,7 +192,7 @@ def run_experts(placement: ExpertPlacement, P: dict, i: int, x2: Tensor, tokens,
 class ExpertParallelSync:
     """The gradient synchroniser with experts: non-expert parameters summed over the dp
     group, each expert's over its replicas (grid.expert_group), by two data_parallel
-    synchronisers; the GradSync protocol of interfaces.py."""
+    synchronisers; the GradSync protocol of data_parallel.py."""
 
     def __init__(self, model, grid, mode: str, bucket_mb: float):
         params = model.parameters()

@@ -56,8 +56,8 @@ import numpy as np
 from minipar.autograd import backward_split
 from minipar import comm, trace
 from minipar.comm.protocol import TAG_P2P_GRAD
-from minipar.model.contract import GradSync, Model
-from minipar.parallel.data_parallel import NoSync
+from minipar.model.contract import Model
+from minipar.parallel.data_parallel import GradSync, NoSync
 from minipar.model.gpt import GPTConfig, param_specs
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.schedules import (COMPUTE, Backward, Forward, RecvActivation, RecvGrad,
@@ -277,7 +277,7 @@ class PipelineEngine:
         divided by loss_denom), identical on every pp rank. Gradients accumulate into .grad.
         loss_scale (fp16): the last stage seeds each backward with it instead of 1, so every
         gradient sent back through the pipe, and every .grad, is scaled by it. sync: the dp
-        group's gradient synchroniser (interfaces.GradSync; None: one dp rank)."""
+        group's gradient synchroniser (data_parallel.GradSync; None: one dp rank)."""
         sync = sync if sync is not None else NoSync(self.model.parameters())
         self.batches, self.loss_denom, self.sync, self.loss_scale = batches, loss_denom, sync, loss_scale
         # all by (chunk, micro-batch):

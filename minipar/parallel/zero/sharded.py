@@ -186,7 +186,7 @@ class Regather(Function):
 
 
 class Zero:
-    """ZeRO over the dp group: a gradient synchroniser (interfaces.GradSync: zero_grad,
+    """ZeRO over the dp group: a gradient synchroniser (data_parallel.GradSync: zero_grad,
     start_step, sync_now, finish, grad_norm_sq, local_found_inf, tied_grad) and the sharded
     optimizer (lr, step, step_count, state) in one object. Its messages go on the dp group's
     ranks, counted in the ledger under the axis "zero".
@@ -443,7 +443,7 @@ class Zero:
         return self.model.reduce_norm_sq(float(total))
 
     def local_found_inf(self, model=None) -> bool:
-        """Does this rank's gradient shard hold an inf or NaN? (model: interfaces.GradSync's
+        """Does this rank's gradient shard hold an inf or NaN? (model: data_parallel.GradSync's
         argument; the shards are this object's own.)"""
         return any(not np.isfinite(u.grad_shard).all() for u in self.units)
 
