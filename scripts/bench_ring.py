@@ -19,7 +19,7 @@ from a fixed upstream gradient, timed on every rank after a barrier. Three ways 
 machine's drift hits all alike; each figure the median over rounds, per rank.
 
 Columns (per rank, in rank order, joined by /):
-  wait fwd, wait bwd  ring_attention.WAITED, reset before each call: seconds spent waiting
+  wait fwd, wait bwd  comm.counts("ring"), reset before each call: seconds spent waiting
                       for ring messages. With no overlap the forward's is the whole transfer;
                       with overlap what the compute did not hide. It also holds the time a
                       rank waits for a slower rank to send (the imbalance), not only the wire.
@@ -87,7 +87,7 @@ def one_call(world, g, ra, q, k, v, do, layout, way):
     from minipar import comm
     from minipar.autograd.tensor import Tensor
     local = [Tensor(x, requires_grad=True) for x in (q, k, v)]
-    ra.WAITED.update(forward=0.0, backward=0.0)
+    comm.reset_counts("ring")
     ra.BLOCKS.update(forward=0, backward=0)
     comm.reset_traffic()
     world.Barrier()
@@ -96,7 +96,8 @@ def one_call(world, g, ra, q, k, v, do, layout, way):
         out = ra.ring_attention(*local, g, layout, overlap=way != "no overlap")
         out.backward(do)
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"total": total, "cpu": cpu, "wait_f": ra.WAITED["forward"], "wait_b": ra.WAITED["backward"],
+    waited = {which: n.get("waited", 0.0) for which, n in comm.counts("ring").items()}
+    return {"total": total, "cpu": cpu, "wait_f": waited.get("forward", 0.0), "wait_b": waited.get("backward", 0.0),
             "blocks": [ra.BLOCKS["forward"], ra.BLOCKS["backward"]],
             "bytes": comm.traffic_by_axis().get("cp", {}).get("bytes_sent", 0),
             "messages": comm.traffic().get("send", {}).get("calls", 0)}

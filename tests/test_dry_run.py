@@ -49,7 +49,7 @@ def test_dry_run_under_mpirun_prints_the_planners_figures(tmp_path):
     stages = json.loads(plan.stdout)["memory_per_stage"]
     lines = [line for line in p.stdout.splitlines() if line.startswith("  plan: a rank of stage")]
     assert len(lines) == 2, p.stdout
-    from minipar.plan.peak import human_bytes
+    from minipar.comm.ledger import human_bytes
     for line, mem in zip(lines, stages):
         assert f"holds {human_bytes(mem['model_states'])} of model states" in line, (line, mem)
 

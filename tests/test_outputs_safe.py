@@ -157,7 +157,7 @@ def test_a_layout_too_large_is_refused_by_the_run_and_the_dry_run(capsys, fixed_
 
 def test_the_memory_figure_is_the_planners(capsys, fixed_peak):
     """The refusal quotes memory.peak_memory of this layout: a limit one byte above it passes."""
-    from minipar.plan.peak import human_bytes
+    from minipar.comm.ledger import human_bytes
     args = train.build_parser().parse_args(TINY)
     need = memory.planned_memory(args, setup.prepare(args, 1).cfg, 1, 1, 1)
     assert_main_exits_2(TINY + ["--max-memory", str(need - 1)], [human_bytes(need)], capsys, "below")

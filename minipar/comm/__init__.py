@@ -22,6 +22,8 @@ algorithm per file) and static_check.py (no library file calls MPI's own collect
     h = all_reduce_async(g, x); ... h.test() ...; y = h.wait()
     traffic(); reset_traffic()                # bytes and seconds per operation, this process
     traffic_by_axis()                         # the same calls per group axis: {"dp": {...}, ...}
+    with window() as w: ...                   # what a block sent: w.sent_by_axis, w.sent_until(mark)
+    count(owner, kind, **n); counts(owner)    # a mechanism's own counts (tp's calls by kind, ...)
 
 The ledger counts every call twice, under its operation and under its group's axis, so the
 bytes of each parallelism axis are tagged where they are sent, not guessed from operation
@@ -68,7 +70,8 @@ from minipar.comm.calls import Handle, run
 from minipar.comm.errors import CollectiveMismatch, CommError, CommTimeout, abort_on_error, abort_world
 from minipar.comm.group import Group
 from minipar.comm.helpers import array
-from minipar.comm.ledger import reset_traffic, traffic, traffic_by_axis, untracked
+from minipar.comm.ledger import (count, counts, reset_counts, reset_traffic, traffic, traffic_by_axis,
+                                 untracked, window)
 from minipar.comm.p2p import recv, recv_async, send, send_async
 from minipar.comm.algorithms.tree import broadcast, gather, reduce, scatter
 
@@ -105,6 +108,7 @@ __all__ = [
     "traffic_by_axis", "reset_traffic", "all_reduce_async", "reduce_scatter_async",
     "all_gather_async", "all_to_all_async", "Handle",
     "CommError", "CommTimeout", "CollectiveMismatch", "abort_on_error", "abort_world", "untracked",
+    "window", "count", "counts", "reset_counts",
 ]
 
 

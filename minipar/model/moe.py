@@ -242,3 +242,39 @@ def summary_lines(rows: list) -> tuple[dict, list[str]]:
                      f"{b['assignments']:,} assignments (balanced: {1 / len(share):.2f} each); dropped "
                      f"{out[k]['dropped_fraction']:.1%}; aux loss {out[k]['aux']:.4f} (1 when balanced)")
     return out, lines
+
+
+class collecting:
+    """with moe.collecting(model.moe, S) as routing: one training step's routing statistics,
+    scoped to the block: on entry the settings take the step's loss scale S (the injected
+    gradients carry it) and start collecting (block, Decisions) of every training forward
+    (and, with --ep, what the all-to-alls should send, from 0); on exit they stop.
+    routing.row() -> the row's "moe" (step_stats) and, with --ep, "ep_theory_bytes"; {} for
+    a dense model (settings None)."""
+
+    def __init__(self, settings: MoESettings | None, loss_scale: float):
+        self.settings, self.loss_scale = settings, loss_scale
+        self.stats, self.theory_bytes = None, None
+
+    def __enter__(self):
+        s = self.settings
+        if s is not None:
+            s.loss_scale, s.stats = self.loss_scale, []
+            if s.placement is not None:
+                s.placement.theory_bytes = 0
+        return self
+
+    def __exit__(self, *exc):
+        s = self.settings
+        if s is not None:
+            self.stats, s.stats = s.stats, None
+            if s.placement is not None:
+                self.theory_bytes = s.placement.theory_bytes
+
+    def row(self) -> dict:
+        if self.settings is None:
+            return {}
+        row = {"moe": step_stats(self.stats)}
+        if self.theory_bytes is not None:               # --ep: what the all-to-alls should have sent
+            row["ep_theory_bytes"] = self.theory_bytes
+        return row

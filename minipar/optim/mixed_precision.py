@@ -173,3 +173,17 @@ def local_found_inf(params) -> bool:
     """Does any gradient this rank holds contain inf or NaN? (The trainer then all-reduces
     the answer over the world: see the module docstring.)"""
     return any(p.grad is not None and not np.isfinite(p.grad).all() for p in params)
+
+
+def summary(mode: str, storage_dtype: str, scaler, optimizer_steps: int, rows_log: list) -> tuple[dict, list[str]]:
+    """The summary's `precision` figures: the steps skipped on an inf/NaN (the rows'
+    "skipped"), the loss scaler's state at the end, the optimizer steps taken."""
+    skips = [r["step"] for r in rows_log if r["skipped"]]
+    out = {"mode": mode, "storage_dtype": storage_dtype, "loss_scale_final": scaler.scale,
+           "dynamic_scaling": scaler.dynamic, "skipped_steps": len(skips), "first_skipped": skips[:10],
+           "optimizer_steps": optimizer_steps}
+    return out, [f"  precision {mode}: {len(skips)} of {len(rows_log)} steps skipped"
+                 + (f" (steps {', '.join(map(str, skips[:10]))}{' ...' if len(skips) > 10 else ''})"
+                    if skips else "")
+                 + (f"; loss scale now {scaler.scale:g}, {scaler.good_steps} clean steps since its last change"
+                    if scaler.dynamic else "")]

@@ -38,6 +38,7 @@ import numpy as np
 
 from minipar import comm
 from minipar.comm.helpers import split_offsets
+from minipar.comm.ledger import human_bytes
 from minipar.optim.adamw import sum_of_squares
 from minipar.optim.mixed_precision import local_found_inf
 
@@ -259,3 +260,41 @@ def check_replicas(params, group: comm.Group):
     if differ:
         raise RuntimeError(f"data-parallel replicas diverged: dp ranks {differ} differ from dp rank 0")
     return digests[0].tobytes().hex()[:16]
+
+
+# --- the summary's data-parallel figures ----------------------------------------------------
+
+def grad_sync_theory(P_bytes: int, ranks: int, experts: tuple[int, int] | None = None) -> float:
+    """Bytes a rank's gradient all-reduce sends per step by formula: 2(p-1)/p x the gradients'
+    P_bytes, p = the ranks they are summed over (dp x cp). With --ep, experts = (N_e, P_e):
+    the experts' P_e bytes are summed over their own N_e replicas, the rest over p."""
+    if experts is None:
+        return 2 * (ranks - 1) / ranks * P_bytes
+    ne, Pe = experts
+    return 2 * (ranks - 1) / ranks * (P_bytes - Pe) + 2 * (ne - 1) / ne * Pe
+
+
+def summary(rows_log: list, *, mode: str | None, buckets: int, theory: float, P_bytes: int,
+            digest: str | None, ranks: int, cp: int, ep: int) -> tuple[dict, list[str]]:
+    """docs/design.md §8's `data_parallel` figures, and the lines: the gradient all-reduce's
+    bytes per step (the rows' grad_sync_bytes) beside grad_sync_theory (its line only for an
+    all-reduce mode: ZeRO reports its own), and the replicas' weights hash when they were
+    compared (check_replicas over `ranks`, dp x cp ones)."""
+    grad_sync = float(np.mean([r["grad_sync_bytes"] for r in rows_log]))
+    exposed = float(np.mean([r["exposed_comm_s"] for r in rows_log]))
+    step_time = float(np.mean([r["step_time"] for r in rows_log]))
+    out = {"mode": mode, "buckets": buckets, "grad_sync_bytes_per_step": grad_sync,
+           "theory_bytes_per_step": theory, "exposed_comm_s_per_step": exposed,
+           "step_time_s": step_time, "replicas_sha256_16": digest}
+    lines = []
+    if mode is not None and not mode.startswith("zero"):
+        ratio = grad_sync / theory if theory else float("nan")
+        lines.append(f"  data parallel: gradient all-reduce sent {human_bytes(grad_sync)}/step "
+                     f"per rank; theory 2(p-1)/p x {human_bytes(P_bytes)}"
+                     + (" (experts' p: their replicas)" if ep > 1 else "") + f" = {human_bytes(theory)} "
+                     f"(ratio {ratio:.3f}); exposed comm "
+                     f"{exposed * 1e3:.1f} ms/step ({exposed / step_time:.0%} of the step)")
+    if digest is not None:
+        lines.append(f"  replicas identical across {ranks} " + ("dp" if cp == 1 else "dp x cp")
+                     + f" ranks (weights sha256 {digest})")
+    return out, lines

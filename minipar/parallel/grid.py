@@ -38,7 +38,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from minipar.comm import Group
+from minipar.comm.ledger import human_bytes
 
 
 class LayoutError(ValueError):
@@ -130,3 +133,18 @@ class ProcessGrid:
         cp = f" cp={self.cp_rank}" if self.cp_size > 1 else ""
         return (f"ProcessGrid(rank {self.rank}/{self.world_size}, {self.describe()}, "
                 f"coords dp={self.dp_rank}{cp} tp={self.tp_rank} pp={self.pp_rank})")
+
+
+def hosts_summary(hosts: list, rank_host: list, rows_log: list, tp_spans_hosts: bool) -> tuple[dict, list[str]]:
+    """A job across hosts: where the ranks are (hosts, the host of each rank), and the bytes
+    per step this rank sent by axis, in all and across hosts (the rows' bytes_by_axis and
+    inter_host_bytes_by_axis, from the ledger's bytes_sent_inter)."""
+    axes = sorted({a for r in rows_log for a in r["bytes_by_axis"]})
+    h = {"hosts": list(hosts), "rank_host": rank_host,
+         "bytes_per_step": {a: float(np.mean([r["bytes_by_axis"].get(a, 0) for r in rows_log])) for a in axes},
+         "inter_host_bytes_per_step": {a: float(np.mean([r["inter_host_bytes_by_axis"].get(a, 0)
+                                                         for r in rows_log])) for a in axes},
+         "tp_spans_hosts": tp_spans_hosts}
+    per = ", ".join(f"{a} {human_bytes(h['inter_host_bytes_per_step'][a])} of {human_bytes(n)}"
+                    for a, n in h["bytes_per_step"].items())
+    return h, [f"  across {len(h['hosts'])} hosts: sent per step to other hosts (of all sent), by axis: {per}"]

@@ -46,7 +46,7 @@ from minipar.model.gpt import GPTConfig
 from minipar.parallel.zero import sharded as zero
 from minipar.plan import activations
 from minipar.plan.layout import Layout, chunks, device_tensors, itemsizes, sync_groups, zero_units
-from minipar.plan.peak import human_bytes
+from minipar.comm.ledger import human_bytes
 
 
 def model_states(P_local: int, P_pad: int, itemsize: int, K: int, zero_stage: int, N: int) -> dict:

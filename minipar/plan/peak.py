@@ -31,14 +31,6 @@ def matmul_peak_flops(dtype=np.float32, sizes=(512, 1024), seconds: float = 0.25
     return best
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def keep_freed_memory() -> bool:
     """Ask glibc malloc to keep freed memory instead of returning it to the OS.
 

@@ -4,7 +4,7 @@ bytes sent by stage, the MoE, activations per layer, the sequence-length ceiling
 from __future__ import annotations
 
 from minipar.plan import hosts as plan_hosts
-from minipar.plan.peak import human_bytes
+from minipar.comm.ledger import human_bytes
 
 
 def _columns(pp: int) -> list:

@@ -80,7 +80,7 @@ from minipar.plan.comm_bytes import (cp_bytes, ep_bytes, ep_layer_bytes, flat_gr
 from minipar.plan.flops import flop_components, flops, recompute_flops
 from minipar.plan.layout import Layout, active_params, chunks, device_tensors, itemsizes, placed
 from minipar.plan.memory import ceilings, device_memory, model_states, parse_size
-from minipar.plan.peak import human_bytes
+from minipar.comm.ledger import human_bytes
 from minipar.plan.render import table
 
 PRESETS = {   # name: (n_layer, n_head, n_embd, vocab_size, block_size)

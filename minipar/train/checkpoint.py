@@ -526,3 +526,15 @@ def restore(model, opt, state: dict, ostate: dict, path: str):
         m[...], v[...] = model.shard(n, ostate["m"][n]), model.shard(n, ostate["v"][n])
     if isinstance(opt, mixed_precision.MixedPrecisionAdamW):         # model.npz holds the fp32 master weights
         opt.load_master([model.shard(n, state[n]) for n in names])
+
+
+def summary(directory: str, step: int, *, world: int, zero: int, grad_ranks: int, cp: int) -> tuple[None, list[str]]:
+    """The summary's checkpoint line (no figures): where the run's last checkpoint went and
+    who wrote its optimizer shards (save_run: every rank with ZeRO, else dp rank 0, and cp
+    rank 0, of each (tp, pp); grad_ranks: dp x cp)."""
+    writers = world if zero else world // grad_ranks
+    who = ("one process" if world == 1 else "every rank" if writers == world
+           else "dp rank 0 of each (tp, pp)" if cp == 1 else "dp rank 0, cp rank 0 of each (tp, pp)")
+    return None, [f"  checkpoint: {directory} (step {step}): model.npz and "
+                  f"{writers} optimizer shard(s) in "
+                  f"{directory}/optim, written by {who}"]

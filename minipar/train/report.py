@@ -3,9 +3,12 @@ closing summary (docs/design.md §8's `summary` object and its printed lines), a
 comparison with the single-process twin.
 
 Every function here reads a trainer session `s` (train.Session: args, cfg, grid, model,
-opt, sync, pipe, ...) and the figures the run measured; none sends a message. Each
-mechanism reports the same way: what was measured (bytes from nbytes and the ledger,
-seconds from the clock) beside its formula.
+opt, sync, pipe, ...) and the figures the run measured; none sends a message but the
+memory gather. The summary's common part (loss, memory, tokens/s, MFU, layout) is built
+here; each mechanism reports itself, a `summary(...)` in its own file taking plain figures
+(the rows, the layout's numbers, its statistics) -> (its dict, its lines), the same way:
+what was measured (bytes from nbytes and the ledger, seconds from the clock) beside its
+formula. in_use lists them in the summary's order.
 """
 from __future__ import annotations
 
@@ -14,19 +17,21 @@ import math
 import numpy as np
 
 from minipar import comm
-from minipar.train import data
+from minipar.train import checkpoint, data
 from minipar.show import draw
 from minipar.model import moe
 from minipar.plan import layout, table
 from minipar.optim import mixed_precision
 from minipar.optim.adamw import AdamW
 from minipar.parallel.context import context_parallel
-from minipar.parallel import data_parallel
+from minipar.parallel import data_parallel, grid
 from minipar.parallel.expert import expert_parallel
-from minipar.parallel.pipeline import stage as pipeline, schedules, zero_bubble
+from minipar.parallel.pipeline import stage as pipeline, schedules
+from minipar.parallel.pipeline import summary as pipeline_summary
 from minipar.parallel.tensor import sequence_parallel, tensor_parallel
 from minipar.parallel.zero import sharded as zero
-from minipar.plan.peak import human_bytes
+from minipar.parallel.zero import summary as zero_summary
+from minipar.comm.ledger import human_bytes
 
 
 
@@ -72,23 +77,6 @@ def memory_per_rank(world, mem: dict) -> list[dict] | None:
     rows = rows.reshape(world.size, 2 * len(_MEMORY_FIELDS)).astype(np.int64)
     return [{"rank": r, **dict(zip(_MEMORY_FIELDS, map(int, row[:3]))),
              "formula": dict(zip(_MEMORY_FIELDS, map(int, row[3:])))} for r, row in enumerate(rows)]
-
-
-def hosts_summary(g, rows_log) -> dict:
-    """A job across hosts: where the ranks are, and the bytes per step this rank sent by
-    axis, in all and across hosts (the ledger's bytes_sent_inter)."""
-    axes = sorted({a for r in rows_log for a in r["bytes_by_axis"]})
-    return {"hosts": list(g.world.hosts), "rank_host": [g.world.hosts[n] for n in g.world.nodes],
-            "bytes_per_step": {a: float(np.mean([r["bytes_by_axis"].get(a, 0) for r in rows_log])) for a in axes},
-            "inter_host_bytes_per_step": {a: float(np.mean([r["inter_host_bytes_by_axis"].get(a, 0)
-                                                            for r in rows_log])) for a in axes},
-            "tp_spans_hosts": g.tp_group.n_nodes > 1}
-
-
-def hosts_line(h: dict) -> str:
-    per = ", ".join(f"{a} {human_bytes(h['inter_host_bytes_per_step'][a])} of {human_bytes(n)}"
-                    for a, n in h["bytes_per_step"].items())
-    return f"  across {len(h['hosts'])} hosts: sent per step to other hosts (of all sent), by axis: {per}"
 
 
 def placement_warning(g) -> str | None:
@@ -265,42 +253,25 @@ def progress_line(s, row: dict) -> str:
 
 
 def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tuple[dict, list[str]]:
-    """docs/design.md §8's summary object and the lines that print it. stages: every pipeline
-    stage's stats on pp rank 0 (else None); tp_ledger: tensor_parallel.traffic() of the
-    training steps."""
-    a, cfg, g, model, opt, sync = s.args, s.cfg, s.grid, s.model, s.opt, s.sync
+    """docs/design.md §8's summary object and the lines that print it: the common part (loss,
+    memory, tokens/s, MFU, layout), then each mechanism in use reporting itself, in the fixed
+    order of in_use (its dict under its key, its lines). stages: every pipeline stage's
+    stats on pp rank 0 (else None); tp_ledger: tensor_parallel.traffic() of the training
+    steps."""
+    a, cfg, g, model, opt = s.args, s.cfg, s.grid, s.model, s.opt
     losses = [r["loss"] for r in rows_log]
-    B, T, M, dp, pp = a.batch_size, cfg.block_size, a.micro_batches, g.dp_size, g.pp_size
+    B, T = a.batch_size, cfg.block_size
     steps_run = len(rows_log)
-    mixed = a.precision != "fp32"
     mem = memory_report(model, opt)
     per_rank = memory_per_rank(g.world, mem)                 # collective over the world
-    P_bytes = sum(p.data.nbytes for p in model.parameters())
-    grad_sync = float(np.mean([r["grad_sync_bytes"] for r in rows_log]))
-    n_sum = g.grad_group.size                                # the ranks gradients are summed over: dp x cp
-    theory = 2 * (n_sum - 1) / n_sum * P_bytes
-    if g.ep_size > 1:                                       # experts: over their dp/ep replicas
-        ne, Pe = g.expert_group.size, sum(p.data.nbytes for n, p in model.named_parameters()
-                                          if expert_parallel.expert_of(n) is not None)
-        theory = 2 * (n_sum - 1) / n_sum * (P_bytes - Pe) + 2 * (ne - 1) / ne * Pe
-    exposed = float(np.mean([r["exposed_comm_s"] for r in rows_log]))
-    step_time = float(np.mean([r["step_time"] for r in rows_log]))
     summary = {"summary": True, "params_count": model.num_params(), "steps": steps_run,
                "first_loss": losses[0], "final_loss": losses[-1], "val_loss": val_loss,
                "unigram_entropy": data.unigram_entropy(s.spec.tokens),
                "tokens_per_s": B * T * steps_run / elapsed,
                "mfu": s.flops_step * steps_run / elapsed / s.peak,
                "peak_flops": s.peak, "seconds": elapsed, "memory": mem, "memory_per_rank": per_rank,
-               "layout": {"dp": dp, "cp": g.cp_size, "tp": g.tp_size, "pp": pp, "zero": a.zero},
-               "data_parallel": {"mode": f"zero{a.zero}" if a.zero else
-                                 a.dp_mode if s.has_dp else None,
-                                 "buckets": len(sync.units) if a.zero else
-                                 n_buckets(s) if s.has_dp and a.dp_mode == "bucketed" else 0,
-                                 "grad_sync_bytes_per_step": grad_sync,
-                                 "theory_bytes_per_step": theory,
-                                 "exposed_comm_s_per_step": exposed,
-                                 "step_time_s": step_time,
-                                 "replicas_sha256_16": digest}}
+               "layout": {"dp": g.dp_size, "cp": g.cp_size, "tp": g.tp_size, "pp": g.pp_size, "zero": a.zero},
+               "data_parallel": None}      # always reported (in_use): its place in §8's key order
     f = mem["formula"]
     lines = [f"summary: {steps_run} steps in {elapsed:.1f} s, "
              f"{summary['tokens_per_s']:,.0f} tok/s, "
@@ -314,162 +285,64 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
              f"optimizer {human_bytes(mem['optimizer'])}; formula {f['text']} = "
              f"{human_bytes(f['params'])} + {human_bytes(f['grads'])} + "
              f"{human_bytes(f['optimizer'])}"]
-    if mixed:
-        skips = [r["step"] for r in rows_log if r["skipped"]]
-        sc = opt.scaler
-        summary["precision"] = {"mode": a.precision, "storage_dtype": opt.dtype.name,
-                                "loss_scale_final": sc.scale, "dynamic_scaling": sc.dynamic,
-                                "skipped_steps": len(skips), "first_skipped": skips[:10],
-                                "optimizer_steps": opt.step_count}
-        lines.append(f"  precision {a.precision}: {len(skips)} of {steps_run} steps skipped"
-                     + (f" (steps {', '.join(map(str, skips[:10]))}"
-                        f"{' ...' if len(skips) > 10 else ''})"
-                        if skips else "")
-                     + (f"; loss scale now {sc.scale:g}, "
-                        f"{sc.good_steps} clean steps since its last change"
-                        if sc.dynamic else ""))
-    if a.zero:
-        z = summary["zero"] = {
-            **mem["zero"], "bytes_per_step": float(np.mean([r["zero_bytes"] for r in rows_log])),
-            "theory_bytes_per_step": sync.traffic_theory(M), "plain_dp_bytes_per_step": theory}
-        ratio = (z["bytes_per_step"] / z["theory_bytes_per_step"] if z["theory_bytes_per_step"]
-                 else float("nan"))
-        calls = {1: "reduce-scatter + all-gather", 2: f"{M} reduce-scatter(s) + all-gather",
-                 3: f"{M} x (2 all-gathers + reduce-scatter)"}[a.zero]
-        lines.append(f"  ZeRO {a.zero}: sent {human_bytes(z['bytes_per_step'])}/step per rank; "
-                     f"theory {calls} of "
-                     f"(N-1)/N x {human_bytes(z['P_padded'] * sync.dtype.itemsize)} = "
-                     f"{human_bytes(z['theory_bytes_per_step'])} (ratio {ratio:.3f}); "
-                     f"plain data parallelism would send {human_bytes(theory)}"
-                     + (f" (x{z['bytes_per_step'] / theory:.2f})" if theory else "")
-                     + f"; waiting for reduce-scatters after backward {exposed * 1e3:.1f} ms/step")
-    elif s.has_dp:
-        ratio = grad_sync / theory if theory else float("nan")
-        lines.append(f"  data parallel: gradient all-reduce sent {human_bytes(grad_sync)}/step "
-                     f"per rank; theory 2(p-1)/p x {human_bytes(P_bytes)}"
-                     + (" (experts' p: their replicas)" if g.ep_size > 1 else "") + f" = {human_bytes(theory)} "
-                     f"(ratio {ratio:.3f}); exposed comm "
-                     f"{exposed * 1e3:.1f} ms/step ({exposed / step_time:.0%} of the step)")
-    if digest is not None:
-        lines.append(f"  replicas identical across {n_sum} " + ("dp" if g.cp_size == 1 else "dp x cp")
-                     + f" ranks (weights sha256 {digest})")
-    if g.world.n_nodes > 1:
-        summary["hosts"] = hosts_summary(g, rows_log)
-        lines.append(hosts_line(summary["hosts"]))
-    if stages is not None:                                # pp rank 0 (world rank 0 among them)
-        pl = summary["pipeline"] = pipeline_summary(a, s.pipe, stages, rows_log)
-        V = pl["virtual_stages"]
-        lines.append(f"  pipeline: {a.schedule}, p={pp}, m={M}" + (f", V={V}" if V > 1 else "")
-                     + f": bubble measured {pl['bubble_measured']:.3f} (mean "
-                     f"over stages; per stage "
-                     + " ".join(f"{b:.3f}" for b in pl["bubble_per_stage"])
-                     + f"), theory {pl['bubble_theory']:.3f} with equal op times, "
-                       f"{pl['bubble_theory_from_times']:.3f} with the measured ones, "
-                       f"{pl['bubble_simulated']:.3f} simulated with each stage's own; "
-                       f"sent {human_bytes(pl['bytes_sent_per_step'])}/step "
-                       f"by stage 0")
-        lines.append("  one micro-batch's F / B / W per stage (ms): " + "; ".join(
-            "/".join(f"{t * 1e3:.2f}" for t in ops) for ops in pl["op_seconds_per_stage"])
-            + (" (B is the whole backward: no W)" if not a.schedule.startswith("zb") else ""))
-        unit = "micro-batches" if V == 1 else "chunk graphs of the largest"   # interleaved: a chunk's graph
-        lines.append("  saved activations at peak per stage: " + ", ".join(
-            f"{human_bytes(b)} ({b / max(u, 1):.1f} {unit})" for b, u in
-            zip(pl["peak_activation_bytes"], pl["microbatch_activation_bytes"])))
-        timeline = [r for st in stages for r in st["timeline"]]
-        lines.append(f"  last step's timeline ({pl['step_time_s'][0] * 1e3:.1f} ms on stage 0; "
-                     f"F forward, B backward" + (", W weight gradients" if a.schedule.startswith("zb") else "")
-                     + (", lower case chunk 1" if V > 1 else "") + ", digits the micro-batch, '.' idle):")
-        lines += ["    " + line for line in draw.ascii_gantt(timeline, pp, width=100).splitlines()]
-    if g.tp_size > 1:
-        summary["tensor_parallel"], line = tensor_parallel_summary(s, rows_log, tp_ledger)
-        lines.append(line)
-    if g.cp_size > 1:
-        summary["context_parallel"], line = context_parallel.summary(s, rows_log)
-        lines.append(line)
-    if s.cfg.moe_experts:
-        summary["moe"], more = moe.summary_lines(rows_log)
+    for key, (out, more) in in_use(s, rows_log, mem, digest, stages, tp_ledger):
+        if key is not None:
+            summary[key] = out
         lines += more
-    if g.ep_size > 1:
-        summary["expert_parallel"], line = expert_parallel.summary(s, rows_log)
-        lines.append(line)
-    if a.save:
-        writers = s.world if a.zero else s.world // n_sum             # see checkpoint.save_run
-        who = ("one process" if s.world == 1 else "every rank" if writers == s.world
-               else "dp rank 0 of each (tp, pp)" if g.cp_size == 1 else "dp rank 0, cp rank 0 of each (tp, pp)")
-        lines.append(f"  checkpoint: {a.save} (step {a.steps}): model.npz and "
-                     f"{writers} optimizer shard(s) in "
-                     f"{a.save}/optim, written by {who}")
     return summary, lines
 
 
-def tensor_parallel_summary(s, rows_log: list, tp_ledger: dict) -> tuple[dict, str]:
-    """What tensor (and sequence) parallelism sent on this rank, per step, beside the
-    formula: Megatron's 4L + 5 all-reduces (tensor_parallel.megatron_count), or with --sp
-    sequence_parallel.sp_count's gathers, scatters and sums; of this rank's pipeline stage."""
-    a, cfg, g = s.args, s.cfg, s.grid
-    M, pp, T = a.micro_batches, g.pp_size, cfg.block_size
-    rows = a.batch_size // g.dp_size // M
-    layers = sum(len(c) for c in schedules.rank_layers(cfg.n_layer, g.pp_rank, pp, a.virtual_stages))
-    first, last = g.pp_rank == 0, g.pp_rank == pp - 1
-    steps_run = len(rows_log)
-    tp_bytes = float(np.mean([r["tp_bytes"] for r in rows_log]))
-    kinds = {k: v for k, v in tp_ledger.items() if k != "grad_norm"}
-    calls = sum(v["calls"] for v in kinds.values()) / steps_run
-    elements = sum(v["elements"] for v in kinds.values()) / steps_run
-    out = {"tp": g.tp_size, "sequence_parallel": a.sp,
-           ("collectives_per_step" if a.sp else "all_reduces_per_step"): calls,
-           "elements_per_step": elements, "bytes_per_step": tp_bytes}
-    if a.sp:
-        want = sequence_parallel.sp_count(cfg, rows, T, g.tp_size, layers, first, last, a.recompute)
-        out["by_kind"] = {k: {"calls": v["calls"] / steps_run, "elements": v["elements"] / steps_run,
-                              "formula_calls": M * want[k][0], "formula_elements": M * want[k][1]}
-                          for k, v in kinds.items()}
-        exact = all(v["calls"] == v["formula_calls"] and v["elements"] == v["formula_elements"]
-                    for v in out["by_kind"].values()) and set(kinds) == set(want)
-        return out, (f"  sequence parallel: {calls:.0f} collectives/step of {elements:,.0f} elements "
-                     f"({', '.join(f'{k} {v[0] * M}' for k, v in want.items())}: "
-                     f"{'= sp_count' if exact else 'NOT sp_count'} x {M} micro-batch(es)), "
-                     f"{human_bytes(tp_bytes)}/step sent per rank, + 1 for the global grad norm")
-    want_calls, want_elems = tensor_parallel.megatron_count(cfg, rows, T, layers, first, last, a.recompute)
-    out.update(megatron_all_reduces_per_step=want_calls * M, megatron_elements_per_step=want_elems * M)
-    return out, (f"  tensor parallel: {calls:.0f} all-reduces/step of {elements:,.0f} elements (Megatron: "
-                 f"{'(4L+5)' if pp == 1 else 'stage ' + str(g.pp_rank) + ', 4 x its layers + ends'}"
-                 f"{' + 2L again (full recompute)' if a.recompute == 'full' else ''} x {M} "
-                 f"micro-batch(es) = {want_calls * M}, {want_elems * M:,} elements), "
-                 f"{human_bytes(tp_bytes)}/step sent per rank, + 1 for the global grad norm")
-
-
-def simulated_bubble(schedule: str, p: int, m: int, V: int, stages) -> float:
-    """The schedule run by schedules.check with each stage's own measured F, B and W of a
-    micro-batch (a chunk's: 1/V of them): the theory for this pipeline as it is, unequal
-    stages included, with messages free."""
-    ops = [st["op_seconds"] for st in stages]
-    split = schedule.startswith("zb")
-    return schedules.check(p, m, schedule, virtual=V, forward_time=[f / V for f, _, _ in ops],
-                           backward_time=[(b + w) / V for _, b, w in ops],
-                           weight_time=[w / V for _, _, w in ops] if split else None).bubble
-
-
-def pipeline_summary(args, pipe, stages, rows_log) -> dict:
-    """docs/design.md §8's `pipeline` figures from every stage's stats (gathered on pp rank 0).
-    bubble_measured: 1 - sum of busy time / (p * makespan), the mean over stages of each
-    stage's idle fraction of the step's longest stage span, averaged over the steps after
-    the first (the first pays for warming caches); pipeline.py's docstring."""
-    f, b, w = np.mean([st["op_seconds"] for st in stages], axis=0)
-    p, m, V = pipe.model.n_stages, args.micro_batches, pipe.model.n_chunks
-    return {"schedule": args.schedule, "stages": p, "virtual_stages": V,
-            "micro_batches": m,
-            "bubble_measured": float(np.mean([st["bubble_mean"] for st in stages])),
-            "bubble_per_stage": [st["bubble_mean"] for st in stages],
-            "bubble_theory": pipe.bubble_theory,
-            "op_seconds_per_stage": [st["op_seconds"] for st in stages],
-            "bubble_theory_from_times": zero_bubble.bubble_from_times(args.schedule, p, m, f, b, w, V),
-            "bubble_simulated": simulated_bubble(args.schedule, p, m, V, stages),
-            "peak_activation_bytes": [st["peak_activation_bytes"] for st in stages],
-            "microbatch_activation_bytes": [st["microbatch_activation_bytes"] for st in stages],
-            "step_time_s": [st["step_time"] for st in stages],
-            "bytes_sent_per_step": float(np.mean([r["pp_bytes"] for r in rows_log])),
-            "last_step_timeline": [list(r) for st in stages for r in st["timeline"]]}
+def in_use(s, rows_log, mem, digest, stages, tp_ledger):
+    """(its key in the summary or None, (its dict, its lines)) of each mechanism this run
+    uses, in the summary's order: precision, ZeRO, data parallel (always; with the replicas'
+    hash), hosts, pipeline, tensor or sequence parallel, context parallel, MoE, expert
+    parallel, checkpoint. Each summary takes plain figures, read here from the session."""
+    a, cfg, g, model, sync = s.args, s.cfg, s.grid, s.model, s.sync
+    M = a.micro_batches
+    P_bytes = sum(p.data.nbytes for p in model.parameters())
+    n_sum = g.grad_group.size                                # the ranks gradients are summed over: dp x cp
+    experts = None
+    if g.ep_size > 1:                                       # experts: over their dp/ep replicas
+        experts = (g.expert_group.size, sum(p.data.nbytes for n, p in model.named_parameters()
+                                            if expert_parallel.expert_of(n) is not None))
+    theory = data_parallel.grad_sync_theory(P_bytes, n_sum, experts)
+    rows = a.batch_size // g.dp_size // M                  # sequences per micro-batch of this dp rank
+    layers = [i for chunk in schedules.rank_layers(cfg.n_layer, g.pp_rank, g.pp_size, a.virtual_stages)
+              for i in chunk]                             # the blocks this rank runs
+    if a.precision != "fp32":
+        yield "precision", mixed_precision.summary(a.precision, s.opt.dtype.name, s.opt.scaler,
+                                                   s.opt.step_count, rows_log)
+    if a.zero:
+        yield "zero", zero_summary.summary(sync, mem, rows_log, M, theory)
+    yield "data_parallel", data_parallel.summary(
+        rows_log, mode=f"zero{a.zero}" if a.zero else a.dp_mode if s.has_dp else None,
+        buckets=len(sync.units) if a.zero else n_buckets(s) if s.has_dp and a.dp_mode == "bucketed" else 0,
+        theory=theory, P_bytes=P_bytes, digest=digest, ranks=n_sum, cp=g.cp_size, ep=g.ep_size)
+    if g.world.n_nodes > 1:
+        yield "hosts", grid.hosts_summary(g.world.hosts, [g.world.hosts[n] for n in g.world.nodes], rows_log,
+                                          g.tp_group.n_nodes > 1)
+    if stages is not None:                                # pp rank 0 (world rank 0 among them)
+        pipe = s.pipe
+        yield "pipeline", pipeline_summary.summary(a.schedule, pipe.model.n_stages, M, pipe.model.n_chunks,
+                                                   pipe.bubble_theory, stages, rows_log, draw.ascii_gantt)
+    if g.tp_size > 1:
+        tp = sequence_parallel if a.sp else tensor_parallel
+        yield "tensor_parallel", tp.summary(tp_ledger, rows_log, cfg, tp=g.tp_size, rows=rows, micro_batches=M,
+                                            layers=len(layers), pp_rank=g.pp_rank, pp=g.pp_size,
+                                            recompute=a.recompute)
+    if g.cp_size > 1:
+        itemsize = 4 if a.precision != "fp32" else np.dtype(s.spec.dtype).itemsize   # fp16/bf16 attend in fp32
+        yield "context_parallel", context_parallel.summary(
+            rows_log, cfg, cp=g.cp_size, layout=a.cp_layout, rows=rows, micro_batches=M, layers=len(layers),
+            tp=g.tp_size, itemsize=itemsize, recompute=a.recompute)
+    if cfg.moe_experts:
+        yield "moe", moe.summary_lines(rows_log)
+    if g.ep_size > 1:
+        yield "expert_parallel", expert_parallel.summary(
+            rows_log, cfg, ep=g.ep_size, expert_replicas=g.expert_group.size,
+            moe_layers=sum(cfg.is_moe(i) for i in layers), micro_batches=M, recompute=a.recompute)
+    if a.save:
+        yield None, checkpoint.summary(a.save, a.steps, world=s.world, zero=a.zero, grad_ranks=n_sum, cp=g.cp_size)
 
 
 def json_safe(row: dict) -> dict:

@@ -170,79 +170,99 @@ def train_step(s: Session, step: int) -> dict:
     opt.step unscales and clips in fp32 with one factor, clip_coef / S."""
     args, model, opt, sync = s.args, s.model, s.opt, s.sync
     faults.inject(s, step, s.grid.rank if s.grid is not None else 0)     # MINIPAR_FAULT (tests)
-    B, T, M = args.batch_size, model.cfg.block_size, args.micro_batches
-    lo, hi = s.rows
-    mb = (hi - lo) // M
     scaler = opt.scaler if args.precision != "fp32" else None
     scale = scaler.scale if scaler is not None else 1.0
     t0 = time.perf_counter()
-    sent0, inter0, waited0 = sent_by_axis(), sent_by_axis("bytes_sent_inter"), context_parallel.waited()
-    lr = lr_at(step, args.lr, args.lr_schedule, args.warmup, args.steps, args.min_lr)
-    opt.lr = lr
-    sync.zero_grad()
-    sync.start_step()
-    if model.moe is not None:                           # routing: this step's loss scale and stats
-        model.moe.loss_scale, model.moe.stats = scale, []
-        if model.moe.placement is not None:
-            model.moe.placement.theory_bytes = 0
-    # each micro-batch: (B/(dp*M), T), with --cp (B/(dp*M), T/cp)
-    batches = [s.local(s.sampler.batch(step, lo + k * mb, lo + (k + 1) * mb)) for k in range(M)]
-    if s.pipe is not None:                               # the stage's schedule, then dp's sync
-        loss_local = s.pipe.train_step(batches, B * T, sync, loss_scale=scale)
-    else:
-        loss_local = 0.0
-        for k, (x, y) in enumerate(batches):
-            sync.sync_now(k == M - 1)                    # only the last micro-batch talks
-            with trace.span(f"forward mb {k}", "microbatch", kind="F", mb=k, stage=0):
-                loss = model(x, y, loss_denom=B * T)
-            with trace.span(f"backward mb {k}", "microbatch", kind="B", mb=k, stage=0):
-                loss.backward(mixed_precision.backward_seed(scale))   # None (i.e. 1) unless scaling
-            loss_local += loss.item()
-        with trace.span("wait for gradient sync", "wait"):
-            sync.finish()
-    # the gradient sync's (and pipeline's) bytes end here
-    synced = sent_by_axis()
-    loss_sum = (loss_local if s.dp_group is None
-                else float(comm.all_reduce(s.dp_group, np.array([loss_local]))[0]))
-    norm = math.sqrt(sync.grad_norm_sq(model)) / scale  # of the unscaled gradients
-    skipped = False
-    if scaler is not None:
-        skipped = sync.local_found_inf(model)
-        # any rank's overflow skips the step everywhere
-        if s.world_group is not None:
-            flag = np.array([skipped], dtype=np.int64)
-            skipped = bool(comm.all_reduce(s.world_group, flag, op="max")[0])
-    if not skipped:                                     # clip (and unscale) inside AdamW's passes:
-        with trace.span("optimizer step", "optimizer"):  # the grads stay as they are
-            opt.step(grad_scale=clip_coef(norm, args.grad_clip) / scale)
-    if scaler is not None:
-        scaler.update(skipped)                          # a skipped step: nothing in opt has changed
-    dt = time.perf_counter() - t0
-    step_sent = {axis: n - sent0.get(axis, 0) for axis, n in sent_by_axis().items()}      # by axis
-    step_inter = {axis: n - inter0.get(axis, 0) for axis, n in sent_by_axis("bytes_sent_inter").items()}
-    # up to the gradient sync
-    sync_sent = {axis: n - sent0.get(axis, 0) for axis, n in synced.items()}
-    return {"step": step, "loss": loss_sum, "lr": lr, "grad_norm": norm, "tokens_per_s": B * T / dt,
+    with comm.window() as w:                            # the ledger over the step: its row's bytes
+        lr = opt.lr = lr_at(step, args.lr, args.lr_schedule, args.warmup, args.steps, args.min_lr)
+        sync.zero_grad()
+        sync.start_step()
+        with moe.collecting(model.moe, scale) as routing:   # routing: this step's loss scale and stats
+            batches = micro_batches(s, step)
+            if s.pipe is not None:                      # the stage's schedule, then dp's sync
+                loss_local = s.pipe.train_step(batches, args.batch_size * model.cfg.block_size, sync,
+                                               loss_scale=scale)
+            else:
+                loss_local = accumulate(s, batches, scale)
+        w.mark("synced")                                # the gradient sync's (and pipeline's) bytes end here
+        loss_sum = loss_over_dp(s, loss_local)
+        norm = math.sqrt(sync.grad_norm_sq(model)) / scale  # of the unscaled gradients
+        skipped = overflowed(s, scaler)
+        if not skipped:                                 # clip (and unscale) inside AdamW's passes:
+            with trace.span("optimizer step", "optimizer"):  # the grads stay as they are
+                opt.step(grad_scale=clip_coef(norm, args.grad_clip) / scale)
+        if scaler is not None:
+            scaler.update(skipped)                      # a skipped step: nothing in opt has changed
+        dt = time.perf_counter() - t0
+    return step_row(s, w, routing, step=step, loss=loss_sum, lr=lr, grad_norm=norm, step_time=dt,
+                    loss_scale=scale, skipped=skipped)
+
+
+def micro_batches(s: Session, step: int) -> list:
+    """This rank's rows of the step's global batch cut into --micro-batches: each
+    (B/(dp*M), T), with --cp (B/(dp*M), T/cp) (Session.local)."""
+    lo, hi = s.rows
+    M = s.args.micro_batches
+    mb = (hi - lo) // M
+    return [s.local(s.sampler.batch(step, lo + k * mb, lo + (k + 1) * mb)) for k in range(M)]
+
+
+def accumulate(s: Session, batches: list, scale: float) -> float:
+    """Without a pipeline: forward and backward of each micro-batch, the gradients adding up;
+    only the last one's backward starts the gradient sync, waited for at the end. -> the sum
+    of this rank's micro-batch losses."""
+    model, sync, M = s.model, s.sync, len(batches)
+    BT = s.args.batch_size * model.cfg.block_size        # every loss over the global token count
+    loss_local = 0.0
+    for k, (x, y) in enumerate(batches):
+        sync.sync_now(k == M - 1)                       # only the last micro-batch talks
+        with trace.span(f"forward mb {k}", "microbatch", kind="F", mb=k, stage=0):
+            loss = model(x, y, loss_denom=BT)
+        with trace.span(f"backward mb {k}", "microbatch", kind="B", mb=k, stage=0):
+            loss.backward(mixed_precision.backward_seed(scale))   # None (i.e. 1) unless scaling
+        loss_local += loss.item()
+    with trace.span("wait for gradient sync", "wait"):
+        sync.finish()
+    return loss_local
+
+
+def loss_over_dp(s: Session, loss_local: float) -> float:
+    """The step's loss: this rank's sum, summed over dp x cp (one all-reduce)."""
+    return (loss_local if s.dp_group is None
+            else float(comm.all_reduce(s.dp_group, np.array([loss_local]))[0]))
+
+
+def overflowed(s: Session, scaler) -> bool:
+    """Skip the step? With a loss scaler: an inf/NaN in any gradient on any rank (a max
+    all-reduce of every rank's flag over the world) skips it everywhere."""
+    if scaler is None:
+        return False
+    skipped = s.sync.local_found_inf(s.model)
+    if s.world_group is not None:                       # any rank's overflow skips the step everywhere
+        flag = np.array([skipped], dtype=np.int64)
+        skipped = bool(comm.all_reduce(s.world_group, flag, op="max")[0])
+    return skipped
+
+
+def step_row(s: Session, w: comm.window, routing: moe.collecting, *, step, loss, lr, grad_norm, step_time,
+             loss_scale, skipped) -> dict:
+    """The step's log row (docs/design.md §8) from what it measured and the ledger's window
+    over it, by the axis of the group each byte went over (the ledger tags them where they
+    are sent, minipar.comm): "dp" (gradient sums, the step's loss and clipping's norm over
+    dp), "zero" (ZeRO's reduce-scatters and all-gathers), "tp", "pp", "cp", "ep", "world"
+    (the fp16 overflow flag); up to the mark "synced" for the gradient sync's and the
+    pipeline's; inter_host: the bytes that left the host."""
+    step_sent, sync_sent = w.sent_by_axis, w.sent_until("synced")
+    return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_s": s.args.batch_size * s.cfg.block_size / step_time,
             "comm_bytes": sum(step_sent.values()),
             "grad_sync_bytes": sync_sent.get("dp", 0) + sync_sent.get("zero", 0),
             "pp_bytes": sync_sent.get("pp", 0),
             "tp_bytes": step_sent.get("tp", 0), "zero_bytes": step_sent.get("zero", 0),
             "bytes_by_axis": {str(axis): n for axis, n in step_sent.items() if n},
-            "inter_host_bytes_by_axis": {str(axis): n for axis, n in step_inter.items() if n},
-            "exposed_comm_s": sync.exposed_seconds, "cp_wait_s": context_parallel.waited() - waited0,
-            "step_time": dt, "loss_scale": scale,
-            "skipped": skipped, **moe_row(model)}
-
-
-def moe_row(model) -> dict:
-    """The step's routing statistics (moe.step_stats), then stop collecting."""
-    if model.moe is None:
-        return {}
-    stats, model.moe.stats = model.moe.stats, None
-    row = {"moe": moe.step_stats(stats)}
-    if model.moe.placement is not None:                 # --ep: what the all-to-alls should have sent
-        row["ep_theory_bytes"] = model.moe.placement.theory_bytes
-    return row
+            "inter_host_bytes_by_axis": {str(axis): n for axis, n in w.inter_host_by_axis.items() if n},
+            "exposed_comm_s": s.sync.exposed_seconds, "cp_wait_s": float(w.counted("ring", "waited")),
+            "step_time": step_time, "loss_scale": loss_scale, "skipped": skipped, **routing.row()}
 
 
 def train_steps(s: Session, start: int, end: int):
@@ -259,14 +279,6 @@ def quiet_overflow():
     when the loss scale is too large (the step is skipped, as in PyTorch), and a run that
     diverges is stopped at the end of the step by stop.Watch, with one line."""
     return np.errstate(over="ignore", invalid="ignore")
-
-
-def sent_by_axis(field: str = "bytes_sent") -> dict:
-    """Bytes this rank has sent so far, by the axis of the group they went over (the ledger
-    tags them where they are sent, minipar.comm): "dp" (gradient sums, the step's loss and
-    clipping's norm over dp), "zero" (ZeRO's reduce-scatters and all-gathers), "tp", "pp",
-    "world" (the fp16 overflow flag). field "bytes_sent_inter": those that left the host."""
-    return {axis: v[field] for axis, v in comm.traffic_by_axis().items()}
 
 
 # --- a run ------------------------------------------------------------------------------------

@@ -19,11 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from minipar.parallel.context import ring_attention
-from minipar.parallel.pipeline import schedules
 from minipar.parallel.context.ring_attention import LAYOUTS, RingAttention, positions
 from minipar.autograd.dtypes import compute, store
 
-__all__ = ["ContextSplit", "RingSelfAttention", "LAYOUTS", "step_traffic", "summary", "waited"]
+__all__ = ["ContextSplit", "RingSelfAttention", "LAYOUTS", "step_traffic", "summary"]
 
 
 class ContextSplit:
@@ -83,11 +82,6 @@ class RingSelfAttention(RingAttention):
         return store(dqkv.reshape(B, t, 3 * nh * hs), self.dtype), None, None, None
 
 
-def waited() -> float:
-    """Seconds this process has waited for ring messages so far (ring_attention.WAITED)."""
-    return sum(ring_attention.WAITED.values())
-
-
 def step_traffic(layers: int, micro_batches: int, rows: int, T: int, width: int, C: int, itemsize: int,
                  recompute: str = "none") -> tuple[int, int]:
     """(messages, bytes) a rank sends round its cp ring in one training step: one attention
@@ -101,30 +95,29 @@ def step_traffic(layers: int, micro_batches: int, rows: int, T: int, width: int,
     return calls * messages, calls * nbytes
 
 
-def summary(s, rows_log: list) -> tuple[dict, str]:
-    """The summary's context-parallel figures for this rank (s: train.Session): the ring's
-    bytes per step beside step_traffic, the seconds waited on it, and the sub-blocks of
-    scores each cp rank computes per pass (the load balance of the layout)."""
-    a, cfg, g = s.args, s.cfg, s.grid
-    C, M, T = g.cp_size, a.micro_batches, cfg.block_size
-    rows = a.batch_size // g.dp_size // M
-    layers = sum(len(c) for c in schedules.rank_layers(cfg.n_layer, g.pp_rank, g.pp_size, a.virtual_stages))
-    itemsize = 4 if a.precision != "fp32" else np.dtype(s.spec.dtype).itemsize
-    messages, want = step_traffic(layers, M, rows, T, cfg.n_embd // g.tp_size, C, itemsize, a.recompute)
+def summary(rows_log: list, cfg, *, cp: int, layout: str, rows: int, micro_batches: int, layers: int,
+            tp: int, itemsize: int, recompute: str) -> tuple[dict, list[str]]:
+    """The summary's context-parallel figures for this rank: the ring's bytes per step (the
+    rows' "cp" axis) beside step_traffic, the seconds waited on it (cp_wait_s), and the
+    sub-blocks of scores each cp rank computes per pass (the load balance of the layout).
+    rows: sequences per micro-batch of this dp rank; layers: those this rank runs; itemsize:
+    of the dtype attention computes in."""
+    C, M, T = cp, micro_batches, cfg.block_size
+    messages, want = step_traffic(layers, M, rows, T, cfg.n_embd // tp, C, itemsize, recompute)
     sent = float(np.mean([r["bytes_by_axis"].get("cp", 0) for r in rows_log]))
     wait = float(np.mean([r["cp_wait_s"] for r in rows_log]))
-    work = [ring_attention.blocks(r, C, T, a.cp_layout) for r in range(C)]
-    other = "contiguous" if a.cp_layout == "zigzag" else "zigzag"
+    work = [ring_attention.blocks(r, C, T, layout) for r in range(C)]
+    other = "contiguous" if layout == "zigzag" else "zigzag"
     work_other = [ring_attention.blocks(r, C, T, other) for r in range(C)]
-    out = {"cp": C, "layout": a.cp_layout, "tokens_per_rank": T // C, "bytes_per_step": sent,
+    out = {"cp": C, "layout": layout, "tokens_per_rank": T // C, "bytes_per_step": sent,
            "theory_bytes_per_step": want, "messages_per_step": messages, "wait_s_per_step": wait,
            "sub_blocks_per_rank": work, f"sub_blocks_per_rank_{other}": work_other}
     ratio = sent / want if want else float("nan")
-    line = (f"  context parallel: cp={C} ({a.cp_layout}), {T // C} of {T} tokens per rank; ring sent "
+    line = (f"  context parallel: cp={C} ({layout}), {T // C} of {T} tokens per rank; ring sent "
             f"{sent:,.0f} B/step per rank, theory {layers} layer(s) x {M} micro-batch(es) x "
-            f"[2n(C-1) fwd{' x 2 (full recompute)' if a.recompute == 'full' else ''} + 2n(C-1) + 2nC bwd] "
-            f"x {itemsize} B + {messages} headers, n = {rows}x{T // C}x{cfg.n_embd // g.tp_size} "
+            f"[2n(C-1) fwd{' x 2 (full recompute)' if recompute == 'full' else ''} + 2n(C-1) + 2nC bwd] "
+            f"x {itemsize} B + {messages} headers, n = {rows}x{T // C}x{cfg.n_embd // tp} "
             f"= {want:,} B (ratio {ratio:.3f}); waited {wait * 1e3:.1f} ms/step for ring messages; "
             f"score sub-blocks per rank and pass {'/'.join(map(str, work))} "
             f"({other}: {'/'.join(map(str, work_other))})")
-    return out, line
+    return out, [line]

@@ -108,10 +108,10 @@ def _scores(q, k, mask, scale):
     return s if mask is None else np.where(mask, -np.inf, s)
 
 
-# Seconds this process has spent waiting for ring messages, by pass: the communication the
-# compute did not hide (the "exposed" time; scripts/bench_ring.py, the trainer's summary),
-# and the c x c sub-blocks of scores it has computed (blocks()).
-WAITED = {"forward": 0.0, "backward": 0.0}
+# The c x c sub-blocks of scores this process has computed, by pass (blocks()). The seconds
+# it has spent waiting for ring messages, by pass, the communication the compute did not
+# hide (the "exposed" time; scripts/bench_ring.py, the trainer's row), are counted in the
+# comm ledger: comm.counts("ring") -> {"forward": {"waited": s}, "backward": {...}}.
 BLOCKS = {"forward": 0, "backward": 0}
 
 
@@ -127,7 +127,7 @@ def _finish(handles, which: str):
     t0 = time.perf_counter()
     got = handles[1].wait()
     handles[0].wait()
-    WAITED[which] += time.perf_counter() - t0
+    comm.count("ring", which, waited=time.perf_counter() - t0)
     return got
 
 

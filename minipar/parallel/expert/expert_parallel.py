@@ -42,7 +42,6 @@ from minipar.autograd import ops
 from minipar.comm.algorithms import alltoall, hierarchical_alltoall
 from minipar.optim.adamw import sum_of_squares
 from minipar.parallel import data_parallel
-from minipar.parallel.pipeline import schedules
 from minipar.autograd.tensor import Function, Tensor, is_grad_enabled
 
 COUNT_BYTES = 8                 # a row count on the wire: the variable all-to-all sends p - 1 of them first
@@ -264,20 +263,20 @@ def gather_experts(model, local: dict) -> dict:
     return out
 
 
-def summary(s, rows_log: list) -> tuple[dict, str]:
-    """The summary's expert-parallel line (s: train.Session): the all-to-alls' bytes per step
-    on the "ep" axis of the ledger beside ep_bytes for the tokens this rank routed."""
-    g, cfg = s.grid, s.cfg
+def summary(rows_log: list, cfg, *, ep: int, expert_replicas: int, moe_layers: int, micro_batches: int,
+            recompute: str) -> tuple[dict, list[str]]:
+    """The summary's expert-parallel line: the all-to-alls' bytes per step on the "ep" axis of
+    the ledger beside ep_bytes for the tokens this rank routed (the rows' ep_theory_bytes).
+    moe_layers: the MoE blocks this rank runs; expert_replicas: the ranks each expert is
+    summed over."""
     sent = float(np.mean([r["bytes_by_axis"].get("ep", 0) for r in rows_log]))
     want = float(np.mean([r["ep_theory_bytes"] for r in rows_log]))
-    stage = schedules.rank_layers(cfg.n_layer, g.pp_rank, g.pp_size, s.args.virtual_stages)
-    layers = sum(cfg.is_moe(i) for chunk in stage for i in chunk)
-    out = {"ep": g.ep_size, "experts_per_rank": cfg.moe_experts // g.ep_size, "bytes_per_step": sent,
-           "theory_bytes_per_step": want, "expert_replicas": g.expert_group.size}
-    n = 6 if s.args.recompute == "full" else 4          # full recompute: the forward's two again
+    out = {"ep": ep, "experts_per_rank": cfg.moe_experts // ep, "bytes_per_step": sent,
+           "theory_bytes_per_step": want, "expert_replicas": expert_replicas}
+    n = 6 if recompute == "full" else 4          # full recompute: the forward's two again
     how = (f"{n} all-to-alls of (P-1) x E/P x capacity rows" if cfg.moe_capacity_factor
            else f"the routed rows to and from other ranks, {n} all-to-alls, + the row counts")
-    return out, (f"  expert parallel: ep={g.ep_size}, {out['experts_per_rank']} of {cfg.moe_experts} experts per "
+    return out, [f"  expert parallel: ep={ep}, {out['experts_per_rank']} of {cfg.moe_experts} experts per "
                  f"rank, each summed over {out['expert_replicas']} replica(s); all-to-all sent {sent:,.0f} B/step "
-                 f"per rank over {layers} MoE layer(s) x {s.args.micro_batches} micro-batch(es), theory ({how}) "
-                 f"{want:,.0f} B (ratio {sent / want if want else float('nan'):.3f})")
+                 f"per rank over {moe_layers} MoE layer(s) x {micro_batches} micro-batch(es), theory ({how}) "
+                 f"{want:,.0f} B (ratio {sent / want if want else float('nan'):.3f})"]

@@ -6,4 +6,5 @@
     zero_bubble.py      ZB-H1 and ZB-H2: backward split into B and W
     check.py            the deadlock checker: every schedule simulated before it runs
     stage.py            a pipeline stage of the model and the executor that walks a schedule
+    summary.py          the run summary's pipeline figures and lines
 """

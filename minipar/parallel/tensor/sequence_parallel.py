@@ -52,7 +52,9 @@ from __future__ import annotations
 import numpy as np
 
 from minipar import comm
+from minipar.comm.ledger import human_bytes
 from minipar.autograd import ops
+from minipar.parallel.tensor import tensor_parallel
 from minipar.parallel.tensor.tensor_parallel import (MaskColumns, MaskedEmbedding, TensorParallelGPT,
                                                      tp_all_reduce, tp_collective)
 from minipar.autograd.tensor import Function, Tensor
@@ -224,3 +226,25 @@ def sp_count(cfg, rows: int, t: int, tp: int, n_layers: int | None = None, first
     if last:
         out["cross_entropy"] = (3, 3 * rows * t)
     return out
+
+
+def summary(tp_ledger: dict, rows_log: list, cfg, *, tp: int, rows: int, micro_batches: int,
+            layers: int, pp_rank: int, pp: int, recompute: str) -> tuple[dict, list[str]]:
+    """What sequence (and tensor) parallelism sent on this rank, per step, beside sp_count's
+    gathers, scatters and sums by kind, of this rank's pipeline stage; the arguments are
+    tensor_parallel.summary's."""
+    M, T = micro_batches, cfg.block_size
+    steps_run = len(rows_log)
+    kinds, calls, elements, tp_bytes = tensor_parallel.measured(tp_ledger, rows_log)
+    out = {"tp": tp, "sequence_parallel": True, "collectives_per_step": calls,
+           "elements_per_step": elements, "bytes_per_step": tp_bytes}
+    want = sp_count(cfg, rows, T, tp, layers, pp_rank == 0, pp_rank == pp - 1, recompute)
+    out["by_kind"] = {k: {"calls": v["calls"] / steps_run, "elements": v["elements"] / steps_run,
+                          "formula_calls": M * want[k][0], "formula_elements": M * want[k][1]}
+                      for k, v in kinds.items()}
+    exact = all(v["calls"] == v["formula_calls"] and v["elements"] == v["formula_elements"]
+                for v in out["by_kind"].values()) and set(kinds) == set(want)
+    return out, [f"  sequence parallel: {calls:.0f} collectives/step of {elements:,.0f} elements "
+                 f"({', '.join(f'{k} {v[0] * M}' for k, v in want.items())}: "
+                 f"{'= sp_count' if exact else 'NOT sp_count'} x {M} micro-batch(es)), "
+                 f"{human_bytes(tp_bytes)}/step sent per rank, + 1 for the global grad norm"]

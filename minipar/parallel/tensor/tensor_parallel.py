@@ -41,6 +41,7 @@ import math
 import numpy as np
 
 from minipar import comm
+from minipar.comm.ledger import human_bytes
 from minipar.autograd import ops
 from minipar.model.contract import Model, Parts
 from minipar.model.gpt import GPTConfig, init_param, param_specs
@@ -48,41 +49,31 @@ from minipar.optim.adamw import clip_coef
 from minipar.autograd.dtypes import compute, store
 from minipar.autograd.tensor import Function, Tensor
 
-# --- the ledger: what this module sent, by kind --------------------------------------------
-
-_LEDGER: dict = {}
-
+# --- what tensor parallelism sent, by kind: its counts in the comm ledger (owner "tp") ----------
 
 def traffic() -> dict:
-    """{kind: {"calls", "elements", "bytes_sent"}} of this module's all-reduces in this
-    process (a copy). kind: f (in backward), g (in forward), cross_entropy (3 per loss),
-    grad_norm (1 per grad_norm_sq)."""
-    return {k: dict(v) for k, v in _LEDGER.items()}
+    """{kind: {"calls", "elements", "bytes_sent"}} of tensor parallelism's collectives in this
+    process (a copy of comm.counts("tp")). kind: f (in backward), g (in forward),
+    cross_entropy (3 per loss), grad_norm (1 per grad_norm_sq)."""
+    return comm.counts("tp")
 
 
 def reset_traffic():
-    _LEDGER.clear()
-
-
-def _sent() -> int:
-    return sum(op.get("bytes_sent", 0) for op in comm.traffic().values())
+    comm.reset_counts("tp")
 
 
 def tp_collective(kind: str, elements: int, run):
-    """run() (one collective over the tp group), entered in this module's ledger under
-    `kind` with `elements` and the bytes it sent: every message tensor parallelism (and
+    """run() (one collective over the tp group), counted in the comm ledger under ("tp",
+    `kind`) with `elements` and the bytes it sent: every message tensor parallelism (and
     sequence parallelism, sequence_parallel.py) sends goes through here."""
-    before = _sent()
-    y = run()
-    e = _LEDGER.setdefault(kind, {"calls": 0, "elements": 0, "bytes_sent": 0})
-    e["calls"] += 1
-    e["elements"] += elements
-    e["bytes_sent"] += _sent() - before
+    with comm.window() as w:
+        y = run()
+    comm.count("tp", kind, calls=1, elements=elements, bytes_sent=w.sent)
     return y
 
 
 def tp_all_reduce(group: comm.Group, x: np.ndarray, op: str, kind: str) -> np.ndarray:
-    """comm.all_reduce over the tp group, in this module's ledger under `kind` (traffic())."""
+    """comm.all_reduce over the tp group, counted under `kind` (traffic())."""
     if group.size == 1:                                   # no partner: nothing to send
         return x
     return tp_collective(kind, x.size, lambda: comm.all_reduce(group, x, op=op))
@@ -503,3 +494,36 @@ def megatron_count(cfg: GPTConfig, rows: int, t: int, n_layers: int | None = Non
     docstring); for a pipeline stage, its n_layers blocks and ends (megatron_calls)."""
     act, per_row = megatron_calls(cfg.n_layer if n_layers is None else n_layers, first, last, recompute)
     return act + per_row, act * rows * t * cfg.n_embd + per_row * rows * t
+
+
+# --- the summary's tensor-parallel figures ----------------------------------------------------
+
+def measured(tp_ledger: dict, rows_log: list) -> tuple[dict, float, float, float]:
+    """What a run's tp collectives did per step: (traffic()'s kinds but grad_norm, calls and
+    elements per step of those, the rows' mean tp_bytes). tp_ledger: traffic() after the
+    training steps."""
+    steps_run = len(rows_log)
+    tp_bytes = float(np.mean([r["tp_bytes"] for r in rows_log]))
+    kinds = {k: v for k, v in tp_ledger.items() if k != "grad_norm"}
+    calls = sum(v["calls"] for v in kinds.values()) / steps_run
+    elements = sum(v["elements"] for v in kinds.values()) / steps_run
+    return kinds, calls, elements, tp_bytes
+
+
+def summary(tp_ledger: dict, rows_log: list, cfg: GPTConfig, *, tp: int, rows: int, micro_batches: int,
+            layers: int, pp_rank: int, pp: int, recompute: str) -> tuple[dict, list[str]]:
+    """What tensor parallelism sent on this rank, per step, beside the formula: Megatron's
+    4L + 5 all-reduces (megatron_count), of this rank's pipeline stage (`layers` blocks, the
+    ends it holds). rows: sequences per micro-batch of this dp rank. (--sp:
+    sequence_parallel.summary.)"""
+    M, T = micro_batches, cfg.block_size
+    _, calls, elements, tp_bytes = measured(tp_ledger, rows_log)
+    out = {"tp": tp, "sequence_parallel": False, "all_reduces_per_step": calls,
+           "elements_per_step": elements, "bytes_per_step": tp_bytes}
+    want_calls, want_elems = megatron_count(cfg, rows, T, layers, pp_rank == 0, pp_rank == pp - 1, recompute)
+    out.update(megatron_all_reduces_per_step=want_calls * M, megatron_elements_per_step=want_elems * M)
+    return out, [f"  tensor parallel: {calls:.0f} all-reduces/step of {elements:,.0f} elements (Megatron: "
+                 f"{'(4L+5)' if pp == 1 else 'stage ' + str(pp_rank) + ', 4 x its layers + ends'}"
+                 f"{' + 2L again (full recompute)' if recompute == 'full' else ''} x {M} "
+                 f"micro-batch(es) = {want_calls * M}, {want_elems * M:,} elements), "
+                 f"{human_bytes(tp_bytes)}/step sent per rank, + 1 for the global grad norm"]
