@@ -18,7 +18,8 @@ When:                naive: one blocking all-reduce per parameter after backward
                      after backward ends ("exposed" communication) costs step time.
 
 Both modes give the same numbers: the same sums, just issued at different times. Each
-is an interfaces.GradSync, as is NoSync (one dp rank, nothing to send) and zero.Zero.
+is an interfaces.GradSync, as is NoSync (one dp rank, nothing to send) and ZeRO's stages
+(zero/stage1.py).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from minipar.parallel import data_parallel
 from minipar.parallel.expert import expert_parallel
 from minipar.parallel.pipeline import stage as pipeline, schedules, zero_bubble
 from minipar.parallel.tensor import sequence_parallel, tensor_parallel
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import formulas as zero, optimizer as zero_optimizer
 from minipar.plan.peak import human_bytes
 
 
@@ -36,7 +36,7 @@ def memory_report(model, opt: AdamW) -> dict:
     the parameters this rank holds: all of them, or tensor_parallel.local_param_count).
     --precision fp16/bf16: 2P + 2P + 12P (the optimizer adds fp32 master weights to m, v).
     With --zero, the ZeRO object's own report: its shards, beside zero.formula."""
-    if isinstance(opt, zero.Zero):
+    if isinstance(opt, zero_optimizer.ShardedAdamW):
         return opt.memory_report()
     tp = model.tp_size
     if isinstance(model, pipeline.PipelineStage):
