@@ -18,7 +18,7 @@ from minipar.train import checkpoint
 from minipar import comm
 from minipar.model.gpt import GPT, GPTConfig, param_specs
 from minipar.optim.adamw import AdamW
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import build as zero
 
 from trainer_runs import TINY_MPI, mpirun, read_log, run_tiny
 
@@ -163,7 +163,7 @@ def test_optimizer_shard_index_points_at_the_canonical_elements(stage):
         m[...] = rng.standard_normal(m.shape)
     full = dict(zip([n for n, _ in model.named_parameters()], [m.copy() for m in opt.m]))
     if stage:
-        opt = zero.Zero(model, opt, comm.Group(MPI.COMM_SELF), stage)
+        _, opt = zero.build(model, opt, comm.Group(MPI.COMM_SELF), stage)
     shard = checkpoint.optimizer_shard(model, opt)
     assert shard["index"].dtype == np.int64 and shard["m"].shape == shard["index"].shape == (P,)
     if stage:

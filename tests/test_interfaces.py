@@ -15,7 +15,7 @@ from minipar.optim.adamw import AdamW
 from minipar.parallel import data_parallel
 from minipar.parallel.pipeline import stage as pipeline
 from minipar.parallel.tensor import tensor_parallel
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import build as zero
 
 CFG = GPTConfig(vocab_size=11, block_size=4, n_layer=2, n_head=2, n_embd=8)
 
@@ -37,7 +37,7 @@ SYNCHRONISERS = {                                # a model's parameters -> its s
     "NoSync": lambda m: data_parallel.NoSync(m.parameters()),
     "DataParallelNaive": lambda m: data_parallel.DataParallelNaive(m.parameters(), one_rank()),
     "DataParallelBucketed": lambda m: data_parallel.DataParallelBucketed(m.parameters(), one_rank(), 1e-3),
-    "Zero": lambda m: zero.Zero(m, AdamW(m.parameters()), one_rank(), 2),
+    "Zero": lambda m: zero.build(m, AdamW(m.parameters()), one_rank(), 2)[0],
 }
 
 

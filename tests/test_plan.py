@@ -41,7 +41,7 @@ from minipar.parallel.expert import expert_parallel
 from minipar.parallel.pipeline import stage as pipeline, schedules
 from minipar.parallel.context import ring_attention
 from minipar.parallel.tensor import tensor_parallel
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import formulas, units as zero_units
 from minipar.parallel.pipeline.stage import PipelineStage
 from minipar.parallel.parallelize import parts
 from minipar.parallel.tensor.tensor_parallel import TensorParallelGPT
@@ -136,12 +136,12 @@ def test_zero_formulas_fp16(N):
     for stage, total in want.items():
         m = run_plan(*cfg, "--precision", "fp16", "--dp", str(N), "--zero", str(stage))["memory"]
         assert m["params_padded"] == P and m["model_states"] == total, (stage, m)
-        f = zero.formula(stage, P, P, N, 2, K)            # what Zero.memory_report sets beside its buffers
+        f = formulas.formula(stage, P, P, N, 2, K)            # what ShardedAdamW.memory_report sets beside its buffers
         assert (m["params"], m["grads"], m["optimizer"]) == (f["params"], f["grads"], f["optimizer"])
 
 
 def test_zero_pads_each_unit_to_a_multiple_of_dp():
-    """Odd unit sizes (C = 18, V = 257): each unit pads to ceil(n/N)*N, as zero.padded does."""
+    """Odd unit sizes (C = 18, V = 257): each unit pads to ceil(n/N)*N, as units.padded does."""
     flags = ["--n-layer", "3", "--n-head", "3", "--n-embd", "18", "--vocab-size", "257", "--batch-size", "24"]
     cfg = GPTConfig(vocab_size=257, block_size=64, n_layer=3, n_head=3, n_embd=18)
     padding = 0
@@ -149,8 +149,8 @@ def test_zero_pads_each_unit_to_a_multiple_of_dp():
         r = run_plan(*flags, "--tp", str(tp), "--pp", str(pp), "--dp", str(N), "--zero", "2")
         for st, m in enumerate(r["memory_per_stage"]):
             sizes = dict(pipeline.local_tensors(cfg, st, pp, tp))
-            units = [sum(sizes[n] for n in u) for u in zero.unit_names(list(sizes))]
-            assert m["params_padded"] == sum(zero.padded(n, N) for n in units) >= m["params_local"]
+            units = [sum(sizes[n] for n in u) for u in zero_units.unit_names(list(sizes))]
+            assert m["params_padded"] == sum(zero_units.padded(n, N) for n in units) >= m["params_local"]
             padding += m["params_padded"] - m["params_local"]
             assert m["params"] == 4 * m["params_padded"] and m["grads"] == 4 * m["params_padded"] // N
             assert m["optimizer"] == 8 * m["params_padded"] // N
@@ -780,7 +780,7 @@ def test_moe_gradients_summed_over_dp_and_experts_over_their_replicas():
 def test_moe_zero_shards_the_experts_over_their_replicas(stage):
     """ZeRO with --ep (dp 4, ep 2, fp32, K = 8): each block's experts are a unit of their own,
     padded for and sharded over their dp/ep = 2 replicas; the rest over the 4 dp ranks
-    (zero.formula of each part, summed). Each unit's reduce-scatters and all-gathers run on its
+    (formulas.formula of each part, summed). Each unit's reduce-scatters and all-gathers run on its
     own group; the gradient norm over dp (each element in exactly one shard)."""
     r = run_plan(*MOE_SMALL, "--dp", "4", "--ep", "2", "--zero", str(stage), "--micro-batches", "2")
     cfg, lay, _ = table.resolve(table.build_parser().parse_args([*MOE_SMALL, "--dp", "4", "--ep", "2"]))
@@ -790,12 +790,12 @@ def test_moe_zero_shards_the_experts_over_their_replicas(stage):
     assert sum(k for _, k in experts) == 2 * 2 * (8 * 16 * 16 + 5 * 16)
     plain_units, expert_units = layout.zero_units(others, 4), layout.zero_units(experts, 2)
     assert len(expert_units) == 2                                         # blocks h.1 and h.3
-    want = {k: zero.formula(stage, sum(n for _, n in others), sum(plain_units), 4, 4, 8)[k]
-            + zero.formula(stage, sum(n for _, n in experts), sum(expert_units), 2, 4, 8)[k]
+    want = {k: formulas.formula(stage, sum(n for _, n in others), sum(plain_units), 4, 4, 8)[k]
+            + formulas.formula(stage, sum(n for _, n in experts), sum(expert_units), 2, 4, 8)[k]
             for k in ("params", "grads", "optimizer")}
     m = r["memory"]
     assert {k: m[k] for k in want} == want and m["params_padded"] == sum(plain_units) + sum(expert_units)
-    rs, ag = zero.collectives_per_step(stage, 2)
+    rs, ag = formulas.collectives_per_step(stage, 2)
     sent = (sum(rs * comm_bytes.reduce_scatter_sent(n, 4, 4) + ag * comm_bytes.all_gather_sent(n // 4, 4, 4)
                 for n in plain_units)
             + sum(rs * comm_bytes.reduce_scatter_sent(n, 4, 2) + ag * comm_bytes.all_gather_sent(n // 2, 4, 2)

@@ -1,7 +1,7 @@
 """Lab 08, the student's side (labs/framework.py says what a lab is): the seam (LabZero, minipar's
-Zero with the per-unit work handed to the student's functions) and the short training runs the
-child makes with it. Nothing here judges; lab.py does, in the grader, with zero.formula,
-zero.padded, zero.traffic_theory and the single-process twin it computes itself.
+ZeRO stages with the per-unit work handed to the student's functions) and the short training runs
+the child makes with it. Nothing here judges; lab.py does, in the grader, with formulas.formula,
+units.padded, formulas.traffic_theory and the single-process twin it computes itself.
 
 Every run trains the same 2-layer GPT (CFG: units of 4,096, 3,280, 3,280 and 288 elements) on
 the same data and seed, in float64 or float32, for 2 steps of M micro-batches; the grader
@@ -24,7 +24,8 @@ from minipar.train import checkpoint, data, trainer as train
 from minipar import comm
 from minipar.model.gpt import GPT, GPTConfig
 from minipar.optim.adamw import adamw_update
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import build as zero_build, optimizer as zero_optimizer, stage3, units as zero_units
+from minipar.parallel.zero.formulas import formula
 from minipar.parallel.grid import ProcessGrid
 from minipar.optim.mixed_precision import MixedPrecisionAdamW, optimizer_bytes_per_param
 from minipar.autograd.tensor import is_grad_enabled
@@ -32,27 +33,35 @@ from minipar.autograd.tensor import is_grad_enabled
 HERE = os.path.dirname(os.path.abspath(__file__))
 UNIT_FIELDS = ("param_flat", "param_shard", "grad_flat", "grad_shard", "m", "v")
 # minipar's own per-unit ZeRO (what reference.py takes its lines from): reached from the
-# student's file, each raises (labs/child.py). LabZero and LabUnit override every one of them.
-OWN = [f"minipar.parallel.zero.sharded:Zero.{m}" for m in ("__init__", "_on_grad_ready", "_drain", "finish", "step",
-                                                   "gather", "release")] + \
-      ["minipar.parallel.zero.sharded:Unit.__init__"]
+# student's file, each raises (labs/child.py). LabZero and LabUnit override every one of them
+# that their own calls would reach.
+OWN = ["minipar.parallel.zero.build:build", "minipar.parallel.zero.units:Unit.__init__"] + \
+      [f"minipar.parallel.zero.stage1:Stage1.{m}" for m in ("__init__", "_on_grad_ready", "_unit_ready", "_drain",
+                                                           "_receive", "finish", "after_update")] + \
+      [f"minipar.parallel.zero.stage2:Stage2.{m}" for m in ("_count", "_unit_ready", "_receive")] + \
+      [f"minipar.parallel.zero.stage3:Stage3.{m}" for m in ("_unit_ready", "gather", "release")] + \
+      [f"minipar.parallel.zero.optimizer:ShardedAdamW.{m}" for m in ("__init__", "step")]
 MAX_FAULTS = 20
 
 
-# --- the seam: minipar's Zero, its per-unit work done by the student's functions ------------
+# --- the seam: minipar's ZeRO, its per-unit work done by the student's functions ------------
 
-class LabUnit(zero.Unit):
-    """zero.Unit laid out by the student's shard_bounds, with the fields student.py's
-    docstring lists (param_flat, param_shard, grad_flat, grad_shard: None when not held)."""
+class LabUnit(zero_units.Unit):
+    """units.Unit laid out by the student's shard_bounds, with the fields student.py's
+    docstring lists (param_flat, param_shard, grad_flat, grad_shard: None when not held;
+    grad_flat is the lab's one name for stage 1's grad_full and stages 2/3's grad_staging)."""
 
-    def __init__(self, names, params, N: int, rank: int, bounds):
+    def __init__(self, names, params, N: int, rank: int, group, bounds, *, m, v, params_sharded: bool):
+        """group: the ranks minipar's calls spread this unit over; m, v: the full optimizer's
+        per-parameter arrays; params_sharded: stage 3 keeps the shard of the parameters only."""
         self.names, self.params = names, params
+        self.group, self.N = group, N
         self.sizes = [p.size for p in params]
         self.offsets = np.cumsum([0] + self.sizes)[:-1].tolist()
         self.n = sum(self.sizes)
         lo, hi = (int(b) for b in bounds(self.n, N, rank))
-        self.lo, self.hi, self.shard, self.n_pad = lo, hi, hi - lo, N * (hi - lo)
-        if self.n_pad < self.n or lo != rank * self.shard:
+        self.lo, self.hi, self.shard_size, self.n_pad = lo, hi, hi - lo, N * (hi - lo)
+        if self.n_pad < self.n or lo != rank * self.shard_size:
             raise ValueError(f"shard_bounds({self.n}, {N}, {rank}) = ({lo}, {hi}): rank r's shard must start at "
                              f"r * (hi - lo), and N shards must cover the unit's {self.n} elements")
         self.segments = []
@@ -60,7 +69,13 @@ class LabUnit(zero.Unit):
             a, b = max(off, lo), min(off + size, hi)
             if a < b:
                 self.segments.append((p, slice(a - lo, b - lo), slice(a - off, b - off)))
-        self.param_flat = self.param_shard = self.grad_flat = self.grad_shard = None
+        own = slice(lo, hi)
+        self.m = self.flatten(m)[own].copy()                                # (hi-lo,)
+        self.v = self.flatten(v)[own].copy()
+        flat = self.flatten([p.data for p in params])                       # (n_pad,)
+        self.param_flat = None if params_sharded else flat
+        self.param_shard = flat[own].copy() if params_sharded else None
+        self.grad_flat = self.grad_shard = None
         self.pending, self.reduced = len(params), 0
         self.kept = None            # stage 3: the released buffer a forward's ops still hold
 
@@ -70,15 +85,20 @@ class LabUnit(zero.Unit):
 
 
 def placeholder(shape, dtype):
-    """A released parameter (as zero.Zero.release): its shape, no memory, NaN if read."""
+    """A released parameter (as stage3.Stage3.release): its shape, no memory, NaN if read."""
     return np.broadcast_to(np.array(np.nan, dtype=dtype), shape)
 
 
-class LabZero(zero.Zero):
-    """zero.Zero with the student's functions at its per-unit steps. A subclass made by
-    lab_zero(student) sets `student` (the module) and `calls` (a one-element counter).
-    faults: what it saw after the student's calls that the contract rules out (a transient
-    buffer still held, a gathered buffer that is the shard itself), the first MAX_FAULTS."""
+class LabZero(stage3.Stage3, zero_optimizer.ShardedAdamW):
+    """minipar's ZeRO with the student's functions at its per-unit steps: one object, both the
+    gradient synchroniser and the sharded optimizer, for the stage it is given (the student's
+    functions take the stage). From Stage3 (and the Stage1 below it) it keeps the bookkeeping
+    it does not override: the forward wrapped with gathers and Regather (stage 3 only), the
+    global norm, the sizes; from ShardedAdamW gather_local (checkpoints, the twin's compare).
+    A subclass made by lab_zero(student) sets `student` (the module) and `calls` (a
+    one-element counter). faults: what it saw after the student's calls that the contract
+    rules out (a transient buffer still held, a gathered buffer that is the shard itself),
+    the first MAX_FAULTS."""
 
     student = None
     calls = [0]
@@ -101,34 +121,33 @@ class LabZero(zero.Zero):
         self.lr, self.betas, self.eps, self.weight_decay = opt.lr, opt.betas, opt.eps, opt.weight_decay
         self.step_count, self.mixed, self.scaler = opt.step_count, False, None
         self.dtype = np.dtype(model.dtype)
+        self.layout = self                      # ShardedAdamW.gather_local asks it for own_params
         self.faults = []
         named = dict(model.named_parameters())
         ms, vs = dict(zip(named, opt.m)), dict(zip(named, opt.v))
         bounds = lambda n, N, rank: self._run("shard_bounds", n, N, rank)     # noqa: E731
         self.units, self.unit_of = [], {}
-        for names in zero.unit_names(named):
-            u = LabUnit(names, [named[n] for n in names], self.N, self.rank, bounds)
-            u.group, u.N = self.group, self.N       # the ranks zero.Zero's calls spread this unit over
+        for names in zero_units.unit_names(named):
+            u = LabUnit(names, [named[n] for n in names], self.N, self.rank, self.group, bounds,
+                        m=[ms[n] for n in names], v=[vs[n] for n in names], params_sharded=stage == 3)
             self.units.append(u)
-            own = slice(u.lo, u.hi)
-            u.m = u.flatten([ms[n] for n in names])[own].copy()             # (hi-lo,)
-            u.v = u.flatten([vs[n] for n in names])[own].copy()
-            flat = u.flatten([p.data for p in u.params])                    # (n_pad,)
             if stage == 3:
-                u.param_shard = flat[own].copy()
                 for p in u.params:
                     p.data = placeholder(p.shape, self.dtype)
             else:
-                u.param_flat = flat
-                u.point(flat)
+                u.point(u.param_flat)
             for p in u.params:
                 self.unit_of[id(p)] = u
                 p.register_grad_hook(self._on_grad_ready)
         del opt.m, opt.v
-        self.sync, self.fresh, self.exposed_seconds = True, True, 0.0
+        self.talk_now, self.exposed_seconds = True, 0.0
         self.first, self.last, self.backwards = True, True, 0
         if stage == 3:
-            self._wrap_forward()                # zero.Zero's: gather / Regather around each block
+            self._wrap_forward()                # Stage3's: gather / Regather around each block
+
+    def own_params(self, u) -> np.ndarray:
+        """This rank's shard of the unit's parameters (gather_local reads it)."""
+        return u.param_shard if self.stage == 3 else u.param_flat[u.lo:u.hi]
 
     # --- a step's backwards --------------------------------------------------------------
     def zero_grad(self):
@@ -176,9 +195,9 @@ class LabZero(zero.Zero):
             if u.reduced != self.backwards:
                 raise RuntimeError(f"unit {u.label}: its gradient was complete in {u.reduced} of "
                                    f"{self.backwards} backward(s)")
-            if u.grad_shard is None or np.shape(u.grad_shard) != (u.shard,):
+            if u.grad_shard is None or np.shape(u.grad_shard) != (u.shard_size,):
                 raise ValueError(f"after the last backward unit {u.label} holds grad_shard "
-                                 f"{describe(u.grad_shard)}; want its summed shard, shape ({u.shard},)")
+                                 f"{describe(u.grad_shard)}; want its summed shard, shape ({u.shard_size},)")
         self.exposed_seconds = 0.0
 
     # --- the optimizer ---------------------------------------------------------------------
@@ -195,10 +214,10 @@ class LabZero(zero.Zero):
     def _adamw(self, u, grad_scale):
         def adamw(w, grad):
             """One AdamW step in place on w, the (hi-lo,) shard, from its summed gradient."""
-            if np.shape(w) != (u.shard,) or np.shape(grad) != (u.shard,):
+            if np.shape(w) != (u.shard_size,) or np.shape(grad) != (u.shard_size,):
                 raise ValueError(f"adamw(w, grad) on unit {u.label}: shapes {np.shape(w)}, {np.shape(grad)}; "
-                                 f"want this rank's shard, ({u.shard},) each")
-            for p, sh, _ in u.segments:         # zero.Zero.step's loop: weight decay per parameter
+                                 f"want this rank's shard, ({u.shard_size},) each")
+            for p, sh, _ in u.segments:         # ShardedAdamW.step's loop: weight decay per parameter
                 wd = self.weight_decay if len(p.shape) >= 2 else 0.0
                 adamw_update(w[sh], grad[sh], u.m[sh], u.v[sh], self.step_count, self.lr, self.betas,
                              self.eps, wd, grad_scale=grad_scale)
@@ -220,7 +239,7 @@ class LabZero(zero.Zero):
         u.point(u.param_flat)
 
     def release(self, u, after_backward: bool = False):
-        """The student's release, then zero.Zero.release's NumPy rule: a buffer the forward's
+        """The student's release, then Stage3.release's NumPy rule: a buffer the forward's
         graph still holds is poisoned with NaN and refilled by backward's re-gather."""
         buf = u.param_flat
         self._run("release", u)
@@ -237,10 +256,10 @@ class LabZero(zero.Zero):
             u.kept = None
 
     def memory_report(self) -> dict:
-        """What this rank really holds (held()), beside zero.formula, for the summary."""
+        """What this rank really holds (held()), beside formulas.formula, for the summary."""
         got = held(self)
         s = self.dtype.itemsize
-        f = zero.formula(self.stage, self.P, self.P_pad, self.N, s, optimizer_bytes_per_param(False, s))
+        f = formula(self.stage, self.P, self.P_pad, self.N, s, optimizer_bytes_per_param(False, s))
         f["text"] = f"{f['text']} (P = {self.P:,} on this rank, N = {self.N}, padded to {self.P_pad:,})"
         return {**{k: sum(b for _, b, _ in got[k]) for k in ("params", "grads", "optimizer")}, "formula": f,
                 "zero": {"stage": self.stage, "N": self.N, "P": self.P, "P_padded": self.P_pad,
@@ -253,9 +272,15 @@ def lab_zero(student, calls=None):
 
 
 def install(student):
-    """The trainer's --zero builds the student's ZeRO (train.set_up calls zero.Zero)."""
+    """The trainer's --zero builds the student's ZeRO (train.set_up calls build.build): one
+    LabZero, both the synchroniser and the optimizer."""
     calls = [0]
-    zero.Zero = lab_zero(student, calls)
+    cls = lab_zero(student, calls)
+
+    def build(model, opt, group, stage):
+        z = cls(model, opt, group, stage)
+        return z, z
+    zero_build.build = build
     return lambda: calls[0]
 
 
@@ -426,10 +451,10 @@ def twin(student, out):
 
 
 def unit_sizes() -> list:
-    """Elements of each unit (zero.unit_names) of this lab's model, before padding."""
+    """Elements of each unit (units.unit_names) of this lab's model, before padding."""
     shapes = {n: p.size for n, p in GPT(CFG).named_parameters()}
-    return [sum(shapes[n] for n in u) for u in zero.unit_names(list(shapes))]
+    return [sum(shapes[n] for n in u) for u in zero_units.unit_names(list(shapes))]
 
 
 def unit_names() -> list:
-    return zero.unit_names([n for n, _ in GPT(CFG).named_parameters()])
+    return zero_units.unit_names([n for n, _ in GPT(CFG).named_parameters()])

@@ -1,9 +1,9 @@
 """Lab 08's criteria, judged in the grader's process (labs/framework.py says what a lab is).
 
-Seam (drive.install): minipar.parallel.zero.sharded.Zero, the object the trainer builds for --zero
-1|2|3, replaced by drive.LabZero, a subclass that keeps minipar's bookkeeping (the units of
-zero.unit_names, the gradient hooks that say when a unit's gradient is complete, stage 3's
-Regather around each block, the global norm, the checkpoints) and hands the per-unit work to
+Seam (drive.install): minipar.parallel.zero.build.build, which the trainer calls for --zero 1|2|3,
+replaced by one that builds drive.LabZero, a subclass of stage3.Stage3 and optimizer.ShardedAdamW
+that keeps minipar's bookkeeping (the units of units.unit_names, the gradient hooks that say
+when a unit's gradient is complete, stage 3's Regather around each block, the global norm, the checkpoints) and hands the per-unit work to
 the student: where a rank's shard lies (shard_bounds), what a unit's finished gradient
 becomes (reduce_gradient), the AdamW step on the shard and the all-gather after it (update),
 and stage 3's gather and release of a unit's parameters. The student's collectives are
@@ -11,8 +11,8 @@ minipar's own (comm.reduce_scatter, comm.all_gather), blocking: every rank compl
 units in the same order, so they pair up.
 
 Oracles, computed here: np.array_split's pieces of the padded unit for shard_bounds;
-zero.formula of zero.padded units for the bytes a rank holds, in the parameters' dtype;
-zero.traffic_theory and zero.collectives_per_step for what minipar's ledger counts; the
+formulas.formula of units.padded units for the bytes a rank holds, in the parameters' dtype;
+formulas.traffic_theory and formulas.collectives_per_step for what minipar's ledger counts; the
 single-process twin (drive.steps with no group: minipar's own code only) for the losses,
 gradient norms and parameters; labs/twin.py's twin for the trainer runs, whose summary's
 memory and ZeRO bytes are held to the same formulas. The child hands back only what the
@@ -26,7 +26,7 @@ from labs.framework import Criterion, first_difference, load_drive, trainer_flag
 from labs.results import Opaque, key
 from labs.scan import Allowed
 from minipar.model.gpt import GPT
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import formulas, units as zero_units
 from minipar.optim.mixed_precision import optimizer_bytes_per_param
 from minipar.train.verify import judged
 
@@ -35,9 +35,11 @@ drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
 OWN_ZERO = "minipar's own ZeRO: this lab grades yours"
 ALLOWED = Allowed(
     modules={"minipar.comm": {"reduce_scatter", "all_gather", "traffic"},
-             "minipar.parallel.zero.sharded": {"padded"}},
-    refused={"minipar.parallel.zero.sharded.Zero": OWN_ZERO, "minipar.parallel.zero.sharded.Unit": OWN_ZERO,
-             "minipar.parallel.zero.sharded.Regather": OWN_ZERO})
+             "minipar.parallel.zero.units": {"padded"}},
+    refused={"minipar.parallel.zero.units.Unit": OWN_ZERO, "minipar.parallel.zero.stage1.Stage1": OWN_ZERO,
+             "minipar.parallel.zero.stage2.Stage2": OWN_ZERO, "minipar.parallel.zero.stage3.Stage3": OWN_ZERO,
+             "minipar.parallel.zero.stage3.Regather": OWN_ZERO,
+             "minipar.parallel.zero.optimizer.ShardedAdamW": OWN_ZERO, "minipar.parallel.zero.build.build": OWN_ZERO})
 # float32: the ranks sum their rows' gradients in another order than one process does; the
 # solution stays within about 6e-8 (losses, norms) and 9e-6 of a tensor's largest entry
 F32 = {"loss": 1e-6, "param": 1e-4}
@@ -93,16 +95,16 @@ def held_lists(got, what) -> dict:
 
 
 def formula_for(stage, size, dtype) -> tuple[dict, int, int]:
-    """zero.formula for this lab's model on a group of `size` ranks -> (formula, P, P_pad)."""
+    """formulas.formula for this lab's model on a group of `size` ranks -> (formula, P, P_pad)."""
     units = drive.unit_sizes()
     s = np.dtype(dtype).itemsize
-    P, P_pad = sum(units), sum(zero.padded(n, size) for n in units)
-    return zero.formula(stage, P, P_pad, size, s, optimizer_bytes_per_param(False, s)), P, P_pad
+    P, P_pad = sum(units), sum(zero_units.padded(n, size) for n in units)
+    return formulas.formula(stage, P, P_pad, size, s, optimizer_bytes_per_param(False, s)), P, P_pad
 
 
 def judge_memory(res):
     """After each step (the update included): every array held is in the parameters' dtype,
-    the bytes of parameters, gradients and optimizer state equal zero.formula, nothing else is
+    the bytes of parameters, gradients and optimizer state equal formulas.formula, nothing else is
     held; and after each call LabZero saw no transient buffer kept and no gathered buffer that
     is the shard itself."""
     for stage, N, M, dtype, batch in drive.MEMORY:
@@ -120,7 +122,7 @@ def judge_memory(res):
                 for kind, term in zip(KINDS, f["text"].split(" + ")):
                     total = sum(b for _, b, _ in got[kind])
                     assert total == f[kind], \
-                        f"{what}: {kind} held {total:,} B, zero.formula's {term} = {f[kind]:,} B (P = {P:,}, " \
+                        f"{what}: {kind} held {total:,} B, formulas.formula's {term} = {f[kind]:,} B (P = {P:,}, " \
                         f"padded {P_pad:,}, N = {size}); held: {listing(got[kind])}"
                 assert not got["other"], f"{what}: arrays held beyond the contract's fields: {listing(got['other'])}"
                 faults = res.get(w, key(k, "faults", step))          # LabZero's, up to this step
@@ -132,8 +134,8 @@ def judge_memory(res):
 # --- bytes --------------------------------------------------------------------------------------
 
 def judge_bytes(res):
-    """Each step's bytes on the "zero" axis of minipar's ledger equal zero.traffic_theory of
-    the padded units, and its reduce-scatters and all-gathers zero.collectives_per_step."""
+    """Each step's bytes on the "zero" axis of minipar's ledger equal formulas.traffic_theory of
+    the padded units, and its reduce-scatters and all-gathers formulas.collectives_per_step."""
     units = drive.unit_sizes()
     for stage, N, M, dtype, batch in drive.BYTES:
         k = drive.run_key("bytes", stage, N, M, dtype, batch)
@@ -142,8 +144,8 @@ def judge_bytes(res):
             size, _ = drive.group_of(w, N)
             if size == 1:                                  # a group of one sends nothing: not run
                 continue
-            theory = sum(zero.traffic_theory(stage, zero.padded(n, size), size, s, M) for n in units)
-            rs, ag = (c * len(units) for c in zero.collectives_per_step(stage, M))
+            theory = sum(formulas.traffic_theory(stage, zero_units.padded(n, size), size, s, M) for n in units)
+            rs, ag = (c * len(units) for c in formulas.collectives_per_step(stage, M))
             for step in range(drive.STEPS):
                 what = f"{drive.where(stage, N, M, dtype, batch, w)}, step {step}"
                 got = res.get(w, key(k, step))
@@ -156,7 +158,7 @@ def judge_bytes(res):
                     f"{what}: sent {sent:,.0f} B with {rs_got} reduce-scatter(s), {ag_got} all-gather(s)" + \
                     (f" and {others} other call(s)" if others else "") + \
                     f"; theory {theory:,.0f} B with {rs} and {ag} ({len(units)} units, " \
-                    f"zero.collectives_per_step({stage}, {M}) = {zero.collectives_per_step(stage, M)} each)"
+                    f"formulas.collectives_per_step({stage}, {M}) = {formulas.collectives_per_step(stage, M)} each)"
 
 
 # --- the twin -------------------------------------------------------------------------------------
@@ -178,7 +180,7 @@ def owner(name, got, want, size, atol) -> str:
             offset = int(np.sum(sizes[:names.index(name)]))
             bad = ~np.isclose(got.astype(np.float64), want, rtol=0, atol=atol)
             at = offset + int(np.argmax(bad.ravel()))
-            per_rank = zero.padded(n, size) // size
+            per_rank = zero_units.padded(n, size) // size
             label = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
             return f" (element {at} of unit {label}: in dp rank {at // per_rank}'s shard of {per_rank})"
     return ""
@@ -223,19 +225,19 @@ def judge_twin(res):
 # --- the trainer -----------------------------------------------------------------------------
 
 def trainer_judge(ranks):
-    """Beyond the twin: the summary's bytes held on every rank equal zero.formula for the run's
-    model (the grader's own), and the ZeRO bytes sent each step zero.traffic_theory."""
+    """Beyond the twin: the summary's bytes held on every rank equal formulas.formula for the run's
+    model (the grader's own), and the ZeRO bytes sent each step formulas.traffic_theory."""
     def judge(run):
         from minipar.train import trainer as train                   # noqa: PLC0415
         from minipar.train.setup import prepare          # noqa: PLC0415
         args = train.build_parser().parse_args(list(run.flags))
         spec = prepare(args, ranks)
         shapes = {n: p.size for n, p in GPT(spec.cfg).named_parameters()}
-        units = [sum(shapes[n] for n in u) for u in zero.unit_names(list(shapes))]
+        units = [sum(shapes[n] for n in u) for u in zero_units.unit_names(list(shapes))]
         N, stage, M = args.dp, args.zero, args.micro_batches
         s = np.dtype(args.dtype).itemsize
-        P, P_pad = sum(units), sum(zero.padded(n, N) for n in units)
-        f = zero.formula(stage, P, P_pad, N, s, optimizer_bytes_per_param(False, s))
+        P, P_pad = sum(units), sum(zero_units.padded(n, N) for n in units)
+        f = formulas.formula(stage, P, P_pad, N, s, optimizer_bytes_per_param(False, s))
         what = f"--dp {N} --zero {stage} {args.dtype}"
         per_rank = run.summary.get("memory_per_rank")
         assert isinstance(per_rank, list) and len(per_rank) == ranks, \
@@ -243,14 +245,14 @@ def trainer_judge(ranks):
         for r, row in enumerate(per_rank):
             got = {kind: row.get(kind) if isinstance(row, dict) else None for kind in KINDS}
             want = {kind: f[kind] for kind in KINDS}
-            assert got == want, f"{what}: rank {r} holds {got} B after the run, zero.formula {f['text']} = {want} " \
-                                f"(P = {P:,}, padded {P_pad:,})"
-        theory = sum(zero.traffic_theory(stage, zero.padded(n, N), N, s, M) for n in units)
+            assert got == want, f"{what}: rank {r} holds {got} B after the run, formulas.formula {f['text']} = " \
+                                f"{want} (P = {P:,}, padded {P_pad:,})"
+        theory = sum(formulas.traffic_theory(stage, zero_units.padded(n, N), N, s, M) for n in units)
         for row in run.rows:
             sent = row.get("zero_bytes")
             shown = f"{sent:,.0f}" if isinstance(sent, (int, float)) else repr(sent)
             assert sent == theory, f"{what}: step {row.get('step')} sent {shown} B on the zero axis, " \
-                                   f"zero.traffic_theory {theory:,.0f} B"
+                                   f"formulas.traffic_theory {theory:,.0f} B"
     return judge
 
 
@@ -264,19 +266,19 @@ def trainer(stage, **change):
                      hint={1: "the real trainer with your ZeRO-1 on 2 ranks; the grader compares it with one process",
                            2: "the real trainer with your ZeRO-2 on 2 ranks; the grader compares it with one process",
                            3: "stage 3 gathers each block before its forward and again before its backward "
-                              "(parallel.zero.sharded.Regather), and releases it after each"}[stage])
+                              "(parallel.zero.stage3.Regather), and releases it after each"}[stage])
 
 
 CRITERIA = [
     Criterion("shard_bounds for many (n, N)", run="bounds", judge=judge_bounds, timeout=30, uses=("shard_bounds",),
-              hint="pad first: minipar.parallel.zero.sharded.padded(n, N) is the next multiple of N; then every "
+              hint="pad first: minipar.parallel.zero.units.padded(n, N) is the next multiple of N; then every "
                    "rank's shard has the same n_pad / N elements; return two ints"),
-    Criterion("memory against zero.formula", ranks=4, run="memory", judge=judge_memory, timeout=90,
+    Criterion("memory against formulas.formula", ranks=4, run="memory", judge=judge_memory, timeout=90,
               uses=("shard_bounds", "reduce_gradient", "update", "gather", "release"),
               hint="keep what the contract's table lists, in the parameters' dtype, and set the rest to None "
                    "as soon as you are done: stage 1 param_flat + grad_flat, stage 2 param_flat + grad_shard, "
                    "stage 3 param_shard + grad_shard"),
-    Criterion("bytes against zero.traffic_theory", ranks=4, run="ledger", judge=judge_bytes, timeout=90,
+    Criterion("bytes against formulas.traffic_theory", ranks=4, run="ledger", judge=judge_bytes, timeout=90,
               uses=("shard_bounds", "reduce_gradient", "update", "gather", "release"),
               hint="stage 1 reduce-scatters only when last is True; a reduce-scatter sends (N-1)/N of the "
                    "unit, an all-reduce twice that; stage 3's update gathers nothing; comm.traffic() shows the calls"),

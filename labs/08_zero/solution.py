@@ -1,6 +1,6 @@
 """Lab 08, solved by hand as a student would: each stage's rule spelled out for one unit
-(minipar's own, in minipar/parallel/zero/sharded.py, keeps the units' buffers inside its Zero class
-and overlaps the reduce-scatters with backward)."""
+(minipar's own, in minipar/parallel/zero/stage1.py, stage2.py and stage3.py, keeps the units' buffers
+inside its stage classes and overlaps the reduce-scatters with backward)."""
 from minipar import comm
 
 

@@ -2,7 +2,7 @@
 
 minipar cuts a rank's parameters into units (wte, each transformer block, the rest), and
 flattens each unit into one vector of n elements, padded with zeros to n_pad, a multiple of
-the dp group's size N. You write what happens to one unit; minipar's Zero (through the seam
+the dp group's size N. You write what happens to one unit; minipar's ZeRO (through the seam
 of labs/08_zero/drive.py) calls your functions for every unit, in the same order on every
 rank. labs/08_zero/README.md has the picture and the hints.
 
@@ -21,7 +21,7 @@ The model's parameters are views of unit.param_flat (minipar re-points them afte
 update and gather, so assigning a new array is fine). Adam's m and v are this rank's shards,
 kept by minipar; you reach them only through the adamw function that update receives.
 
-What a rank holds between steps (zero.formula; the memory criterion counts every array):
+What a rank holds between steps (formulas.formula; the memory criterion counts every array):
 
     stage 1   param_flat   grad_flat    (the gradient buffer the micro-batches add into)
     stage 2   param_flat   grad_shard

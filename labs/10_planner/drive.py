@@ -18,8 +18,8 @@ import numpy as np
 from labs.results import key
 
 # minipar's own formulas, the oracle: reached from the student's file, each raises (labs/child.py)
-OWN = ["minipar.model.gpt:param_specs", "minipar.model.gpt:train_flops_per_token", "minipar.parallel.zero.sharded:formula",
-       "minipar.plan.flops:flop_components", "minipar.plan.memory:model_states", "minipar.plan.layout:active_params",
+OWN = ["minipar.model.gpt:param_specs", "minipar.model.gpt:train_flops_per_token",
+       "minipar.parallel.zero.formulas:formula", "minipar.plan.flops:flop_components", "minipar.plan.memory:model_states", "minipar.plan.layout:active_params",
        "minipar.optim.mixed_precision:optimizer_bytes_per_param"]
 STATES = ("params", "grads", "optimizer")
 GPT2 = dict(V=50257, T=1024, L=12, H=12, C=768)          # GPT-2 small

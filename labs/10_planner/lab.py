@@ -3,7 +3,7 @@
 Seam: none. The student's functions are formulas, not a mechanism the trainer runs, so no
 trainer flag puts them in minipar's place. The oracles are minipar's own, called here:
 model.param_specs (the tensors a GPT is built from), mixed_precision.optimizer_bytes_per_param,
-zero.formula (what Zero.memory_report sets beside its buffers), model.train_flops_per_token
+zero.formula (what ShardedAdamW.memory_report sets beside its buffers), model.train_flops_per_token
 (the trainer's MFU numerator), flops.flop_components (the planner's Chinchilla count); figures
 printed in papers (ZeRO's figure 1, arXiv:1910.02054; GPT-3's training compute,
 arXiv:2005.14165); and, last, what a real trainer run on 2 ranks holds: the summary's
@@ -23,7 +23,7 @@ from minipar.plan import flops
 from minipar.optim import mixed_precision
 from minipar.config.flags import build_parser
 from minipar.model.gpt import GPTConfig, param_specs, train_flops_per_token
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import formulas as zero
 
 TITLE = "the planner's formulas: parameters, ZeRO's model states, Chinchilla's FLOPs, 6ND"
 drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
@@ -216,7 +216,7 @@ CRITERIA = [
     Criterion("ZeRO figure 1 and zero.formula", run="zero_formula", judge=judge_zero_formula, timeout=30,
               uses=("optimizer_bytes_per_param", "model_state_bytes"),
               hint="stage 1 divides the optimizer by N, stage 2 also the gradients, stage 3 also the "
-                   "parameters (minipar.parallel.zero.sharded.formula), with // on ints; "
+                   "parameters (minipar.parallel.zero.formulas.formula), with // on ints; "
                    "K as minipar.optim.mixed_precision.optimizer_bytes_per_param"),
     Criterion("forward_flops by component", run="forward_flops", judge=judge_forward_flops, timeout=30,
               uses=("forward_flops",),

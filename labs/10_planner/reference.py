@@ -6,7 +6,7 @@ import math
 from minipar.plan import flops
 from minipar.optim import mixed_precision
 from minipar.model.gpt import GPTConfig, param_specs, train_flops_per_token
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import formulas as zero
 
 
 def config(V, T, L, C, H=1, tied=True):

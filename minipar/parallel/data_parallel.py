@@ -18,7 +18,8 @@ When:                naive: one blocking all-reduce per parameter after backward
                      after backward ends ("exposed" communication) costs step time.
 
 Both modes give the same numbers: the same sums, just issued at different times. Each
-is a GradSync (below), as is NoSync (one dp rank, nothing to send) and ZeRO's synchroniser.
+is a GradSync (below), as is NoSync (one dp rank, nothing to send) and ZeRO's stages
+(zero/stage1.py).
 One step of it reads
 
     sync.zero_grad(); sync.start_step()

@@ -6,7 +6,7 @@ minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm
            recursive doubling's log2(p) n up to 64 KiB); with ZeRO, unit by unit of its
            padded size: zero 1 reduce-scatter + all-gather once, zero 2 a reduce-scatter
            per micro-batch + one all-gather, zero 3 per micro-batch 2 all-gathers + 1
-           reduce-scatter, (p-1)/p n each (zero.collectives_per_step)
+           reduce-scatter, (p-1)/p n each (formulas.collectives_per_step)
     tp     per micro-batch Megatron's 4 all-reduces per layer of b*T*C, the embedding's g,
            the head's f and the vocab-parallel cross-entropy's 3 of b*T (4L + 5 in all,
            tensor_parallel.megatron_calls), and the 8-byte gradient-norm all-reduce once
@@ -44,7 +44,8 @@ from minipar.parallel.context import context_parallel
 from minipar.parallel.expert import expert_parallel
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.tensor import sequence_parallel, tensor_parallel
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero.formulas import collectives_per_step
+from minipar.parallel.zero.units import padded
 from minipar.plan import hosts as plan_hosts
 from minipar.plan.layout import chunks, rank_layer_count, rank_moe_count, sync_groups, zero_units
 
@@ -143,7 +144,7 @@ def dp_bytes(tensors: list, units: list, lay, itemsize: int, g=None):
     if lay.zero:
         rs = sum(g.reduce_scatter(n, itemsize) for n in units)
         ag = sum(g.all_gather(n // N, itemsize) for n in units)
-        rs_calls, ag_calls = zero.collectives_per_step(lay.zero, M)
+        rs_calls, ag_calls = collectives_per_step(lay.zero, M)
         return rs_calls * rs + ag_calls * ag
     if lay.dp_mode == "naive":                            # one all-reduce per parameter
         return sum(g.all_reduce(n, itemsize) for _, n in tensors)
@@ -204,7 +205,7 @@ def pp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, g=None):
     if cfg.tie_embeddings and stage in (0, pp - 1):       # wte's gradient to the other end (ZeRO: its shard)
         n = tensor_parallel.local_size("wte.weight", (cfg.vocab_size, cfg.n_embd), lay.tp)
         N = lay.grad_ranks
-        sent += g.send((zero.padded(n, N) // N if lay.zero else n) * itemsize, pp - 1 - stage)
+        sent += g.send((padded(n, N) // N if lay.zero else n) * itemsize, pp - 1 - stage)
     return sent + g.broadcast(1, INT64, pp - 1)
 
 

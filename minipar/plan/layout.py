@@ -12,7 +12,7 @@ from minipar.model.gpt import GPTConfig, param_specs
 from minipar.optim import mixed_precision
 from minipar.parallel.expert import expert_parallel
 from minipar.parallel.pipeline import stage as pipeline, schedules
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import units as zero
 
 
 class Layout(argparse.Namespace):

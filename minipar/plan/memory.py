@@ -43,7 +43,7 @@ import re
 
 from minipar.config import flags as config
 from minipar.model.gpt import GPTConfig
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import formulas as zero
 from minipar.plan import activations
 from minipar.plan.layout import Layout, chunks, device_tensors, itemsizes, sync_groups, zero_units
 from minipar.comm.ledger import human_bytes

@@ -73,7 +73,7 @@ from minipar.optim import mixed_precision
 from minipar.parallel.context.ring_attention import LAYOUTS
 from minipar.parallel.grid import LayoutError, check_layout
 from minipar.parallel.pipeline import schedules
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import units as zero
 from minipar.plan import activations, hosts as plan_hosts
 from minipar.plan.comm_bytes import (cp_bytes, ep_bytes, ep_layer_bytes, flat_groups, grad_sync_bytes, other_parts,
                                      pp_bytes, tp_bytes)

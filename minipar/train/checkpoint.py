@@ -57,7 +57,7 @@ from minipar.config import outputs
 from minipar.optim import mixed_precision
 from minipar.model.gpt import param_specs
 from minipar.parallel.expert import expert_parallel
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero.optimizer import ShardedAdamW
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (FORMAT_VERSION,)
@@ -440,7 +440,7 @@ def local_state(model, opt, kind: str) -> dict:
     weights with --precision fp16/bf16), "m" or "v". With ZeRO, gathered from the dp
     group's shards (collective over dp)."""
     names = [n for n, _ in model.named_parameters()]
-    if isinstance(opt, zero.Zero):
+    if isinstance(opt, ShardedAdamW):
         return opt.gather_local("master" if kind == "params" and opt.mixed else kind)
     if kind == "params":
         if isinstance(opt, mixed_precision.MixedPrecisionAdamW):
@@ -475,7 +475,7 @@ def optimizer_shard(model, opt) -> dict:
         start, shape = where[name]
         full = np.arange(start + 1, start + math.prod(shape) + 1, dtype=np.int64).reshape(shape)
         index[name] = np.asarray(model.shard(name, full))
-    if isinstance(opt, zero.Zero):                      # its flat shard of every unit
+    if isinstance(opt, ShardedAdamW):                      # its flat shard of every unit
         parts = [(u.flatten([index[n] for n in u.names])[u.lo:u.hi], u.m, u.v) for u in opt.units]
     else:
         parts = [(index[n].ravel(), m.ravel(), v.ravel())
@@ -493,12 +493,12 @@ def save_run(path: str, s, next_step: int):
     rank 0 commits."""
     model, opt, args, grid = s.model, s.opt, s.args, s.grid
     state = canonical_state(model, opt)
-    writes = isinstance(opt, zero.Zero) or (grid.dp_rank // grid.ep_size == 0 and grid.cp_rank == 0)
+    writes = isinstance(opt, ShardedAdamW) or (grid.dp_rank // grid.ep_size == 0 and grid.cp_rank == 0)
     shard = optimizer_shard(model, opt) if writes else None
     meta = None
     if grid.rank == 0:
         state = {n: state[n] for n, _, _ in param_specs(s.cfg)}          # canonical order
-        scaler = opt.scaler if isinstance(opt, (zero.Zero, mixed_precision.MixedPrecisionAdamW)) else None
+        scaler = opt.scaler if isinstance(opt, (ShardedAdamW, mixed_precision.MixedPrecisionAdamW)) else None
         tokens = s.spec.tokens
         meta = {"config": s.cfg.to_dict(), "step": next_step, "dtype": args.dtype, "precision": args.precision,
                 **({"loss_scaler": scaler.state_dict()} if scaler is not None else {}),

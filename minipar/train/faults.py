@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from minipar.parallel.zero import stage3
+
 KINDS = ("raise", "exit", "hang", "kill", "nan", "sigint", "sigterm")
 
 
@@ -92,8 +94,7 @@ def poison(s):
     """A NaN into every weight tensor this rank holds (its first element), or with ZeRO-3,
     whose parameters live as shards between steps, into every shard: some of them are
     surely used (a single embedding row might not be)."""
-    units = getattr(s.opt, "units", None)
-    arrays = ([u.param_shard for u in units] if units and getattr(s.opt, "stage", 0) == 3
+    arrays = ([u.param_shard for u in s.sync.units] if isinstance(s.sync, stage3.Stage3)
               else [p.data for p in s.model.parameters()])
     for a in arrays:
         if a.size:

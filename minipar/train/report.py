@@ -29,7 +29,7 @@ from minipar.parallel.expert import expert_parallel
 from minipar.parallel.pipeline import stage as pipeline, schedules
 from minipar.parallel.pipeline import summary as pipeline_summary
 from minipar.parallel.tensor import sequence_parallel, tensor_parallel
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import formulas as zero, optimizer as zero_optimizer
 from minipar.parallel.zero import summary as zero_summary
 from minipar.comm.ledger import human_bytes
 
@@ -41,7 +41,7 @@ def memory_report(model, opt: AdamW) -> dict:
     the parameters this rank holds: all of them, or tensor_parallel.local_param_count).
     --precision fp16/bf16: 2P + 2P + 12P (the optimizer adds fp32 master weights to m, v).
     With --zero, the ZeRO object's own report: its shards, beside zero.formula."""
-    if isinstance(opt, zero.Zero):
+    if isinstance(opt, zero_optimizer.ShardedAdamW):
         return opt.memory_report()
     tp = model.tp_size
     if isinstance(model, pipeline.PipelineStage):

@@ -49,7 +49,7 @@ from minipar.parallel import data_parallel
 from minipar.parallel.expert import expert_parallel
 from minipar.parallel.pipeline import stage as pipeline
 from minipar.parallel.tensor import tensor_parallel
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import build as zero
 from minipar.parallel.grid import ProcessGrid
 from minipar.parallel.parallelize import parallelize
 from minipar.plan.peak import keep_freed_memory, matmul_peak_flops
@@ -73,7 +73,7 @@ class Session:
     single-process run needs (the --verify twin is one); set_up fills in the rest."""
     args: argparse.Namespace
     model: Model                                # GPT, TensorParallelGPT or PipelineStage
-    opt: object                                 # AdamW, MixedPrecisionAdamW, or zero.Zero
+    opt: object                                 # AdamW, MixedPrecisionAdamW, or ZeRO's ShardedAdamW
     sampler: data.Sampler                       # the global batch of every step
     sync: GradSync | None = None                # None: data_parallel.NoSync (one dp rank)
     rows: tuple[int, int] | None = None         # this dp rank's rows of the batch; None: all
@@ -350,9 +350,9 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
     model, opt = init_model(spec, args, grid, context)
     sync = None
     grads = grid.grad_group        # dp x cp: every rank of it has a partial gradient of the same weights
-    if args.zero:                  # one object: the dp synchroniser and the sharded optimizer
+    if args.zero:                  # two objects on the same units: the dp synchroniser, the sharded optimizer
         experts = (grid.expert_group, lambda n: expert_parallel.expert_of(n) is not None) if grid.ep_size > 1 else ()
-        opt = sync = zero.Zero(model, opt, grads, args.zero, *experts)
+        sync, opt = zero.build(model, opt, grads, args.zero, *experts)
     elif grid.ep_size > 1:         # experts summed over their replicas, the rest over dp
         sync = expert_parallel.ExpertParallelSync(model, grid, args.dp_mode, args.bucket_mb)
     elif grads.size > 1:

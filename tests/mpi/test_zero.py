@@ -2,8 +2,8 @@
 
 Every rank computes the twin itself (tiny model, no messages): losses of every step, the
 last step's summed gradients (ZeRO's shards gathered over dp, then tp) and the parameters
-after the last step. Also: memory and bytes per step equal zero.formula and
-zero.traffic_theory exactly, and stage 3's re-gather before backward is really needed.
+after the last step. Also: memory and bytes per step equal formulas.formula and
+formulas.traffic_theory exactly, and stage 3's re-gather before backward is really needed.
 """
 import numpy as np
 import pytest
@@ -12,7 +12,7 @@ from mpi4py import MPI
 from minipar.train import checkpoint, data, trainer as train
 from minipar.model.gpt import GPT, GPTConfig
 from minipar.parallel.tensor import tensor_parallel
-from minipar.parallel.zero import sharded as zero
+from minipar.parallel.zero import build as zero, stage3, units as zero_units
 from minipar.parallel.grid import ProcessGrid
 
 WORLD = MPI.COMM_WORLD
@@ -29,24 +29,25 @@ def flags(*extra):
 
 def run(args, sub=None, stage=0, tp=1):
     """STEPS steps. sub None: the single-process twin; else ZeRO `stage` on the ranks of sub
-    (dp = size / tp). -> dict(losses, grads, params, rows, zero)."""
+    (dp = size / tp). -> dict(losses, grads, params, rows, zero: (sync, optimizer))."""
     B = args.batch_size
     sampler = data.Sampler(data.load_tokens(None, CFG.block_size), CFG.block_size, B, args.seed)
     if sub is None:
         model = GPT(CFG, seed=args.seed, dtype=np.float64)
-        opt, z, group, rows = train.build_optimizer(model, args), None, None, (0, B)
+        opt, z, sync, group, rows = train.build_optimizer(model, args), None, None, None, (0, B)
     else:
         grid = ProcessGrid(sub, dp=sub.Get_size() // tp, tp=tp)
         model = (tensor_parallel.TensorParallelGPT(CFG, grid.tp_group, seed=args.seed, dtype=np.float64)
                  if tp > 1 else GPT(CFG, seed=args.seed, dtype=np.float64))
-        opt = z = zero.Zero(model, train.build_optimizer(model, args), grid.dp_group, stage)
+        sync, opt = z = zero.build(model, train.build_optimizer(model, args), grid.dp_group, stage)
         group = grid.dp_group if grid.dp_size > 1 else None
         rows = (grid.dp_rank * B // grid.dp_size, (grid.dp_rank + 1) * B // grid.dp_size)
-    out = list(train.train_steps(train.Session(args, model, opt, sampler, sync=z, rows=rows, dp_group=group), 0, STEPS))
+    out = list(train.train_steps(train.Session(args, model, opt, sampler, sync=sync, rows=rows, dp_group=group),
+                                 0, STEPS))
     if z is None:
         grads = {n: p.grad.copy() for n, p in model.named_parameters()}
     else:
-        grads = model.consolidate(z.gather_local("grad_shard"))     # summed, whole, canonical
+        grads = model.consolidate(opt.gather_local("grad_shard"))   # summed, whole, canonical
     return {"losses": [r["loss"] for r in out], "grads": grads, "params": checkpoint.canonical_state(model, opt),
             "rows": out, "zero": z}
 
@@ -85,7 +86,7 @@ def test_zero_matches_single_process(twin, stage, dp, m):
     out = run(flags("--micro-batches", str(m)), sub, stage)
     assert_twin(out, twin[m], f"zero={stage} dp={sub.Get_size()} micro-batches={m}")
     if sub.Get_size() == 3:
-        assert out["zero"].padding > 0
+        assert out["zero"][0].padding > 0
     sub.Free()
 
 
@@ -119,20 +120,20 @@ def test_clipping_by_the_global_norm(stage, tp):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("dp,m", [(2, 1), (3, 2), (4, 2)])
 def test_memory_and_bytes_equal_the_formulas(stage, dp, m):
-    """What each rank holds, from nbytes, is zero.formula to the byte, and what it sends
-    per step (the ledger) is zero.traffic_theory: (N-1)/N of the padded units' bytes times
+    """What each rank holds, from nbytes, is formulas.formula to the byte, and what it sends
+    per step (the ledger) is formulas.traffic_theory: (N-1)/N of the padded units' bytes times
     2 (stage 1), M + 1 (stage 2), 3M (stage 3)."""
     sub = split(dp)
     out = run(flags("--micro-batches", str(m)), sub, stage)
-    z, N = out["zero"], sub.Get_size()
-    mem = z.memory_report()
+    (z, opt), N = out["zero"], sub.Get_size()
+    mem = opt.memory_report()
     f = mem["formula"]
     assert (mem["params"], mem["grads"], mem["optimizer"]) == (f["params"], f["grads"], f["optimizer"]), mem
     s, P_pad = 8, z.P_pad
     expect = {1: (s * P_pad, s * P_pad, 16 * P_pad // N), 2: (s * P_pad, s * P_pad // N, 16 * P_pad // N),
               3: (s * P_pad // N, s * P_pad // N, 16 * P_pad // N)}[stage]
     assert (f["params"], f["grads"], f["optimizer"]) == expect
-    assert z.P == GPT(CFG).num_params() and P_pad == sum(zero.padded(u.n, N) for u in z.units)
+    assert z.P == GPT(CFG).num_params() and P_pad == sum(zero_units.padded(u.n, N) for u in z.units)
     held = {}                     # every array the units keep between steps, counted once per buffer
     for u in z.units:
         for a in vars(u).values():
@@ -157,9 +158,9 @@ def test_stage3_backward_needs_its_regather(monkeypatch):
     sub = split(2)
     ok = run(flags(), sub, 3)
     assert all(np.isfinite(g).all() for g in ok["grads"].values())
-    p = ok["zero"].units[1].params[0]
+    p = ok["zero"][0].units[1].params[0]
     assert np.isnan(p.data).all() and p.data.base.nbytes == p.data.itemsize, "a released parameter holds memory"
-    monkeypatch.setattr(zero.Regather, "backward", lambda self, g: (g, None, None))
+    monkeypatch.setattr(stage3.Regather, "backward", lambda self, g: (g, None, None))
     broken = run(flags(), sub, 3)
     assert np.isfinite(broken["losses"][0]), "the first forward is right: only backward lacks its parameters"
     assert any(np.isnan(g).any() for g in broken["grads"].values()), "gradients stayed finite without the re-gather"

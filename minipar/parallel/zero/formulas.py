@@ -1,0 +1,44 @@
+"""ZeRO stages 1, 2 and 3 over the data-parallel group (Rajbhandari et al., "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models", 2020; DeepSpeed): the bytes a rank
+holds and sends, as formulas.
+
+Plain data parallelism keeps N identical copies of everything: parameters, gradients and
+the optimizer state. ZeRO gives each of the N dp ranks 1/N of the model states instead:
+
+    what each rank keeps (bytes, P parameters, 2-byte storage, fp32 Adam):  params  grads  optimizer
+    stage 0  (plain dp, --zero 0)                                   16P  =  2P   +  2P  +  12P
+    stage 1  optimizer state sharded                          4P + 12P/N =  2P   +  2P  +  12P/N
+    stage 2  + gradients sharded                              2P + 14P/N =  2P   +  2P/N + 12P/N
+    stage 3  + parameters sharded                                  16P/N =  2P/N +  2P/N + 12P/N
+In fp32 (and float64) the same shapes hold with 4 (8)-byte parameters and gradients and an
+8P (16P) optimizer (m and v; the parameters are their own master weights).
+"""
+from __future__ import annotations
+
+
+def formula(stage: int, P: int, P_pad: int, N: int, itemsize: int, K: int) -> dict:
+    """Bytes per rank of each model state (the table above): `itemsize`-byte parameters and
+    gradients, K optimizer bytes per parameter; P the rank's parameters, P_pad with every
+    unit padded for N ranks. The planner (minipar/plan/memory.py) takes its memory table from here."""
+    params = itemsize * (P if stage == 0 else P_pad // N if stage == 3 else P_pad)
+    grads = itemsize * (P if stage == 0 else P_pad // N if stage >= 2 else P_pad)
+    optimizer = K * (P if stage == 0 else P_pad // N)
+    text = {0: "{s}P + {s}P + {K}P", 1: "{s}P + {s}P + {K}P/N", 2: "{s}P + {s}P/N + {K}P/N",
+            3: "{s}P/N + {s}P/N + {K}P/N"}[stage].format(s=itemsize, K=K)
+    return {"params": params, "grads": grads, "optimizer": optimizer, "text": text}
+
+
+def collectives_per_step(stage: int, M: int) -> tuple[int, int]:
+    """(reduce-scatters, all-gathers) of each unit in one step of M micro-batches ("One
+    step" in stage1.py, stage2.py and stage3.py): stage 1 one of each; stage 2 a
+    reduce-scatter per micro-batch and one all-gather; stage 3 per micro-batch a
+    reduce-scatter and two all-gathers (forward's and backward's); stage 0, plain dp's
+    all-reduce, as much as one of each."""
+    return {0: (1, 1), 1: (1, 1), 2: (M, 1), 3: (M, 2 * M)}[stage]
+
+
+def traffic_theory(stage: int, P_pad: int, N: int, itemsize: int, M: int) -> float:
+    """Bytes one rank sends per step for its gradient and parameter collectives: a
+    reduce-scatter or all-gather of n bytes sends (N-1)/N * n."""
+    calls = sum(collectives_per_step(stage, M))
+    return calls * (N - 1) / N * itemsize * P_pad

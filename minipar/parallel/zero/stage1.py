@@ -1,0 +1,168 @@
+"""ZeRO stage 1: the optimizer state sharded; the gradient synchroniser every stage builds on.
+
+One step, per stage (M micro-batches; a "unit is ready" when backward has produced the
+last gradient of its parameters, signalled by the gradient hooks of tensor.py):
+  stage 1  gradients accumulate over the micro-batches in a full flat buffer per unit
+           (p.grad are views of it). In the last micro-batch's backward each ready unit
+           is reduce-scattered (asynchronously, while backward goes on), so the rank gets
+           the summed gradient of its shard. It updates its shard of the parameters with
+           AdamW, and an all-gather rebuilds the full parameters on every rank.
+           Bytes sent per rank: (N-1)/N * n_pad twice = plain DP's all-reduce.
+  stage 2  stage2.py
+  stage 3  stage3.py
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from minipar import comm
+from minipar.optim.adamw import sum_of_squares
+from minipar.parallel.zero.formulas import traffic_theory
+from minipar.parallel.zero.units import Unit
+
+
+class Stage1:
+    """ZeRO stage 1 as the gradient synchroniser of the dp group (model.contract.GradSync:
+    zero_grad, start_step, sync_now, finish, grad_norm_sq, local_found_inf, tied_grad,
+    exposed_seconds) and the keeper of the units' parameters and gradients. Its messages go
+    on each unit's group, counted in the ledger under the axis "zero". The sharded optimizer
+    (optimizer.ShardedAdamW) shares its units and asks it where the parameter shards are
+    (own_params) and what follows an update (after_update)."""
+
+    stage = 1
+    params_sharded = False      # the Unit buffers this stage keeps: full flat parameters
+    grads_sharded = False       # and a full flat gradient, kept over the micro-batches
+
+    def __init__(self, model, units: list[Unit], group: comm.Group, dtype):
+        """units: built with this class's params_sharded and grads_sharded (build.build);
+        group: the dp group (clipping's norm: a dp all-reduce, not ZeRO's own); dtype: the
+        parameters' storage dtype."""
+        self.model, self.units, self.dp_group = model, units, group
+        self.N, self.rank = group.size, group.rank
+        self.dtype = np.dtype(dtype)
+        self.unit_of = {id(p): u for u in units for p in u.params}
+        self.talk_now = True        # does the coming backward reduce-scatter (sync_now)?
+        self.exposed_seconds = 0.0
+        for u in units:
+            self.adopt(u)
+            for p in u.params:
+                p.register_grad_hook(self._on_grad_ready)
+
+    def adopt(self, u: Unit):
+        """The unit's parameters become views of its full flat buffer."""
+        u.point(u.param_flat)
+
+    # --- sizes and the memory report -------------------------------------------------------
+    @property
+    def P(self) -> int:
+        return sum(u.n for u in self.units)
+
+    @property
+    def P_pad(self) -> int:
+        return sum(u.n_pad for u in self.units)
+
+    @property
+    def padding(self) -> int:
+        return self.P_pad - self.P
+
+    def param_bytes(self) -> int:
+        """Bytes of the parameter buffers this rank keeps: the full flat ones."""
+        return sum(u.param_flat.nbytes for u in self.units)
+
+    def grad_bytes(self) -> int:
+        """Bytes of the gradient buffers this rank keeps: the full flat ones."""
+        return sum(u.grad_full.nbytes for u in self.units)
+
+    def traffic_theory(self, micro_batches: int) -> float:
+        return sum(traffic_theory(self.stage, u.n_pad, u.N, self.dtype.itemsize, micro_batches)
+                   for u in self.units)
+
+    # --- the data-parallel interface (train.train_step, pipeline.PipelineEngine) ------------
+    def zero_grad(self):
+        for u in self.units:
+            for p, view in zip(u.params, u.unflatten(u.grad_full)):
+                p.set_grad_buffer(view)                      # the next backward overwrites
+
+    def start_step(self):
+        for u in self.units:
+            u.pending, u.handle, u.received = len(u.params), None, 0
+
+    def sync_now(self, on: bool):
+        """A backward is about to run; stage 1 communicates only during the last one."""
+        self.talk_now = on
+
+    def _on_grad_ready(self, p):
+        u = self.unit_of[id(p)]
+        if not self._count(u, p):
+            return
+        u.pending -= 1
+        if u.pending == 0:
+            self._unit_ready(u)
+        for other in self.units:                 # push every reduce-scatter in flight along
+            if other.handle is not None:
+                other.handle.test()
+
+    def _count(self, u: Unit, p) -> bool:
+        """Does p's gradient count towards its unit being ready? Stage 1: it already lies in
+        grad_full (p.grad is a view of it); only the backward that talks counts."""
+        return self.talk_now
+
+    def _unit_ready(self, u: Unit):
+        """Start the unit's reduce-scatter. The shard lands in its own place in grad_full: no new array."""
+        u.handle = comm.reduce_scatter_async(u.group, u.grad_full, out=u.grad_full[u.lo:u.hi])
+
+    def _drain(self):
+        """Finish the reduce-scatters in flight; add each piece into the gradient shard."""
+        for u in self.units:
+            if u.handle is None:
+                continue
+            piece = u.handle.wait()                                      # (shard,)
+            self._receive(u, piece)
+            u.received += 1
+            u.handle, u.pending = None, len(u.params)
+
+    def _receive(self, u: Unit, piece: np.ndarray):
+        """The unit's summed gradient shard: stage 1's one piece, a view of grad_full."""
+        u.grad_shard = piece
+
+    def finish(self):
+        """After the last backward: wait for every reduce-scatter."""
+        t0 = time.perf_counter()
+        self._drain()
+        for u in self.units:
+            if u.received == 0:
+                raise RuntimeError(f"ZeRO unit of {u.names[0]} ...: {u.pending} of {len(u.params)} "
+                                   f"gradient(s) never became ready")
+        self.exposed_seconds = time.perf_counter() - t0
+
+    def tied_grad(self, w) -> np.ndarray:
+        """The pipeline's tied-embedding exchange: this rank's shard of wte's gradient."""
+        return self.unit_of[id(w)].grad_shard
+
+    def grad_norm_sq(self, model=None) -> float:
+        """Sum of squared gradients of the whole model, each parameter once: this rank's
+        shards (each element of a unit is owned by one dp rank; the padding is zero), summed
+        over dp, then over tp and pp as the model counts them (model.reduce_norm_sq)."""
+        local = 0.0
+        for u in self.units:
+            for p, sh, _ in u.segments:
+                if self.model.counts_in_norm(p.name):
+                    local += sum_of_squares(u.grad_shard[sh])
+        total = comm.all_reduce(self.dp_group, np.array([local]))[0] if self.N > 1 else local
+        return self.model.reduce_norm_sq(float(total))
+
+    def local_found_inf(self, model=None) -> bool:
+        """Does this rank's gradient shard hold an inf or NaN? (model: interfaces.GradSync's
+        argument; the shards are this object's own.)"""
+        return any(not np.isfinite(u.grad_shard).all() for u in self.units)
+
+    # --- the parameters around the optimizer's update ---------------------------------------
+    def own_params(self, u: Unit) -> np.ndarray:
+        """This rank's shard of the unit's parameters, which the update writes: a view of param_flat."""
+        return u.param_flat[u.lo:u.hi]
+
+    def after_update(self, u: Unit, w_shard: np.ndarray):
+        """The all-gather that rebuilds the full parameters from every rank's updated shard."""
+        comm.all_gather(u.group, w_shard.copy(), out=u.param_flat)
