@@ -18,7 +18,8 @@ from minipar.train import checkpoint
 from minipar import comm
 from minipar.model.gpt import GPT, GPTConfig, param_specs
 from minipar.optim.adamw import AdamW
-from minipar.parallel.zero import build as zero
+from minipar.parallel.parallelize import parts
+from minipar.parallel.zero import build as zero, stage3
 
 from trainer_runs import TINY_MPI, mpirun, read_log, run_tiny
 
@@ -156,7 +157,7 @@ def test_optimizer_shard_index_points_at_the_canonical_elements(stage):
     """One process (ZeRO over a group of one: units flattened and padded to 1, in the order
     wte, blocks, the rest, not the canonical one): the index is a permutation of 0..P-1 and
     scattering m by it gives the canonical m."""
-    model = GPT(CFG, seed=0, dtype=np.float64)
+    model = GPT(CFG, seed=0, dtype=np.float64, parts=parts(gathers=stage3.Gathers() if stage == 3 else None))
     opt = AdamW(model.parameters(), lr=1e-3)
     rng = np.random.default_rng(1)
     for m in opt.m:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from minipar.train import checkpoint, faults, setup, trainer as train
-from minipar.config import flags as config, outputs
+from minipar.config import outputs
 from minipar.plan import memory
 from minipar.plot import curves as plot
 

@@ -27,6 +27,7 @@ from minipar.optim.adamw import adamw_update
 from minipar.parallel.zero import build as zero_build, optimizer as zero_optimizer, stage3, units as zero_units
 from minipar.parallel.zero.formulas import formula
 from minipar.parallel.grid import ProcessGrid
+from minipar.parallel.parallelize import parts
 from minipar.optim.mixed_precision import MixedPrecisionAdamW, optimizer_bytes_per_param
 from minipar.autograd.tensor import is_grad_enabled
 
@@ -143,7 +144,7 @@ class LabZero(stage3.Stage3, zero_optimizer.ShardedAdamW):
         self.talk_now, self.exposed_seconds = True, 0.0
         self.first, self.last, self.backwards = True, True, 0
         if stage == 3:
-            self._wrap_forward()                # Stage3's: gather / Regather around each block
+            model.parts.gathers.bind(self)      # Stage3's: gather / Regather around each block
 
     def own_params(self, u) -> np.ndarray:
         """This rank's shard of the unit's parameters (gather_local reads it)."""
@@ -366,7 +367,8 @@ def steps(args, sub=None, stage=0, student=None, each=None):
     each(row, z) after every step. -> (rows, canonical params, z)."""
     B = args.batch_size
     sampler = data.Sampler(data.load_tokens(None, CFG.block_size), CFG.block_size, B, args.seed)
-    model = GPT(CFG, seed=args.seed, dtype=np.dtype(args.dtype))
+    gathers = stage3.Gathers() if sub is not None and stage == 3 else None    # as parallelize builds them
+    model = GPT(CFG, seed=args.seed, dtype=np.dtype(args.dtype), parts=parts(gathers=gathers))
     opt = train.build_optimizer(model, args)
     if sub is None:
         s = train.Session(args, model, opt, sampler)

@@ -50,6 +50,21 @@ def every_parameter(name: str) -> bool:
     return True
 
 
+class Resident:
+    """Parts.gathers when every parameter a rank holds stays in memory: each piece of the
+    forward runs as it is. (ZeRO-3's gathers, minipar/parallel/zero/stage3.py, all-gather a
+    piece's parameters before it and release them after.)"""
+
+    def embed(self, run, idx):
+        return run(idx)
+
+    def block(self, run, i: int, x):
+        return run(i, x)
+
+    def head(self, run, x):
+        return run(x)
+
+
 @dataclass(frozen=True)
 class Parts:
     """What a layout plugs into the model's forward: given to the model when it is built and
@@ -61,12 +76,15 @@ class Parts:
         run_block(block, i, x)      block(i, x) as the forward runs it: traced, maybe recomputed
         moe                         the MoE blocks' routing settings (moe.MoESettings), or None:
                                     the config's, no capacity limit, no auxiliary loss
-        holds(name)                 does this rank hold canonical parameter `name`?"""
+        holds(name)                 does this rank hold canonical parameter `name`?
+        gathers                     what runs around each piece (embed, block i, head) to have
+                                    its parameters there: nothing (Resident), or ZeRO-3's gathers"""
     attention: Callable = whole_attention
     positions: Callable = whole_positions
     run_block: Callable = plain_block
     moe: object = None
     holds: Callable = every_parameter
+    gathers: object = Resident()
 
 
 class Model:
@@ -102,11 +120,11 @@ class Model:
         with targets, the scalar loss: the sum of per-position cross-entropies divided by
         loss_denom (default: B*t, the mean), the same on every rank of the layout."""
         with trace.layer("embed"):                                      # --trace: a span each
-            x = self.embed(idx)
+            x = self.run_embed(idx)
         for i in range(self.cfg.n_layer):
             x = self.run_block(i, x)
         with trace.layer("head"):
-            logits = self.head(x)
+            logits = self.run_head(x)
             return logits if targets is None else self.loss(logits, targets, loss_denom)
 
     forward = __call__
@@ -115,9 +133,21 @@ class Model:
         """The cross-entropy of whole-vocabulary logits."""
         return ops.cross_entropy(logits, targets, loss_denom)
 
+    def run_embed(self, idx):
+        """The embedding, its parameters there (Parts.gathers)."""
+        return self.parts.gathers.embed(self.embed, idx)
+
     def run_block(self, i: int, x):
-        """Block i on x, as the layout runs it (Parts.run_block)."""
-        return self.parts.run_block(self.block, i, x)
+        """Block i on x, as the layout runs it (Parts.run_block: traced, maybe recomputed),
+        its parameters there (Parts.gathers, inside any recomputation)."""
+        return self.parts.run_block(self.gathered_block, i, x)
+
+    def gathered_block(self, i: int, x):
+        return self.parts.gathers.block(self.block, i, x)
+
+    def run_head(self, x):
+        """The head, its parameters there (Parts.gathers)."""
+        return self.parts.gathers.head(self.head, x)
 
     def position_ids(self, t: int) -> np.ndarray:
         """The global positions of the t tokens of each sequence this rank holds (Parts.positions)."""

@@ -8,9 +8,11 @@ split; each mechanism gives it one of its Parts (model/contract.py) or builds it
     3. experts            the routing settings with this rank's experts placed, and only
                           their parameters held
     4. pipeline           only the stage's parameters held
-    5. tensor (sequence)  the layers split over the tp group: TensorParallelGPT, or
+    5. ZeRO-3             the gathers around each piece of the forward (bound to the units
+                          when ZeRO is built, after the optimizer: parallel/zero/build.py)
+    6. tensor (sequence)  the layers split over the tp group: TensorParallelGPT, or
                           SequenceParallelGPT with --sp; else the plain GPT
-    6. pipeline           the stage's forward around the model: PipelineStage
+    7. pipeline           the stage's forward around the model: PipelineStage
 
 Nothing is set on the model after it is built; everything it is given is in its Parts.
 """
@@ -22,7 +24,7 @@ from functools import partial
 import numpy as np
 
 from minipar.autograd import ops, recompute
-from minipar.model.contract import Model, Parts, every_parameter, whole_attention, whole_positions
+from minipar.model.contract import Model, Parts, Resident, every_parameter, whole_attention, whole_positions
 from minipar.model.gpt import GPT, GPTConfig
 from minipar.parallel.context.context_parallel import ContextSplit
 from minipar.parallel.expert.expert_parallel import ExpertPlacement
@@ -30,23 +32,26 @@ from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.stage import PipelineStage
 from minipar.parallel.tensor.sequence_parallel import SequenceParallelGPT
 from minipar.parallel.tensor.tensor_parallel import TensorParallelGPT
+from minipar.parallel.zero import stage3
 
 
 def parts(recompute_mode: str = "none", context: ContextSplit | None = None, moe=None,
-          holds=None) -> Parts:
-    """The Parts of a layout: steps 1 to 4 above, for a model on one rank or many."""
+          holds=None, gathers=None) -> Parts:
+    """The Parts of a layout: steps 1 to 5 above, for a model on one rank or many."""
     attention = (context.attention if context is not None
                  else partial(ops.causal_self_attention, recompute=True) if recompute_mode == "selective"
                  else whole_attention)
     positions = context.global_positions if context is not None else whole_positions
     return Parts(attention=attention, positions=positions, run_block=recompute.runner(recompute_mode),
-                 moe=moe, holds=holds or every_parameter)
+                 moe=moe, holds=holds or every_parameter, gathers=gathers or Resident())
 
 
 def parallelize(cfg: GPTConfig, grid, seed: int, dtype, recompute_mode: str = "none", sp: bool = False,
-                context: ContextSplit | None = None, moe=None, virtual_stages: int = 1) -> Model:
-    """This rank's model on `grid` (a ProcessGrid, or None: one process). context: this
-    rank's ContextSplit (--cp), moe: the routing settings of a MoE model (else None)."""
+                context: ContextSplit | None = None, moe=None, virtual_stages: int = 1,
+                zero_stage: int = 0) -> Model:
+    """This rank's model on `grid` (a ProcessGrid, or None: one process, never sharded).
+    context: this rank's ContextSplit (--cp), moe: the routing settings of a MoE model (else
+    None), zero_stage: --zero."""
     holds = []
     if grid is not None and grid.ep_size > 1:                                   # 3. experts
         placement = ExpertPlacement(grid.ep_group, cfg.moe_experts)
@@ -55,12 +60,14 @@ def parallelize(cfg: GPTConfig, grid, seed: int, dtype, recompute_mode: str = "n
     if grid is not None and grid.pp_size > 1:                                   # 4. pipeline
         holds.append(frozenset(schedules.stage_param_names(cfg, grid.pp_rank, grid.pp_size,
                                                            virtual_stages)).__contains__)
-    p = parts(recompute_mode, context, moe, (lambda name: all(h(name) for h in holds)) if holds else None)
-    if grid is not None and grid.tp_size > 1:                                   # 5. tensor
+    gathers = stage3.Gathers() if grid is not None and zero_stage == 3 else None   # 5. ZeRO-3
+    p = parts(recompute_mode, context, moe, (lambda name: all(h(name) for h in holds)) if holds else None,
+              gathers)
+    if grid is not None and grid.tp_size > 1:                                   # 6. tensor
         layers = SequenceParallelGPT if sp else TensorParallelGPT
         model = layers(cfg, grid.tp_group, seed=seed, dtype=np.dtype(dtype), parts=p)
     else:
         model = GPT(cfg, seed=seed, dtype=dtype, parts=p)
-    if grid is not None and grid.pp_size > 1:                                   # 6. pipeline
+    if grid is not None and grid.pp_size > 1:                                   # 7. pipeline
         model = PipelineStage(model, grid.pp_rank, grid.pp_size, grid.pp_group, virtual_stages)
     return model

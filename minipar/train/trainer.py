@@ -130,7 +130,7 @@ def init_model(spec: RunSpec, args, grid: ProcessGrid | None = None,
     """(model, optimizer) for this rank: the layout's model (parallelize: every mechanism
     applied in order), its optimizer, and with --resume both loaded from the checkpoint."""
     model = parallelize(spec.cfg, grid, args.seed, spec.dtype, args.recompute, args.sp, context,
-                        moe_settings(spec, args), args.virtual_stages)
+                        moe_settings(spec, args), args.virtual_stages, args.zero)
     opt = build_optimizer(model, args)
     if spec.meta is not None:
         try:

@@ -14,6 +14,7 @@ from minipar.model.gpt import GPT, GPTConfig
 from minipar.parallel.tensor import tensor_parallel
 from minipar.parallel.zero import build as zero, stage3, units as zero_units
 from minipar.parallel.grid import ProcessGrid
+from minipar.parallel.parallelize import parts
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -37,8 +38,9 @@ def run(args, sub=None, stage=0, tp=1):
         opt, z, sync, group, rows = train.build_optimizer(model, args), None, None, None, (0, B)
     else:
         grid = ProcessGrid(sub, dp=sub.Get_size() // tp, tp=tp)
-        model = (tensor_parallel.TensorParallelGPT(CFG, grid.tp_group, seed=args.seed, dtype=np.float64)
-                 if tp > 1 else GPT(CFG, seed=args.seed, dtype=np.float64))
+        p = parts(gathers=stage3.Gathers() if stage == 3 else None)      # as parallelize builds them
+        model = (tensor_parallel.TensorParallelGPT(CFG, grid.tp_group, seed=args.seed, dtype=np.float64, parts=p)
+                 if tp > 1 else GPT(CFG, seed=args.seed, dtype=np.float64, parts=p))
         sync, opt = z = zero.build(model, train.build_optimizer(model, args), grid.dp_group, stage)
         group = grid.dp_group if grid.dp_size > 1 else None
         rows = (grid.dp_rank * B // grid.dp_size, (grid.dp_rank + 1) * B // grid.dp_size)

@@ -153,13 +153,13 @@ class PipelineStage(Model):
         first, last = self.ends(chunk)
         if first:
             with trace.layer("embed"):                                # --trace: a span each
-                x = self.inner.embed(x)                               # (b, T, C)
+                x = self.inner.run_embed(x)                           # (b, T, C)
         for i in self.chunks[chunk]:
             x = self.inner.run_block(i, x)
         if not last:
             return x
         with trace.layer("head"):
-            logits = self.inner.head(x)                               # (b, T, V) or (b, T, Vp/tp)
+            logits = self.inner.run_head(x)                           # (b, T, V) or (b, T, Vp/tp)
             if targets is None:
                 return logits
             return self.inner.loss(logits, targets, loss_denom)

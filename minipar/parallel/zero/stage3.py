@@ -55,7 +55,10 @@ class Stage3(Stage2):
 
     def __init__(self, model, units: list[Unit], group: comm.Group, dtype):
         super().__init__(model, units, group, dtype)
-        self._wrap_forward()
+        if not isinstance(model.parts.gathers, Gathers):
+            raise ValueError("ZeRO-3 gathers each unit around its piece of the forward: build the model with "
+                             "Parts(gathers=stage3.Gathers()) (parallelize does, for --zero 3)")
+        model.parts.gathers.bind(self)
 
     def adopt(self, u: Unit):
         """The unit's parameters start released: placeholders until the first gather."""
@@ -100,28 +103,37 @@ class Stage3(Stage2):
         else:
             u.param_gathered.fill(np.nan)
 
-    def _wrap_forward(self):
-        """Place the gathers around the model's pieces (embed, block i, head): the
-        embedding-side units are gathered before embed and released after head."""
-        m = self.model
-        embed, block, head = m.embed, m.block, m.head
-        blocks = {}                                  # block i -> its units (with experts: two)
-        for u in self.units:
+
+class Gathers:
+    """Parts.gathers under ZeRO-3: the gathers around the model's pieces (embed, block i,
+    head). The embedding-side units are gathered before embed and released after head; a
+    block's units before the block and released after it (Regather gathers them again in
+    backward). Built with the model (parallelize), before the units exist; Stage3 binds its
+    units when it is built, and until then the pieces run as they are."""
+
+    def __init__(self):
+        self.sync = None
+        self.blocks = {}                             # block i -> its units (with experts: two)
+        self.outer = []                              # the embedding-side units
+
+    def bind(self, sync: Stage3):
+        self.sync = sync
+        for u in sync.units:
             if BLOCK.match(u.names[0]):
-                blocks.setdefault(int(BLOCK.match(u.names[0]).group(1)), []).append(u)
-        outer = [u for u in self.units if not BLOCK.match(u.names[0])]
+                self.blocks.setdefault(int(BLOCK.match(u.names[0]).group(1)), []).append(u)
+        self.outer = [u for u in sync.units if not BLOCK.match(u.names[0])]
 
-        def zero3_embed(idx):
-            for u in outer:
-                self.gather(u)
-            return embed(idx)
+    def embed(self, run, idx):
+        for u in self.outer if self.sync is not None else ():
+            self.sync.gather(u)
+        return run(idx)
 
-        def zero3_block(i, x):
-            for u in blocks[i]:
-                self.gather(u)
-            return Regather.apply(block(i, x), self, blocks[i])
+    def block(self, run, i: int, x):
+        if self.sync is None:
+            return run(i, x)
+        for u in self.blocks[i]:
+            self.sync.gather(u)
+        return Regather.apply(run(i, x), self.sync, self.blocks[i])
 
-        def zero3_head(x):
-            return Regather.apply(head(x), self, outer)
-
-        m.embed, m.block, m.head = zero3_embed, zero3_block, zero3_head
+    def head(self, run, x):
+        return run(x) if self.sync is None else Regather.apply(run(x), self.sync, self.outer)
