@@ -110,6 +110,11 @@ class Model:
         return next(iter(self.params.values())).data.dtype
 
     @property
+    def layers(self):
+        """The blocks this rank runs: every one (a pipeline stage: its own)."""
+        return range(self.cfg.n_layer)
+
+    @property
     def moe(self):
         """The MoE blocks' routing settings (Parts.moe), or None."""
         return self.parts.moe

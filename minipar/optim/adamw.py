@@ -65,6 +65,8 @@ class AdamW:
     count serves every parameter (PyTorch keeps one per parameter; they differ only for a
     parameter that sometimes has no gradient, which never happens in GPT)."""
 
+    scaler = None             # no loss scaling (MixedPrecisionAdamW has one)
+
     def __init__(self, params, lr: float = 3e-4, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.1):
         self.params = list(params)

@@ -48,9 +48,9 @@ def memory_report(model, opt: AdamW) -> dict:
         P = pipeline.local_param_count(model.cfg, model.stage, model.n_stages, tp, model.n_chunks)
     else:
         P = model.num_params() if tp == 1 else tensor_parallel.local_param_count(model.cfg, tp)
-    placement = getattr(model.moe, "placement", None)           # --ep: other ranks' experts
+    placement = None if model.moe is None else model.moe.placement           # --ep: other ranks' experts
     if placement is not None:
-        P -= expert_parallel.held_elsewhere(model.cfg, getattr(model, "layers", range(model.cfg.n_layer)),
+        P -= expert_parallel.held_elsewhere(model.cfg, model.layers,
                                             placement.P)
     itemsize = model.dtype.itemsize
     K = mixed_precision.optimizer_bytes_per_param(isinstance(opt, mixed_precision.MixedPrecisionAdamW), itemsize)

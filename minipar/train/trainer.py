@@ -393,7 +393,7 @@ def train_loop(s: Session) -> list[dict]:
         write_log(s, report.json_safe(row))
         if (step - start) % log_every == 0 or step == a.steps - 1 or row["skipped"]:
             s.say(report.progress_line(s, row))
-        scaler = getattr(s.opt, "scaler", None)
+        scaler = s.opt.scaler
         why = watch.check(row, scaler.scale if scaler is not None and scaler.dynamic else None)
         if why:                                          # the same verdict on every rank
             s.requests.in_steps = False

@@ -241,8 +241,7 @@ class ExpertParallelSync:
 def gather_experts(model, local: dict) -> dict:
     """{name: this rank's array} with every expert's arrays added (all-gathered over the ep
     group, layer by layer): what a layout without ep would hold. Collective over ep."""
-    s = getattr(model, "moe", None)
-    placement = getattr(s, "placement", None)
+    placement = None if model.moe is None else model.moe.placement
     if placement is None:
         return local
     out = dict(local)

@@ -80,7 +80,7 @@ class PipelineStage(Model):
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.n_chunks = n_chunks                  # > 1: interleaved, chunks stage, stage + p, ...
         self.chunks = schedules.rank_layers(self.cfg.n_layer, stage, n_stages, n_chunks)
-        self.layers = [i for chunk in self.chunks for i in chunk]
+        self.stage_layers = [i for chunk in self.chunks for i in chunk]
         self.names = schedules.stage_param_names(self.cfg, stage, n_stages, n_chunks)
         self.tp_size, self.tp_rank = inner.tp_size, inner.tp_rank
         self.tp_group = inner.group if self.tp_size > 1 else None
@@ -93,6 +93,11 @@ class PipelineStage(Model):
     # model, num_local_params of this stage, zero_grad, state_dict, grad_norm_sq) -------------
     vocab_padded = property(lambda self: self.inner.vocab_padded)        # tensor-parallel stages
     vocab_per_rank = property(lambda self: self.inner.vocab_per_rank)
+
+    @property
+    def layers(self) -> list:
+        """The blocks of this stage (of all its chunks)."""
+        return self.stage_layers
 
     def shard(self, name: str, full: np.ndarray) -> np.ndarray:
         return self.inner.shard(name, full)
