@@ -14,6 +14,7 @@ from minipar.model.gpt import GPT, GPTConfig
 from minipar.parallel.tensor import tensor_parallel
 from minipar.parallel.zero import sharded as zero
 from minipar.parallel.grid import ProcessGrid
+from minipar.parallel.layout import Layout
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -36,7 +37,7 @@ def run(args, sub=None, stage=0, tp=1):
         model = GPT(CFG, seed=args.seed, dtype=np.float64)
         opt, z, group, rows = train.build_optimizer(model, args), None, None, (0, B)
     else:
-        grid = ProcessGrid(sub, dp=sub.Get_size() // tp, tp=tp)
+        grid = ProcessGrid(sub, Layout(dp=sub.Get_size() // tp, tp=tp))
         model = (tensor_parallel.TensorParallelGPT(CFG, grid.tp_group, seed=args.seed, dtype=np.float64)
                  if tp > 1 else GPT(CFG, seed=args.seed, dtype=np.float64))
         opt = z = zero.Zero(model, train.build_optimizer(model, args), grid.dp_group, stage)
