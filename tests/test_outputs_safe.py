@@ -159,7 +159,8 @@ def test_the_memory_figure_is_the_planners(capsys, fixed_peak):
     """The refusal quotes memory.peak_memory of this layout: a limit one byte above it passes."""
     from minipar.comm.ledger import human_bytes
     args = train.build_parser().parse_args(TINY)
-    need = memory.planned_memory(args, setup.prepare(args, 1).cfg, 1, 1, 1)
+    spec = setup.prepare(args, 1)
+    need = memory.peak_memory(spec.cfg, spec.layout)
     assert_main_exits_2(TINY + ["--max-memory", str(need - 1)], [human_bytes(need)], capsys, "below")
     train.main(TINY + ["--max-memory", str(need), "--steps", "1"])
 

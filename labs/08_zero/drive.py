@@ -28,6 +28,7 @@ from minipar.parallel.zero import build as zero_build, optimizer as zero_optimiz
 from minipar.parallel.zero.formulas import formula
 from minipar.parallel.grid import ProcessGrid
 from minipar.parallel.parallelize import parts
+from minipar.parallel.layout import Layout
 from minipar.optim.mixed_precision import MixedPrecisionAdamW, optimizer_bytes_per_param
 from minipar.autograd.tensor import is_grad_enabled
 
@@ -373,7 +374,7 @@ def steps(args, sub=None, stage=0, student=None, each=None):
     if sub is None:
         s = train.Session(args, model, opt, sampler)
     else:
-        grid = ProcessGrid(sub, dp=sub.Get_size())
+        grid = ProcessGrid(sub, Layout(dp=sub.Get_size()))
         opt = lab_zero(student)(model, opt, grid.dp_group, stage)
         N, r = grid.dp_size, grid.dp_rank
         s = train.Session(args, model, opt, sampler, sync=opt, rows=(r * B // N, (r + 1) * B // N),

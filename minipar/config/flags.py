@@ -282,21 +282,23 @@ def add_moe_arguments(group, capacity_note: str = "later assignments dropped; 0:
                             f"micro-batch); {capacity_note} [{d['moe_capacity_factor']}]")
 
 
-def check_context_split(cfg: GPTConfig | None, args):
+def check_context_split(cfg: GPTConfig | None, args) -> str:
     """--cp cuts every sequence into 2 x cp chunks (no padding); --cp-layout needs --cp > 1;
-    --sp does not combine with it (its sequence shards would be of the rank's tokens)."""
+    --sp does not combine with it (its sequence shards would be of the rank's tokens).
+    -> --cp-layout, zigzag when not given (args is not changed)."""
     cp = args.cp
     if args.cp_layout is not None and cp == 1:
         raise ConfigError(f"--cp-layout {args.cp_layout} places the tokens of a cp group: it needs --cp > 1")
-    args.cp_layout = args.cp_layout or "zigzag"
+    cp_layout = args.cp_layout or "zigzag"
     if cp == 1:
-        return
+        return cp_layout
     if cfg is not None and cfg.block_size % (2 * cp):
         raise ConfigError(f"--cp {cp} cuts each sequence into 2 x cp = {2 * cp} chunks: --block-size "
                           f"{cfg.block_size} is not divisible by {2 * cp}")
     if args.sp:
         raise ConfigError(f"--sp does not combine with --cp {cp}: both split the sequence, and minipar "
                           f"has only one of them at a time (use --cp with --tp, or --sp without --cp)")
+    return cp_layout
 
 
 MAX_EXPERTS = 1024                       # per MoE block: each expert is its own 4 tensors
@@ -335,15 +337,16 @@ def check_moe(cfg: GPTConfig, args, dp: int):
                           f"and --moe-experts {E} (E/ep experts per rank)")
 
 
-def resolve_dp_flags(args):
+def resolve_dp_flags(args) -> tuple[str, float]:
     """--dp-mode and --bucket-mb belong to plain data parallelism: refused with --zero, else
-    set to their defaults (bucketed, 1 MiB) when not given."""
+    their defaults (bucketed, 1 MiB) when not given. -> (dp_mode, bucket_mb); args is not
+    changed."""
     if args.zero and (args.dp_mode is not None or args.bucket_mb is not None):
         flag = "--dp-mode" if args.dp_mode is not None else "--bucket-mb"
         raise ConfigError(f"{flag} is for plain data parallelism; --zero {args.zero} replaces "
                           f"the gradient all-reduce by its own reduce-scatters, unit by unit "
                           f"(wte, each block, the rest)")
-    args.dp_mode = args.dp_mode or "bucketed"
-    args.bucket_mb = 1.0 if args.bucket_mb is None else args.bucket_mb
-    if args.bucket_mb <= 0:
-        raise ConfigError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
+    bucket_mb = 1.0 if args.bucket_mb is None else args.bucket_mb
+    if bucket_mb <= 0:
+        raise ConfigError(f"--bucket-mb must be > 0, got {bucket_mb}")
+    return args.dp_mode or "bucketed", bucket_mb

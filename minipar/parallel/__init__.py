@@ -1,6 +1,7 @@
 """The parallel mechanisms: each takes the single-process model (minipar/model) or its
 gradients apart over a group of ranks and puts the result back together. Read in this order:
 
+    layout.py           the layout as one frozen record: the sizes and flags every part reads
     grid.py             the dp x cp x tp x pp process grid and its groups (docs/design.md §6)
     data_parallel.py    gradients summed over dp: naive, then bucketed during backward
     zero/               ZeRO stages 1, 2, 3: optimizer state, gradients, parameters sharded over dp

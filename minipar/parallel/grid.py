@@ -27,12 +27,12 @@ same ep rank, dp/ep of them: expert_group (axis "dp"), over which its gradients 
 the other parameters' gradients are summed over the whole dp group. ep = 1: no ep_group,
 expert_group = grad_group.
 
-`check_layout` validates a layout without any communication, so that every rank can
-reject a bad one before the first message. `ProcessGrid` then builds the groups
-with Comm.Split (creating communicators is not a collective *operation* on data), each
-tagged with its axis ("tp", "cp", "dp", "pp"; the whole world "world"; grad_group "dp") so
-that minipar.comm's ledger counts each axis's bytes where they are sent
-(comm.traffic_by_axis()).
+The sizes come from the run's Layout (minipar/parallel/layout.py, `grid.layout`), whose
+`check` validates them without any communication, so that every rank can reject a bad one
+before the first message. `ProcessGrid` then builds the groups with Comm.Split (creating
+communicators is not a collective *operation* on data), each tagged with its axis ("tp",
+"cp", "dp", "pp"; the whole world "world"; grad_group "dp") so that minipar.comm's ledger
+counts each axis's bytes where they are sent (comm.traffic_by_axis()).
 """
 from __future__ import annotations
 
@@ -42,26 +42,7 @@ import numpy as np
 
 from minipar.comm import Group
 from minipar.comm.ledger import human_bytes
-
-
-class LayoutError(ValueError):
-    """A layout that cannot run: the message names the numbers."""
-
-
-def check_layout(world: int, dp: int | None, tp: int, pp: int, cp: int = 1) -> tuple[int, int, int]:
-    """-> (dp, tp, pp). Unset dp is world / (cp * tp * pp). Raises LayoutError, no
-    communication."""
-    for name, v in (("tp", tp), ("pp", pp), ("cp", cp)) + ((("dp", dp),) if dp is not None else ()):
-        if v < 1:
-            raise LayoutError(f"--{name} must be >= 1, got {v}")
-    names, sizes = ("cp*tp*pp", f"{cp}*{tp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")   # cp once used
-    if dp is None:
-        if world % (cp * tp * pp):
-            raise LayoutError(f"world size {world} is not divisible by {names} = {sizes} = {cp * tp * pp}")
-        dp = world // (cp * tp * pp)
-    if world != dp * cp * tp * pp:
-        raise LayoutError(f"world size {world} != dp*{names} = {dp}*{sizes} = {dp * cp * tp * pp}")
-    return dp, tp, pp
+from minipar.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -77,13 +58,11 @@ class ProcessGrid:
     dp_group, pp_group, grad_group (dp x cp) and world, tagged with their axis for the
     traffic ledger."""
 
-    def __init__(self, comm, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1):
+    def __init__(self, comm, layout: Layout):
         world = comm.Get_size()
-        check_layout(world, dp, tp, pp, cp)
-        if ep < 1 or dp % ep:
-            raise LayoutError(f"--ep {ep} must divide dp = {dp}: expert groups are carved out of the dp group")
-        self.comm, self.rank, self.world_size = comm, comm.Get_rank(), world
-        self.dp_size, self.tp_size, self.pp_size, self.cp_size = dp, tp, pp, cp
+        layout.check(world)
+        self.comm, self.rank, self.world_size, self.layout = comm, comm.Get_rank(), world, layout
+        dp, tp, cp, ep = layout.dp, layout.tp, layout.cp, layout.ep
         r = self.rank
         self.tp_rank = r % tp
         self.cp_rank = (r // tp) % cp
@@ -101,13 +80,33 @@ class ProcessGrid:
         self.world = Group(comm, axis="world")
         # expert parallelism: the dp group cut into dp/ep groups of ep consecutive dp ranks, each
         # holding all experts between them; an expert's replicas: the dp ranks of the same ep rank
-        self.ep_size, self.ep_rank = ep, d % ep
+        self.ep_rank = d % ep
         self.ep_group, self.expert_group = None, self.grad_group
         if ep > 1:
             self.ep_group = Group(comm.Split(color=((p * (dp // ep) + d // ep) * cp + c) * tp + t, key=d % ep),
                                   axis="ep")
             self.expert_group = Group(comm.Split(color=((p * ep + d % ep) * cp + c) * tp + t, key=d // ep),
                                       axis="dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
 
     def rank_of(self, dp_rank: int, tp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
         return ((pp_rank * self.dp_size + dp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank

@@ -2,7 +2,7 @@
 (`python -m minipar.plan`, docs/planner.md). Read in this order:
 
     table.py            plan(): every figure of a layout in one dict, and the command line
-    layout.py           the layout flags as one object, and what a device of each stage holds
+    layout.py           what a layout (parallel/layout.py) puts on a device of each stage
     memory.py           model states and activations per device, the memory check, the longest T that fits
     activations.py      the activation memory of each schedule and recomputation
     flops.py            FLOPs per device, component by component

@@ -1,48 +1,18 @@
-"""The layout, and what it puts on a device: the flags as one object (Layout), the bytes per
-element and per parameter they imply, and what a device of each stage holds: its tensors
+"""What a layout (minipar/parallel/layout.py: Layout) puts on a device: the bytes per
+element and per parameter its flags imply, and what a device of each stage holds: its tensors
 (pipeline.local_tensors, with --ep its ep rank's experts), its blocks, the ranks its
 gradients are summed over, ZeRO's units.
 """
 from __future__ import annotations
 
-import argparse
 import math
 
 from minipar.model.gpt import GPTConfig, param_specs
 from minipar.optim import mixed_precision
 from minipar.parallel.expert import expert_parallel
+from minipar.parallel.layout import Layout
 from minipar.parallel.pipeline import stage as pipeline, schedules
 from minipar.parallel.zero import units as zero
-
-
-class Layout(argparse.Namespace):
-    """The layout flags (dp, cp, cp_layout, tp, pp, ep, zero, micro_batches, batch_size,
-    precision, dtype, schedule, virtual_stages, dp_mode, bucket_mb, sp, recompute);
-    rows = B/(dp*M), the micro-batch of one device (of T/cp tokens each with --cp)."""
-
-    sp = False                # the defaults of the flags a caller may leave out
-    recompute = "none"
-    virtual_stages = 1
-    cp = 1
-    cp_layout = "zigzag"
-    ep = 1
-
-    @property
-    def rows(self) -> int:
-        return self.batch_size // (self.dp * self.micro_batches)
-
-    @property
-    def grad_ranks(self) -> int:
-        """Ranks that sum each gradient (and ZeRO shards over): dp*cp."""
-        return self.dp * self.cp
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
-
-    def but(self, **changes) -> Layout:
-        """A copy with some flags changed."""
-        return Layout(**{**vars(self), **changes})
 
 
 def placed(lay) -> Layout:

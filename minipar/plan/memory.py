@@ -43,9 +43,10 @@ import re
 
 from minipar.config import flags as config
 from minipar.model.gpt import GPTConfig
+from minipar.parallel.layout import Layout
 from minipar.parallel.zero import formulas as zero
 from minipar.plan import activations
-from minipar.plan.layout import Layout, chunks, device_tensors, itemsizes, sync_groups, zero_units
+from minipar.plan.layout import chunks, device_tensors, itemsizes, sync_groups, zero_units
 from minipar.comm.ledger import human_bytes
 
 
@@ -117,22 +118,12 @@ def memory_limit(args) -> tuple[int, str]:
     return total // max(local, 1), "this machine's MemTotal" + shared
 
 
-def planned_memory(args, cfg: GPTConfig, dp: int, tp: int, pp: int) -> int:
-    """The planner's peak bytes per rank of this run's layout (python -m minipar.plan)."""
-    lay = Layout(dp=dp, tp=tp, pp=pp, zero=args.zero, micro_batches=args.micro_batches,
-                      batch_size=args.batch_size, precision=args.precision, dtype=args.dtype,
-                      schedule=args.schedule, dp_mode=args.dp_mode, bucket_mb=args.bucket_mb, sp=args.sp,
-                      recompute=args.recompute, virtual_stages=args.virtual_stages, cp=args.cp,
-                      cp_layout=args.cp_layout, ep=args.ep)
-    return peak_memory(cfg, lay)
-
-
-def check_fits(args, cfg: GPTConfig, dp: int, tp: int, pp: int):
+def check_fits(args, cfg: GPTConfig, lay: Layout):
     """The trainer's memory check (run and --dry-run, every rank, before any message): the
     planner's peak bytes for a rank of this layout (model states and saved activations) against
     what a rank may use; a layout that cannot fit is refused (config.ConfigError) before
     anything is allocated, instead of ending in a MemoryError."""
-    need = planned_memory(args, cfg, dp, tp, pp)
+    need = peak_memory(cfg, lay)
     limit, source = memory_limit(args)
     if need > limit:
         raise config.ConfigError(f"this layout needs {human_bytes(need)} per rank by the planner's count (model states "

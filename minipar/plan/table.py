@@ -62,6 +62,7 @@ tokens is one routing group, cap = ceil(F n K / E) slots per expert (moe.capacit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -71,14 +72,14 @@ from minipar.model import moe
 from minipar.model.gpt import GPTConfig, param_specs, train_flops_per_token
 from minipar.optim import mixed_precision
 from minipar.parallel.context.ring_attention import LAYOUTS
-from minipar.parallel.grid import LayoutError, check_layout
+from minipar.parallel.layout import Layout, LayoutError, check_layout
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.zero import units as zero
 from minipar.plan import activations, hosts as plan_hosts
 from minipar.plan.comm_bytes import (cp_bytes, ep_bytes, ep_layer_bytes, flat_groups, grad_sync_bytes, other_parts,
                                      pp_bytes, tp_bytes)
 from minipar.plan.flops import flop_components, flops, recompute_flops
-from minipar.plan.layout import Layout, active_params, chunks, device_tensors, itemsizes, placed
+from minipar.plan.layout import active_params, chunks, device_tensors, itemsizes, placed
 from minipar.plan.memory import ceilings, device_memory, model_states, parse_size
 from minipar.comm.ledger import human_bytes
 from minipar.plan.render import table
@@ -157,7 +158,7 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
     itemsize, compute_itemsize, K = itemsizes(lay)
     N, pp, M, V = lay.grad_ranks, lay.pp, lay.micro_batches, chunks(lay)
     bubble = schedules.bubble_theory(lay.schedule, pp, M, V)
-    out = {"model": None, "layout": {**vars(lay), "sp": lay.sp, "recompute": lay.recompute,
+    out = {"model": None, "layout": {**dataclasses.asdict(lay), "sp": lay.sp, "recompute": lay.recompute,
                                      "virtual_stages": lay.virtual_stages, "cp": lay.cp,
                                      "cp_layout": lay.cp_layout, "world": lay.world,
                                      "micro_batch_rows": lay.rows if cfg else None, "bytes_per_param": itemsize,
@@ -311,18 +312,16 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     """Flags -> (cfg or None, layout, params or None); PlanError for what cannot run,
     with the trainer's messages (config.validate, train/setup.prepare) where they exist."""
     given = [k for k in (*SHAPE_FLAGS, *MOE_FLAGS) if getattr(args, k) is not None]
-    lay = Layout(**{k: getattr(args, k) for k in ("dp", "cp", "cp_layout", "tp", "pp", "ep", "zero", "micro_batches",
-                                                  "batch_size", "precision", "dtype", "schedule", "virtual_stages",
-                                                  "dp_mode", "bucket_mb", "sp", "recompute")})
     for flag in ("dp", "cp", "tp", "pp"):
-        if getattr(lay, flag) is not None and getattr(lay, flag) < 1:
-            raise PlanError(f"--{flag} must be >= 1, got {getattr(lay, flag)}")
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise PlanError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    dp = args.dp
     if args.world is not None:                               # the trainer's check and default
         try:
-            lay.dp = check_layout(args.world, lay.dp, lay.tp, lay.pp, lay.cp)[0]
+            dp = check_layout(args.world, dp, args.tp, args.pp, args.cp)[0]
         except LayoutError as e:
             raise PlanError(str(e)) from None
-    lay.dp = 1 if lay.dp is None else lay.dp
+    lay = Layout.from_flags(args, dp=1 if dp is None else dp)
     for flag in ("batch_size", "micro_batches"):
         if getattr(lay, flag) <= 0:
             raise PlanError(f"--{flag.replace('_', '-')} must be positive, got {getattr(lay, flag)}")
@@ -331,7 +330,8 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     if lay.precision != "fp32" and lay.dtype != "float32":
         raise PlanError(f"--precision {lay.precision} needs --dtype float32 (its master weights and "
                         f"optimizer state are float32), got --dtype {lay.dtype}")
-    config.resolve_dp_flags(lay)
+    dp_mode, bucket_mb = config.resolve_dp_flags(lay)
+    lay = lay.but(dp_mode=dp_mode, bucket_mb=bucket_mb)
     if args.params is None:                                  # --params: no batch to cut
         config.check_split(None, lay.dp, lay.tp, lay.pp, lay.batch_size, lay.micro_batches)
     if args.device_tflops is not None and not args.device_tflops > 0:
@@ -343,7 +343,7 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
         if not (math.isfinite(args.params) and args.params >= 1):
             raise PlanError(f"--params must be a count >= 1, got {args.params:g}")
         config.check_schedule(None, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batches)
-        config.check_context_split(None, lay)
+        lay = lay.but(cp_layout=config.check_context_split(None, lay))
         config.check_moe(GPTConfig(), moe_args(args), lay.dp)     # --ep needs experts: the trainer's line
         return None, lay, int(round(args.params))
     base = dict(zip(("n_layer", "n_head", "n_embd", "vocab_size", "block_size"), PRESETS[args.model])) \
@@ -358,7 +358,7 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
         raise PlanError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     config.check_split(cfg, lay.dp, lay.tp, lay.pp, lay.batch_size, lay.micro_batches)
     config.check_sequence_split(cfg, lay.tp, lay.sp)
-    config.check_context_split(cfg, lay)
+    lay = lay.but(cp_layout=config.check_context_split(cfg, lay))
     config.check_moe(cfg, moe_args(args), lay.dp)
     config.check_schedule(cfg, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batches)
     return cfg, lay, None

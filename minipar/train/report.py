@@ -20,7 +20,7 @@ from minipar import comm
 from minipar.train import checkpoint, data
 from minipar.show import draw
 from minipar.model import moe
-from minipar.plan import layout, table
+from minipar.plan import table
 from minipar.optim import mixed_precision
 from minipar.optim.adamw import AdamW
 from minipar.parallel.context import context_parallel
@@ -223,12 +223,8 @@ def describe(s) -> list[str]:
 def plan_lines(s) -> list[str]:
     """--dry-run: what the planner (python -m minipar.plan, the same flags) expects a rank of
     each pipeline stage to hold and send per step; the run's summary measures the same."""
-    a, g = s.args, s.grid
-    lay = layout.Layout(dp=g.dp_size, tp=g.tp_size, pp=g.pp_size, zero=a.zero, micro_batches=a.micro_batches,
-                      batch_size=a.batch_size, precision=a.precision, dtype=a.dtype, schedule=a.schedule,
-                      dp_mode=a.dp_mode, bucket_mb=a.bucket_mb, sp=a.sp, recompute=a.recompute,
-                      virtual_stages=a.virtual_stages, cp=g.cp_size, cp_layout=a.cp_layout, ep=g.ep_size)
-    r = table.plan(s.cfg, lay)
+    g = s.grid
+    r = table.plan(s.cfg, g.layout)
     lines = []
     for mem, sent in zip(r["memory_per_stage"], r["comm_per_stage"]):
         where = f"a rank of stage {mem['stage']}" if g.pp_size > 1 else "each rank"

@@ -18,7 +18,7 @@ from minipar.config.flags import (DTYPES, ConfigError, check_context_split, chec
                                   check_schedule, check_sequence_split, check_split, resolve_dp_flags,
                                   resolve_model, validate)
 from minipar.model.gpt import GPTConfig, param_specs
-from minipar.parallel.grid import LayoutError, check_layout
+from minipar.parallel.layout import Layout, LayoutError, check_layout
 from minipar.train import checkpoint, data, faults
 
 
@@ -63,10 +63,7 @@ class RunSpec:
     meta: dict | None           # --resume: the checkpoint's meta.json, else None
     state: dict | None          # --resume: its canonical model {name: array}
     ostate: dict | None         # --resume: its canonical optimizer state {"step", "m", "v"}
-    dp: int                     # the layout, world = dp * cp * tp * pp
-    tp: int
-    pp: int
-    cp: int = 1
+    layout: Layout              # the layout, world = dp * cp * tp * pp, with its flags resolved
 
 
 def prepare(args, world: int) -> RunSpec:
@@ -103,10 +100,10 @@ def prepare(args, world: int) -> RunSpec:
         raise ConfigError(f"--timeline {args.timeline} draws a pipeline: it needs --pp > 1")
     check_split(cfg, dp, tp, pp, args.batch_size, args.micro_batches)
     check_sequence_split(cfg, tp, args.sp)
-    check_context_split(cfg, args)
+    args.cp_layout = check_context_split(cfg, args)
     check_moe(cfg, args, dp)
     check_schedule(cfg, pp, args.schedule, args.virtual_stages, args.micro_batches)
-    resolve_dp_flags(args)
+    args.dp_mode, args.bucket_mb = resolve_dp_flags(args)
     if args.zero == 3 and pp > 1:
         raise ConfigError(f"--zero 3 does not combine with --pp {pp}: it would all-gather and "
                           f"release every stage's parameters around every micro-batch's forward "
@@ -145,7 +142,7 @@ def prepare(args, world: int) -> RunSpec:
     if start >= args.steps:
         raise ConfigError(f"--steps {args.steps} is not beyond the checkpoint's step {start}: "
                           f"nothing to train")
-    return RunSpec(cfg, DTYPES[args.dtype], tokens, start, meta, state, ostate, dp, tp, pp, args.cp)
+    return RunSpec(cfg, DTYPES[args.dtype], tokens, start, meta, state, ostate, Layout.from_flags(args, dp=dp))
 
 
 def agree_on_errors(world_comm, err: ConfigError | None):

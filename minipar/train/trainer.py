@@ -144,11 +144,11 @@ def init_model(spec: RunSpec, args, grid: ProcessGrid | None = None,
 
 def moe_settings(spec: RunSpec, args) -> moe.MoESettings | None:
     """A MoE model's routing settings. The routing group is one micro-batch of one dp rank,
-    B/(dp M) sequences, on every layout and in the --verify twin (spec.dp is the run's)."""
+    B/(dp M) sequences, on every layout and in the --verify twin (spec.layout is the run's)."""
     cfg = spec.cfg
     if not cfg.moe_experts:
         return None
-    rows = args.batch_size // (spec.dp * args.micro_batches)
+    rows = spec.layout.rows
     return moe.MoESettings(cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor, args.moe_aux_coef,
                            args.moe_z_coef, group_rows=rows, groups_total=args.batch_size // rows)
 
@@ -330,7 +330,7 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
     err, spec, logf, lock = None, None, None, None
     try:
         spec = prepare(args, world)
-        memory.check_fits(args, spec.cfg, spec.dp, spec.tp, spec.pp)     # the planner's peak vs this machine
+        memory.check_fits(args, spec.cfg, spec.layout)     # the planner's peak vs this machine
         if rank == 0:
             logf, lock = open_rank0_outputs(args)
     except ConfigError as e:
@@ -345,7 +345,7 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
     if rank == 0 and spec.meta is not None and spec.meta["loaded_from"] != os.path.abspath(args.resume):
         print(f"checkpoint: {os.path.abspath(args.resume)} is missing (a save was cut off between its two "
               f"renames): resuming from the one before it, {spec.meta['loaded_from']}", flush=True)
-    grid = ProcessGrid(world_comm, spec.dp, spec.tp, spec.pp, spec.cp, args.ep)
+    grid = ProcessGrid(world_comm, spec.layout)
     context = context_parallel.ContextSplit(grid.cp_group, args.cp_layout) if grid.cp_size > 1 else None
     model, opt = init_model(spec, args, grid, context)
     sync = None

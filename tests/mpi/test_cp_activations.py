@@ -18,6 +18,7 @@ from minipar.plan import activations
 from minipar.model.gpt import GPT, GPTConfig
 from minipar.parallel.context.context_parallel import ContextSplit
 from minipar.parallel.grid import ProcessGrid
+from minipar.parallel.layout import Layout
 from minipar.parallel.parallelize import parts
 from minipar.parallel.tensor.tensor_parallel import TensorParallelGPT
 
@@ -68,7 +69,7 @@ def grid():
     """cp 2 x tp 2 on the world, as the trainer cuts it."""
     if WORLD.Get_size() != 4:
         pytest.skip("cp 2 x tp 2 needs 4 ranks")
-    return ProcessGrid(WORLD, dp=1, tp=2, pp=1, cp=2)
+    return ProcessGrid(WORLD, Layout(dp=1, tp=2, pp=1, cp=2))
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

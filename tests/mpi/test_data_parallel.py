@@ -12,6 +12,7 @@ from minipar.train import data, trainer as train
 from minipar.model.gpt import GPT, GPTConfig
 from minipar.parallel import data_parallel
 from minipar.parallel.grid import ProcessGrid
+from minipar.parallel.layout import Layout
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -40,7 +41,7 @@ def run(args, dp_comm=None, mode="bucketed", bucket_mb=1.0, check=None):
     if dp_comm is None:
         ddp, group, rows = None, None, (0, B)
     else:
-        grid = ProcessGrid(dp_comm, dp=dp_comm.Get_size())
+        grid = ProcessGrid(dp_comm, Layout(dp=dp_comm.Get_size()))
         group = grid.dp_group
         ddp = data_parallel.make(model.parameters(), group, mode, bucket_mb)
         if check is not None:
@@ -151,7 +152,7 @@ def test_grad_sync_bytes_equal_the_ring_formula():
     model = GPT(cfg, dtype=np.float64)
     n_bytes = sum(p.data.nbytes for p in model.parameters())
     assert (n_bytes // 8) % 4 == 0 and n_bytes > 4 * comm.ALL_REDUCE_DOUBLING_MAX_BYTES, n_bytes
-    grid = ProcessGrid(sub, dp=4)
+    grid = ProcessGrid(sub, Layout(dp=4))
     ddp = data_parallel.make(model.parameters(), grid.dp_group, "bucketed", 1e3)
     sampler = data.Sampler(tokens(), cfg.block_size, args.batch_size, args.seed)
     rows = (grid.dp_rank * 2, grid.dp_rank * 2 + 2)
@@ -164,7 +165,7 @@ def test_grad_sync_bytes_equal_the_ring_formula():
 @pytest.mark.mpi(min_size=4)
 def test_replica_check_detects_divergence():
     sub = split(4)
-    grid = ProcessGrid(sub, dp=4)
+    grid = ProcessGrid(sub, Layout(dp=4))
     model = GPT(CFG, dtype=np.float64)
     data_parallel.check_replicas(model.parameters(), grid.dp_group)   # identical: no error
     if grid.dp_rank == 2:

@@ -15,6 +15,7 @@ from minipar.comm import Handle
 from minipar.comm.algorithms import ring
 from minipar.comm.protocol import HEADER_BYTES
 from minipar.parallel.grid import ProcessGrid
+from minipar.parallel.layout import Layout
 from minipar.plan.comm_bytes import all_reduce_sent
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -210,7 +211,7 @@ def test_grid_groups_carry_their_axis(tp, pp):
     counted under that axis with the bytes comm_bytes.all_reduce_sent predicts for the group."""
     if SIZE % (tp * pp):
         pytest.skip(f"world of {SIZE} ranks is not divisible by tp*pp = {tp * pp}")
-    grid = ProcessGrid(WORLD, SIZE // (tp * pp), tp, pp)
+    grid = ProcessGrid(WORLD, Layout(dp=SIZE // (tp * pp), tp=tp, pp=pp))
     named = {"tp": grid.tp_group, "dp": grid.dp_group, "pp": grid.pp_group, "world": grid.world}
     assert {axis: g.axis for axis, g in named.items()} == {a: a for a in named}
     comm.reset_traffic()

@@ -15,6 +15,7 @@ from minipar.model.gpt import GPT, GPTConfig
 from minipar.parallel import data_parallel
 from minipar.parallel.pipeline import stage as pipeline, schedules
 from minipar.parallel.grid import ProcessGrid
+from minipar.parallel.layout import Layout
 
 pytestmark = pytest.mark.mpi(min_size=4)
 
@@ -75,9 +76,9 @@ def run(n_layer, pp, schedule, m, dp=1, tp=1, tied=True, mode="bucketed", bucket
     """STEPS steps on blocks of dp*tp*pp ranks -> (losses, norms, full grads, full params, engine, grid)."""
     k = dp * tp * pp
     sub = WORLD.Split(color=RANK // k, key=RANK)
-    grid = ProcessGrid(sub, dp, tp, pp)
+    grid = ProcessGrid(sub, Layout(dp=dp, tp=tp, pp=pp))
     args = flags(n_layer, m, tied, schedule, virtual=virtual)
-    spec = RunSpec(config(n_layer, tied), np.float64, tokens(), 0, None, None, None, dp, tp, pp)
+    spec = RunSpec(config(n_layer, tied), np.float64, tokens(), 0, None, None, None, grid.layout)
     model, opt = train.init_model(spec, args, grid)
     ddp = data_parallel.make(model.parameters(), grid.dp_group, mode, bucket_mb) if dp > 1 else None
     pipe = pipeline.PipelineEngine(model, schedule, m)
@@ -185,9 +186,9 @@ def test_consolidated_state_and_evaluate():
     single-process loss on every rank."""
     n_layer, pp = 4, 4
     sub = WORLD.Split(color=0, key=RANK)
-    grid = ProcessGrid(sub, 1, 1, pp)
+    grid = ProcessGrid(sub, Layout(pp=pp))
     args = flags(n_layer, 1)
-    spec = RunSpec(config(n_layer), np.float64, tokens(), 0, None, None, None, 1, 1, pp)
+    spec = RunSpec(config(n_layer), np.float64, tokens(), 0, None, None, None, grid.layout)
     model, _ = train.init_model(spec, args, grid)
     ref = GPT(config(n_layer), seed=0, dtype=np.float64)
     state = model.state_dict()

@@ -15,6 +15,7 @@ from minipar.train import data, report, trainer as train
 from minipar.parallel import data_parallel
 from minipar.parallel.pipeline import stage as pipeline
 from minipar.parallel.grid import ProcessGrid
+from minipar.parallel.layout import Layout
 
 pytestmark = pytest.mark.mpi(min_size=4)
 
@@ -33,7 +34,7 @@ def flags(mode, m, n_layer, dp, tp, pp):
 
 def setup(mode, dp, tp, pp, m=2, n_layer=2):
     args = flags(mode, m, n_layer, dp, tp, pp)
-    grid = ProcessGrid(WORLD, dp, tp, pp)
+    grid = ProcessGrid(WORLD, Layout(dp=dp, tp=tp, pp=pp))
     plan = train.prepare(args, SIZE)
     model, opt = train.init_model(plan, args, grid)
     return args, grid, plan, model, opt

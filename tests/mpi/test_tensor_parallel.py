@@ -19,6 +19,7 @@ from minipar.optim.adamw import AdamW, clip_grad_norm
 from minipar.parallel import data_parallel
 from minipar.parallel.tensor import tensor_parallel as tpar
 from minipar.parallel.grid import ProcessGrid
+from minipar.parallel.layout import Layout
 from minipar.parallel.tensor.tensor_parallel import TensorParallelGPT
 
 WORLD = MPI.COMM_WORLD
@@ -200,7 +201,7 @@ def test_replicated_grads_identical_across_tp(groups, tp, tied):
 def test_dp2_tp2_matches_single_process(tied):
     """dp2 x tp2 on 4 ranks, two micro-batches per dp rank, bucketed data parallelism
     wrapped around the tensor-parallel model's shards."""
-    grid = ProcessGrid(WORLD, dp=2, tp=2)
+    grid = ProcessGrid(WORLD, Layout(dp=2, tp=2))
     rows = (grid.dp_rank * B // 2, (grid.dp_rank + 1) * B // 2)
     out = run_tp(tied, grid.tp_group, grid.dp_group, rows, micro=2)
     assert_matches(out, run_single(tied), f"dp=2 tp=2 tied={tied}", rows)
@@ -216,7 +217,7 @@ def test_dp2_tp2_in_train_steps():
          "--dtype", "float64", "--micro-batches", "2", "--block-size", str(T)])
     cfg = config(True)
     tokens = data.load_tokens(None, T)
-    grid = ProcessGrid(WORLD, dp=2, tp=2)
+    grid = ProcessGrid(WORLD, Layout(dp=2, tp=2))
     model = TensorParallelGPT(cfg, grid.tp_group)
     ddp = data_parallel.make(model.parameters(), grid.dp_group, "bucketed", 0.02)
     rows = (grid.dp_rank * 2, grid.dp_rank * 2 + 2)

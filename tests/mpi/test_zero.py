@@ -15,6 +15,7 @@ from minipar.parallel.tensor import tensor_parallel
 from minipar.parallel.zero import build as zero, stage3, units as zero_units
 from minipar.parallel.grid import ProcessGrid
 from minipar.parallel.parallelize import parts
+from minipar.parallel.layout import Layout
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -37,7 +38,7 @@ def run(args, sub=None, stage=0, tp=1):
         model = GPT(CFG, seed=args.seed, dtype=np.float64)
         opt, z, sync, group, rows = train.build_optimizer(model, args), None, None, None, (0, B)
     else:
-        grid = ProcessGrid(sub, dp=sub.Get_size() // tp, tp=tp)
+        grid = ProcessGrid(sub, Layout(dp=sub.Get_size() // tp, tp=tp))
         p = parts(gathers=stage3.Gathers() if stage == 3 else None)      # as parallelize builds them
         model = (tensor_parallel.TensorParallelGPT(CFG, grid.tp_group, seed=args.seed, dtype=np.float64, parts=p)
                  if tp > 1 else GPT(CFG, seed=args.seed, dtype=np.float64, parts=p))
