@@ -484,23 +484,23 @@ def optimizer_shard(model, opt) -> dict:
             "m": np.concatenate([m for _, m, _ in parts]), "v": np.concatenate([v for _, _, v in parts])}
 
 
-def save_run(path: str, s, next_step: int):
+def save_run(path: str, session, next_step: int):
     """A training session's checkpoint (s: train.Session), called on every rank. model.npz:
     the canonical model, consolidated on rank 0 (collective: tp all-gathers, pp sends to
     stage 0, ZeRO all-gathers over dp). The optimizer: each rank writes the shard it holds
     (optimizer_shard), with ZeRO every rank, without it dp rank 0 (cp rank 0) of each (tp, pp) position
     (its dp replicas hold the same). Then save() agrees that every write succeeded before
     rank 0 commits."""
-    model, opt, args, grid = s.model, s.opt, s.args, s.grid
+    model, opt, args, grid = session.model, session.opt, session.args, session.grid
     state = canonical_state(model, opt)
     writes = isinstance(opt, ShardedAdamW) or (grid.dp_rank // grid.ep_size == 0 and grid.cp_rank == 0)
     shard = optimizer_shard(model, opt) if writes else None
     meta = None
     if grid.rank == 0:
-        state = {n: state[n] for n, _, _ in param_specs(s.cfg)}          # canonical order
+        state = {n: state[n] for n, _, _ in param_specs(session.cfg)}          # canonical order
         scaler = opt.scaler if isinstance(opt, (ShardedAdamW, mixed_precision.MixedPrecisionAdamW)) else None
-        tokens = s.spec.tokens
-        meta = {"config": s.cfg.to_dict(), "step": next_step, "dtype": args.dtype, "precision": args.precision,
+        tokens = session.spec.tokens
+        meta = {"config": session.cfg.to_dict(), "step": next_step, "dtype": args.dtype, "precision": args.precision,
                 **({"loss_scaler": scaler.state_dict()} if scaler is not None else {}),
                 "layout": {"dp": grid.dp_size, "cp": grid.cp_size, "tp": grid.tp_size, "pp": grid.pp_size,
                            "zero": args.zero},

@@ -70,7 +70,7 @@ def due(step: int, rank: int) -> list[dict]:
     return [f for f in load() if f["step"] == step and f["rank"] in ("all", rank)]
 
 
-def inject(s, step: int, rank: int):
+def inject(session, step: int, rank: int):
     """Fire this rank's faults of `step` (s: the train.Session)."""
     for f in due(step, rank):
         kind = f["kind"]
@@ -87,15 +87,15 @@ def inject(s, step: int, rank: int):
         if kind in ("sigint", "sigterm"):
             os.kill(os.getpid(), signal.SIGINT if kind == "sigint" else signal.SIGTERM)
         if kind == "nan":
-            poison(s)
+            poison(session)
 
 
-def poison(s):
+def poison(session):
     """A NaN into every weight tensor this rank holds (its first element), or with ZeRO-3,
     whose parameters live as shards between steps, into every shard: some of them are
     surely used (a single embedding row might not be)."""
-    arrays = ([u.param_shard for u in s.sync.units] if isinstance(s.sync, stage3.Stage3)
-              else [p.data for p in s.model.parameters()])
+    arrays = ([u.param_shard for u in session.sync.units] if isinstance(session.sync, stage3.Stage3)
+              else [p.data for p in session.model.parameters()])
     for a in arrays:
         if a.size:
             a.flat[0] = np.nan

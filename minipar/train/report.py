@@ -79,70 +79,71 @@ def memory_per_rank(world, mem: dict) -> list[dict] | None:
              "formula": dict(zip(_MEMORY_FIELDS, map(int, row[3:])))} for r, row in enumerate(rows)]
 
 
-def placement_warning(g) -> str | None:
+def placement_warning(grid) -> str | None:
     """The tp group should sit inside one host: Megatron's all-reduces are on every layer's
     critical path; so should the cp group, whose ring passes K and V on every layer. A layout
     that puts either across hosts runs, with this warning."""
-    if g.tp_size > 1 and g.tp_group.n_nodes > 1:
-        return (f"  warning: the tp group of rank {g.rank} spans hosts "
-                f"{', '.join(g.tp_group.hosts)}: every layer's all-reduces cross the link (the "
+    if grid.tp_size > 1 and grid.tp_group.n_nodes > 1:
+        return (f"  warning: the tp group of rank {grid.rank} spans hosts "
+                f"{', '.join(grid.tp_group.hosts)}: every layer's all-reduces cross the link (the "
                 f"summary measures it); place tp inside a host (e.g. mpirun -ppn a multiple of --tp "
-                f"{g.tp_size}, docs/cluster.md)")
-    if g.cp_size > 1 and g.cp_group.n_nodes > 1:
-        return (f"  warning: the cp group of rank {g.rank} spans hosts {', '.join(g.cp_group.hosts)}: "
+                f"{grid.tp_size}, docs/cluster.md)")
+    if grid.cp_size > 1 and grid.cp_group.n_nodes > 1:
+        return (f"  warning: the cp group of rank {grid.rank} spans hosts {', '.join(grid.cp_group.hosts)}: "
                 f"every layer's ring messages cross the link; place tp x cp inside a host (mpirun -ppn "
-                f"a multiple of tp x cp = {g.tp_size * g.cp_size})")
+                f"a multiple of tp x cp = {grid.tp_size * grid.cp_size})")
     return None
 
 
-def n_buckets(s) -> int:
+def n_buckets(session) -> int:
     """Bucketed data parallelism's bucket count for this model (data_parallel.bucket_members)."""
-    return len(data_parallel.bucket_members([p.data.nbytes for p in s.model.parameters()], s.args.bucket_mb))
+    nbytes = [p.data.nbytes for p in session.model.parameters()]
+    return len(data_parallel.bucket_members(nbytes, session.args.bucket_mb))
 
 
-def mechanisms(s) -> str:
+def mechanisms(session) -> str:
     """One line: which mechanisms this run exercises."""
-    a, g = s.args, s.grid
+    args, grid = session.args, session.grid
     out = []
-    if g.dp_size > 1:
-        out.append(f"data parallelism over {g.dp_size} ranks"
-                   + (f" with ZeRO stage {a.zero}" if a.zero else f" ({a.dp_mode} all-reduce)"))
-    elif a.zero and g.grad_group.size > 1:
-        out.append(f"ZeRO stage {a.zero} over the {g.grad_group.size} cp ranks")
-    elif a.zero:
-        out.append(f"ZeRO stage {a.zero} (over a single dp rank: nothing to shard)")
-    if g.tp_size > 1:
-        out.append(f"tensor parallelism over {g.tp_size} ranks"
-                   + (" with sequence parallelism" if a.sp else ""))
-    elif a.sp:
+    if grid.dp_size > 1:
+        out.append(f"data parallelism over {grid.dp_size} ranks"
+                   + (f" with ZeRO stage {args.zero}" if args.zero else f" ({args.dp_mode} all-reduce)"))
+    elif args.zero and grid.grad_group.size > 1:
+        out.append(f"ZeRO stage {args.zero} over the {grid.grad_group.size} cp ranks")
+    elif args.zero:
+        out.append(f"ZeRO stage {args.zero} (over a single dp rank: nothing to shard)")
+    if grid.tp_size > 1:
+        out.append(f"tensor parallelism over {grid.tp_size} ranks"
+                   + (" with sequence parallelism" if args.sp else ""))
+    elif args.sp:
         out.append("sequence parallelism over tp 1 (nothing to split)")
-    if g.cp_size > 1:
-        out.append(f"context parallelism over {g.cp_size} ranks ({a.cp_layout} ring attention)")
-    if s.cfg.moe_experts:
-        out.append(f"mixture of experts (E={s.cfg.moe_experts}, top-{s.cfg.moe_top_k})"
-                   + (f", expert parallelism over {g.ep_size} ranks" if g.ep_size > 1 else ""))
-    if g.pp_size > 1:
-        out.append(f"pipeline parallelism over {g.pp_size} stages "
-                   f"({a.schedule}, {a.micro_batches} micro-batches)")
-    elif a.micro_batches > 1:
-        out.append(f"gradient accumulation over {a.micro_batches} micro-batches")
-    if a.precision != "fp32":
-        out.append(f"mixed precision ({a.precision})")
-    if a.recompute != "none":
-        out.append(f"{a.recompute} activation recomputation")
+    if grid.cp_size > 1:
+        out.append(f"context parallelism over {grid.cp_size} ranks ({args.cp_layout} ring attention)")
+    if session.cfg.moe_experts:
+        out.append(f"mixture of experts (E={session.cfg.moe_experts}, top-{session.cfg.moe_top_k})"
+                   + (f", expert parallelism over {grid.ep_size} ranks" if grid.ep_size > 1 else ""))
+    if grid.pp_size > 1:
+        out.append(f"pipeline parallelism over {grid.pp_size} stages "
+                   f"({args.schedule}, {args.micro_batches} micro-batches)")
+    elif args.micro_batches > 1:
+        out.append(f"gradient accumulation over {args.micro_batches} micro-batches")
+    if args.precision != "fp32":
+        out.append(f"mixed precision ({args.precision})")
+    if args.recompute != "none":
+        out.append(f"{args.recompute} activation recomputation")
     return "  mechanisms: " + ("; ".join(out) if out else
                                "none (one process, the single-process baseline)")
 
 
-def describe(s) -> list[str]:
+def describe(session) -> list[str]:
     """The start-up lines: model, mechanisms, layout and what each mechanism splits."""
-    a, cfg, g, model, opt = s.args, s.cfg, s.grid, s.model, s.opt
-    B, T, M, dp = a.batch_size, cfg.block_size, a.micro_batches, g.dp_size
-    mixed = a.precision != "fp32"
+    args, cfg, grid, model, opt = session.args, session.cfg, session.grid, session.model, session.opt
+    B, T, M, dp = args.batch_size, cfg.block_size, args.micro_batches, grid.dp_size
+    mixed = args.precision != "fp32"
     lines = [f"minipar: GPT L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={T} V={cfg.vocab_size} "
              f"({'tied' if cfg.tie_embeddings else 'untied'}), "
-             f"{model.num_params():,} params, {a.dtype}"
-             + (f", --precision {a.precision}" if mixed else ""), mechanisms(s)]
+             f"{model.num_params():,} params, {args.dtype}"
+             + (f", --precision {args.precision}" if mixed else ""), mechanisms(session)]
     if mixed:
         sc = opt.scaler
         lines.append(f"  precision: parameters, gradients and activations in {opt.dtype.name}, "
@@ -152,16 +153,16 @@ def describe(s) -> list[str]:
                         f"after {sc.growth_interval} "
                         f"clean steps, x{sc.backoff_factor:g} and skip on inf/NaN" if sc.dynamic
                         else "no loss scaling (a step with an inf/NaN gradient is skipped)"))
-    mode = "" if not s.has_dp or a.zero else (f", {a.dp_mode} gradient all-reduce" + (
-        f" in {n_buckets(s)} bucket(s) of <= {a.bucket_mb:g} MiB"
-        if a.dp_mode == "bucketed" else ""))
-    lines.append(f"  layout: {s.world} process(es), {g.describe()}{mode}")
-    if g.world.n_nodes > 1:
-        w = g.world
+    mode = "" if not session.has_dp or args.zero else (f", {args.dp_mode} gradient all-reduce" + (
+        f" in {n_buckets(session)} bucket(s) of <= {args.bucket_mb:g} MiB"
+        if args.dp_mode == "bucketed" else ""))
+    lines.append(f"  layout: {session.world} process(es), {grid.describe()}{mode}")
+    if grid.world.n_nodes > 1:
+        w = grid.world
         lines.append(f"  hosts: {w.n_nodes}, " + "; ".join(
             f"{name}: ranks {', '.join(str(q) for q, n in enumerate(w.nodes) if n == h)}"
             for h, name in enumerate(w.hosts)))
-        for axis, group in (("dp", g.dp_group), ("cp", g.cp_group), ("tp", g.tp_group), ("pp", g.pp_group)):
+        for axis, group in (("dp", grid.dp_group), ("cp", grid.cp_group), ("tp", grid.tp_group), ("pp", grid.pp_group)):
             if group is None:
                 continue
             if comm.spans_hosts(group):
@@ -169,77 +170,77 @@ def describe(s) -> list[str]:
                              f"its all-reduces, reduce-scatters and all-gathers above "
                              f"{comm.ALL_REDUCE_DOUBLING_MAX_BYTES // 1024} KiB run "
                              f"hierarchically (inside each host, then across)")
-        warning = placement_warning(g)
+        warning = placement_warning(grid)
         if warning:
             lines.append(warning)
-    if g.tp_size > 1:
-        lines.append(f"  tensor parallel: each tp rank holds {cfg.n_head // g.tp_size} of "
-                     f"{cfg.n_head} heads, 1/{g.tp_size} of every MLP, "
+    if grid.tp_size > 1:
+        lines.append(f"  tensor parallel: each tp rank holds {cfg.n_head // grid.tp_size} of "
+                     f"{cfg.n_head} heads, 1/{grid.tp_size} of every MLP, "
                      f"{model.vocab_per_rank} of {model.vocab_padded} vocabulary rows "
                      f"(V={cfg.vocab_size}"
                      f"{' padded' if model.vocab_padded != cfg.vocab_size else ''}); "
                      f"{model.num_local_params():,} of {model.num_params():,} parameters")
-        if a.sp:
+        if args.sp:
             lines.append(f"  sequence parallel: between the tensor-parallel layers each tp rank holds "
-                         f"{T // g.tp_size} of the {T} positions of every sequence (LayerNorms, "
+                         f"{T // grid.tp_size} of the {T} positions of every sequence (LayerNorms, "
                          f"residual stream, embeddings); f and g all-gather and reduce-scatter "
                          f"along the sequence")
-    if g.cp_size > 1:
-        C = g.cp_size
+    if grid.cp_size > 1:
+        C = grid.cp_size
         lines.append(f"  context parallel: each cp rank holds {T // C} of the {T} positions of every "
-                     f"sequence ({a.cp_layout}: this rank "
-                     + ", ".join(f"{p[0]}..{p[-1]}" for p in np.split(s.context.positions(T), 2))
+                     f"sequence ({args.cp_layout}: this rank "
+                     + ", ".join(f"{p[0]}..{p[-1]}" for p in np.split(session.context.positions(T), 2))
                      + f"); attention by ring attention, K and V passing round {C} ranks; gradients "
-                       f"summed over dp x cp = {g.grad_group.size} rank(s)")
-    if s.pipe is not None:
-        pp, V = g.pp_size, a.virtual_stages
+                       f"summed over dp x cp = {grid.grad_group.size} rank(s)")
+    if session.pipe is not None:
+        pp, V = grid.pp_size, args.virtual_stages
         held = [schedules.rank_layers(cfg.n_layer, r, pp, V) for r in range(pp)]
         lines.append(f"  pipeline: {pp} stages" + (f" of {V} chunks each (interleaved)" if V > 1 else "")
                      + ", layers " + ", ".join(" + ".join(f"{c.start}..{c.stop - 1}" for c in chunks)
                                                for chunks in held)
                      + f" (stage 0 + wte/wpe, stage {pp - 1} + ln_f/head"
                      + (", tied wte copied to the last stage" if cfg.tie_embeddings else "")
-                     + f"); {a.schedule} schedule over {M} micro-batch(es), bubble in theory "
-                       f"{s.pipe.bubble_theory:.3f}")
-    if a.zero:
-        shards = g.grad_group.size
-        lines.append(f"  ZeRO stage {a.zero} over {shards} rank(s) (dp x cp"
-                     + (f"; experts over their {g.expert_group.size} replica(s)" if g.ep_size > 1 else "") + "): "
+                     + f"); {args.schedule} schedule over {M} micro-batch(es), bubble in theory "
+                       f"{session.pipe.bubble_theory:.3f}")
+    if args.zero:
+        shards = grid.grad_group.size
+        lines.append(f"  ZeRO stage {args.zero} over {shards} rank(s) (dp x cp"
+                     + (f"; experts over their {grid.expert_group.size} replica(s)" if grid.ep_size > 1 else "") + "): "
                      + {1: "optimizer state", 2: "optimizer state and gradients",
-                        3: "optimizer state, gradients and parameters"}[a.zero]
-                     + f" sharded in {len(s.sync.units)} units (wte, each block, the rest), "
+                        3: "optimizer state, gradients and parameters"}[args.zero]
+                     + f" sharded in {len(session.sync.units)} units (wte, each block, the rest), "
                        f"each padded to a "
-                       f"multiple of {shards} ({s.sync.padding} padding elements on this rank)")
+                       f"multiple of {shards} ({session.sync.padding} padding elements on this rank)")
     lines.append(f"  batch: {B} x {T} tokens; each dp rank {B // dp} sequences in "
                  f"{M} micro-batch(es) of "
                  f"{B // dp // M}")
-    lines.append(f"  data: {a.data or data.BUILTIN_NAME + ' corpus'}, "
-                 f"{len(s.spec.tokens):,} tokens; steps "
-                 f"{s.spec.start}..{a.steps - 1}; lr {a.lr:g} {a.lr_schedule}, warm-up {a.warmup}"
-                 + (f"; resumed from {a.resume}" if s.spec.meta is not None else ""))
+    lines.append(f"  data: {args.data or data.BUILTIN_NAME + ' corpus'}, "
+                 f"{len(session.spec.tokens):,} tokens; steps "
+                 f"{session.spec.start}..{args.steps - 1}; lr {args.lr:g} {args.lr_schedule}, warm-up {args.warmup}"
+                 + (f"; resumed from {args.resume}" if session.spec.meta is not None else ""))
     return lines
 
 
-def plan_lines(s) -> list[str]:
+def plan_lines(session) -> list[str]:
     """--dry-run: what the planner (python -m minipar.plan, the same flags) expects a rank of
     each pipeline stage to hold and send per step; the run's summary measures the same."""
-    g = s.grid
-    r = table.plan(s.cfg, g.layout)
+    grid = session.grid
+    r = table.plan(session.cfg, grid.layout)
     lines = []
     for mem, sent in zip(r["memory_per_stage"], r["comm_per_stage"]):
-        where = f"a rank of stage {mem['stage']}" if g.pp_size > 1 else "each rank"
+        where = f"a rank of stage {mem['stage']}" if grid.pp_size > 1 else "each rank"
         lines.append(f"  plan: {where} holds {human_bytes(mem['model_states'])} of model states + "
                      f"{human_bytes(mem['activations'])} of activations at peak, sends "
                      f"{human_bytes(sent['bytes_per_step'])}/step (dp {human_bytes(sent['dp'])}, "
                      f"tp {human_bytes(sent['tp'])}, pp {human_bytes(sent['pp'])}"
-                     + (f", cp {human_bytes(sent['cp'])}" if g.cp_size > 1 else "")
-                     + (f", ep {human_bytes(sent['ep'])}" if g.ep_size > 1 else "") + ")")
+                     + (f", cp {human_bytes(sent['cp'])}" if grid.cp_size > 1 else "")
+                     + (f", ep {human_bytes(sent['ep'])}" if grid.ep_size > 1 else "") + ")")
     return lines
 
 
-def progress_line(s, row: dict) -> str:
-    exposed = f" (exposed {row['exposed_comm_s'] * 1e3:.1f} ms)" if s.has_dp else ""
-    dynamic = s.args.precision != "fp32" and s.opt.scaler.dynamic
+def progress_line(session, row: dict) -> str:
+    exposed = f" (exposed {row['exposed_comm_s'] * 1e3:.1f} ms)" if session.has_dp else ""
+    dynamic = session.args.precision != "fp32" and session.opt.scaler.dynamic
     scaling = f" | scale {row['loss_scale']:g}" if dynamic else ""
     return (f"step {row['step']:5d} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
             f"norm {row['grad_norm']:7.3f} | "
@@ -248,31 +249,32 @@ def progress_line(s, row: dict) -> str:
             + exposed + scaling + (" | skipped (inf/NaN gradient)" if row["skipped"] else ""))
 
 
-def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tuple[dict, list[str]]:
+def summarize(session, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tuple[dict, list[str]]:
     """docs/design.md §8's summary object and the lines that print it: the common part (loss,
     memory, tokens/s, MFU, layout), then each mechanism in use reporting itself, in the fixed
     order of in_use (its dict under its key, its lines). stages: every pipeline stage's
     stats on pp rank 0 (else None); tp_ledger: tensor_parallel.traffic() of the training
     steps."""
-    a, cfg, g, model, opt = s.args, s.cfg, s.grid, s.model, s.opt
+    args, cfg, grid, model, opt = session.args, session.cfg, session.grid, session.model, session.opt
     losses = [r["loss"] for r in rows_log]
-    B, T = a.batch_size, cfg.block_size
+    B, T = args.batch_size, cfg.block_size
     steps_run = len(rows_log)
     mem = memory_report(model, opt)
-    per_rank = memory_per_rank(g.world, mem)                 # collective over the world
+    per_rank = memory_per_rank(grid.world, mem)                 # collective over the world
     summary = {"summary": True, "params_count": model.num_params(), "steps": steps_run,
                "first_loss": losses[0], "final_loss": losses[-1], "val_loss": val_loss,
-               "unigram_entropy": data.unigram_entropy(s.spec.tokens),
+               "unigram_entropy": data.unigram_entropy(session.spec.tokens),
                "tokens_per_s": B * T * steps_run / elapsed,
-               "mfu": s.flops_step * steps_run / elapsed / s.peak,
-               "peak_flops": s.peak, "seconds": elapsed, "memory": mem, "memory_per_rank": per_rank,
-               "layout": {"dp": g.dp_size, "cp": g.cp_size, "tp": g.tp_size, "pp": g.pp_size, "zero": a.zero},
+               "mfu": session.flops_step * steps_run / elapsed / session.peak,
+               "peak_flops": session.peak, "seconds": elapsed, "memory": mem, "memory_per_rank": per_rank,
+               "layout": {"dp": grid.dp_size, "cp": grid.cp_size, "tp": grid.tp_size, "pp": grid.pp_size,
+                          "zero": args.zero},
                "data_parallel": None}      # always reported (in_use): its place in §8's key order
     f = mem["formula"]
     lines = [f"summary: {steps_run} steps in {elapsed:.1f} s, "
              f"{summary['tokens_per_s']:,.0f} tok/s, "
-             f"MFU {summary['mfu']:.1%} of {s.world} x {s.peak / s.world / 1e9:.0f} GFLOP/s "
-             f"{a.dtype} matmul peak",
+             f"MFU {summary['mfu']:.1%} of {session.world} x {session.peak / session.world / 1e9:.0f} GFLOP/s "
+             f"{args.dtype} matmul peak",
              f"  loss {losses[0]:.3f} -> {losses[-1]:.3f} (val {val_loss:.3f}); "
              f"a model that ignores context "
              f"scores {summary['unigram_entropy']:.3f} nats (the unigram entropy of the data)",
@@ -281,20 +283,20 @@ def summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger) -> tupl
              f"optimizer {human_bytes(mem['optimizer'])}; formula {f['text']} = "
              f"{human_bytes(f['params'])} + {human_bytes(f['grads'])} + "
              f"{human_bytes(f['optimizer'])}"]
-    for key, (out, more) in in_use(s, rows_log, mem, digest, stages, tp_ledger):
+    for key, (out, more) in in_use(session, rows_log, mem, digest, stages, tp_ledger):
         if key is not None:
             summary[key] = out
         lines += more
     return summary, lines
 
 
-def in_use(s, rows_log, mem, digest, stages, tp_ledger):
+def in_use(session, rows_log, mem, digest, stages, tp_ledger):
     """(its key in the summary or None, (its dict, its lines)) of each mechanism this run
     uses, in the summary's order: precision, ZeRO, data parallel (always; with the replicas'
     hash), hosts, pipeline, tensor or sequence parallel, context parallel, MoE, expert
     parallel, checkpoint. Each summary takes plain figures, read here from the session."""
-    a, cfg, g, model, sync = s.args, s.cfg, s.grid, s.model, s.sync
-    M = a.micro_batches
+    args, cfg, g, model, sync = session.args, session.cfg, session.grid, session.model, session.sync
+    M = args.micro_batches
     P_bytes = sum(p.data.nbytes for p in model.parameters())
     n_sum = g.grad_group.size                                # the ranks gradients are summed over: dp x cp
     experts = None
@@ -302,43 +304,45 @@ def in_use(s, rows_log, mem, digest, stages, tp_ledger):
         experts = (g.expert_group.size, sum(p.data.nbytes for n, p in model.named_parameters()
                                             if expert_parallel.expert_of(n) is not None))
     theory = data_parallel.grad_sync_theory(P_bytes, n_sum, experts)
-    rows = a.batch_size // g.dp_size // M                  # sequences per micro-batch of this dp rank
-    layers = [i for chunk in schedules.rank_layers(cfg.n_layer, g.pp_rank, g.pp_size, a.virtual_stages)
+    rows = args.batch_size // g.dp_size // M                  # sequences per micro-batch of this dp rank
+    layers = [i for chunk in schedules.rank_layers(cfg.n_layer, g.pp_rank, g.pp_size, args.virtual_stages)
               for i in chunk]                             # the blocks this rank runs
-    if a.precision != "fp32":
-        yield "precision", mixed_precision.summary(a.precision, s.opt.dtype.name, s.opt.scaler,
-                                                   s.opt.step_count, rows_log)
-    if a.zero:
+    if args.precision != "fp32":
+        yield "precision", mixed_precision.summary(args.precision, session.opt.dtype.name, session.opt.scaler,
+                                                   session.opt.step_count, rows_log)
+    if args.zero:
         yield "zero", zero_summary.summary(sync, mem, rows_log, M, theory)
     yield "data_parallel", data_parallel.summary(
-        rows_log, mode=f"zero{a.zero}" if a.zero else a.dp_mode if s.has_dp else None,
-        buckets=len(sync.units) if a.zero else n_buckets(s) if s.has_dp and a.dp_mode == "bucketed" else 0,
+        rows_log, mode=f"zero{args.zero}" if args.zero else args.dp_mode if session.has_dp else None,
+        buckets=(len(sync.units) if args.zero
+                 else n_buckets(session) if session.has_dp and args.dp_mode == "bucketed" else 0),
         theory=theory, P_bytes=P_bytes, digest=digest, ranks=n_sum, cp=g.cp_size, ep=g.ep_size)
     if g.world.n_nodes > 1:
         yield "hosts", grid.hosts_summary(g.world.hosts, [g.world.hosts[n] for n in g.world.nodes], rows_log,
                                           g.tp_group.n_nodes > 1)
     if stages is not None:                                # pp rank 0 (world rank 0 among them)
-        pipe = s.pipe
-        yield "pipeline", pipeline_summary.summary(a.schedule, pipe.model.n_stages, M, pipe.model.n_chunks,
+        pipe = session.pipe
+        yield "pipeline", pipeline_summary.summary(args.schedule, pipe.model.n_stages, M, pipe.model.n_chunks,
                                                    pipe.bubble_theory, stages, rows_log, draw.ascii_gantt)
     if g.tp_size > 1:
-        tp = sequence_parallel if a.sp else tensor_parallel
+        tp = sequence_parallel if args.sp else tensor_parallel
         yield "tensor_parallel", tp.summary(tp_ledger, rows_log, cfg, tp=g.tp_size, rows=rows, micro_batches=M,
                                             layers=len(layers), pp_rank=g.pp_rank, pp=g.pp_size,
-                                            recompute=a.recompute)
+                                            recompute=args.recompute)
     if g.cp_size > 1:
-        itemsize = 4 if a.precision != "fp32" else np.dtype(s.spec.dtype).itemsize   # fp16/bf16 attend in fp32
+        itemsize = 4 if args.precision != "fp32" else np.dtype(session.spec.dtype).itemsize   # fp16/bf16 attend in fp32
         yield "context_parallel", context_parallel.summary(
-            rows_log, cfg, cp=g.cp_size, layout=a.cp_layout, rows=rows, micro_batches=M, layers=len(layers),
-            tp=g.tp_size, itemsize=itemsize, recompute=a.recompute)
+            rows_log, cfg, cp=g.cp_size, layout=args.cp_layout, rows=rows, micro_batches=M, layers=len(layers),
+            tp=g.tp_size, itemsize=itemsize, recompute=args.recompute)
     if cfg.moe_experts:
         yield "moe", moe.summary_lines(rows_log)
     if g.ep_size > 1:
         yield "expert_parallel", expert_parallel.summary(
             rows_log, cfg, ep=g.ep_size, expert_replicas=g.expert_group.size,
-            moe_layers=sum(cfg.is_moe(i) for i in layers), micro_batches=M, recompute=a.recompute)
-    if a.save:
-        yield None, checkpoint.summary(a.save, a.steps, world=s.world, zero=a.zero, grad_ranks=n_sum, cp=g.cp_size)
+            moe_layers=sum(cfg.is_moe(i) for i in layers), micro_batches=M, recompute=args.recompute)
+    if args.save:
+        yield None, checkpoint.summary(args.save, args.steps, world=session.world, zero=args.zero, grad_ranks=n_sum,
+                                       cp=g.cp_size)
 
 
 def json_safe(row: dict) -> dict:
@@ -347,13 +351,13 @@ def json_safe(row: dict) -> dict:
             for k, v in row.items()}
 
 
-def draw_timeline(s, summary: dict):
+def draw_timeline(session, summary: dict):
     """--timeline FILE.svg: the last step's pipeline timeline (rank 0)."""
-    pl, a, pp = summary["pipeline"], s.args, s.grid.pp_size
-    with open(a.timeline, "w") as f:
+    pl, args, pp = summary["pipeline"], session.args, session.grid.pp_size
+    with open(args.timeline, "w") as f:
         f.write(draw.timeline_svg(pl["last_step_timeline"], pp,
-                                  f"{a.schedule} p={pp} m={a.micro_batches}"
-                                  + (f" V={a.virtual_stages}" if a.virtual_stages > 1 else "") + ": "
+                                  f"{args.schedule} p={pp} m={args.micro_batches}"
+                                  + (f" V={args.virtual_stages}" if args.virtual_stages > 1 else "") + ": "
                                   f"bubble {pl['bubble_measured']:.3f} "
                                   f"(theory {pl['bubble_theory']:.3f})"))
-    s.say(f"  timeline drawn in {a.timeline}")
+    session.say(f"  timeline drawn in {args.timeline}")

@@ -155,7 +155,7 @@ def moe_settings(spec: RunSpec, args) -> moe.MoESettings | None:
 
 # --- one step ----------------------------------------------------------------------------------
 
-def train_step(s: Session, step: int) -> dict:
+def train_step(session: Session, step: int) -> dict:
     """One optimizer step over the global batch -> its log row (docs/design.md §8).
 
     rows = (lo, hi): this rank's rows of the global batch, cut into --micro-batches. Each
@@ -168,8 +168,8 @@ def train_step(s: Session, step: int) -> dict:
     gradients is measured (not clipped); an inf/NaN in any gradient on any rank (a max
     all-reduce of each rank's flag over the world) skips the step on all of them; otherwise
     opt.step unscales and clips in fp32 with one factor, clip_coef / S."""
-    args, model, opt, sync = s.args, s.model, s.opt, s.sync
-    faults.inject(s, step, s.grid.rank if s.grid is not None else 0)     # MINIPAR_FAULT (tests)
+    args, model, opt, sync = session.args, session.model, session.opt, session.sync
+    faults.inject(session, step, session.grid.rank if session.grid is not None else 0)     # MINIPAR_FAULT (tests)
     scaler = opt.scaler if args.precision != "fp32" else None
     scale = scaler.scale if scaler is not None else 1.0
     t0 = time.perf_counter()
@@ -178,41 +178,41 @@ def train_step(s: Session, step: int) -> dict:
         sync.zero_grad()
         sync.start_step()
         with moe.collecting(model.moe, scale) as routing:   # routing: this step's loss scale and stats
-            batches = micro_batches(s, step)
-            if s.pipe is not None:                      # the stage's schedule, then dp's sync
-                loss_local = s.pipe.train_step(batches, args.batch_size * model.cfg.block_size, sync,
+            batches = micro_batches(session, step)
+            if session.pipe is not None:                      # the stage's schedule, then dp's sync
+                loss_local = session.pipe.train_step(batches, args.batch_size * model.cfg.block_size, sync,
                                                loss_scale=scale)
             else:
-                loss_local = accumulate(s, batches, scale)
+                loss_local = accumulate(session, batches, scale)
         w.mark("synced")                                # the gradient sync's (and pipeline's) bytes end here
-        loss_sum = loss_over_dp(s, loss_local)
+        loss_sum = loss_over_dp(session, loss_local)
         norm = math.sqrt(sync.grad_norm_sq(model)) / scale  # of the unscaled gradients
-        skipped = overflowed(s, scaler)
+        skipped = overflowed(session, scaler)
         if not skipped:                                 # clip (and unscale) inside AdamW's passes:
             with trace.span("optimizer step", "optimizer"):  # the grads stay as they are
                 opt.step(grad_scale=clip_coef(norm, args.grad_clip) / scale)
         if scaler is not None:
             scaler.update(skipped)                      # a skipped step: nothing in opt has changed
         dt = time.perf_counter() - t0
-    return step_row(s, w, routing, step=step, loss=loss_sum, lr=lr, grad_norm=norm, step_time=dt,
+    return step_row(session, w, routing, step=step, loss=loss_sum, lr=lr, grad_norm=norm, step_time=dt,
                     loss_scale=scale, skipped=skipped)
 
 
-def micro_batches(s: Session, step: int) -> list:
+def micro_batches(session: Session, step: int) -> list:
     """This rank's rows of the step's global batch cut into --micro-batches: each
     (B/(dp*M), T), with --cp (B/(dp*M), T/cp) (Session.local)."""
-    lo, hi = s.rows
-    M = s.args.micro_batches
+    lo, hi = session.rows
+    M = session.args.micro_batches
     mb = (hi - lo) // M
-    return [s.local(s.sampler.batch(step, lo + k * mb, lo + (k + 1) * mb)) for k in range(M)]
+    return [session.local(session.sampler.batch(step, lo + k * mb, lo + (k + 1) * mb)) for k in range(M)]
 
 
-def accumulate(s: Session, batches: list, scale: float) -> float:
+def accumulate(session: Session, batches: list, scale: float) -> float:
     """Without a pipeline: forward and backward of each micro-batch, the gradients adding up;
     only the last one's backward starts the gradient sync, waited for at the end. -> the sum
     of this rank's micro-batch losses."""
-    model, sync, M = s.model, s.sync, len(batches)
-    BT = s.args.batch_size * model.cfg.block_size        # every loss over the global token count
+    model, sync, M = session.model, session.sync, len(batches)
+    BT = session.args.batch_size * model.cfg.block_size        # every loss over the global token count
     loss_local = 0.0
     for k, (x, y) in enumerate(batches):
         sync.sync_now(k == M - 1)                       # only the last micro-batch talks
@@ -226,25 +226,25 @@ def accumulate(s: Session, batches: list, scale: float) -> float:
     return loss_local
 
 
-def loss_over_dp(s: Session, loss_local: float) -> float:
+def loss_over_dp(session: Session, loss_local: float) -> float:
     """The step's loss: this rank's sum, summed over dp x cp (one all-reduce)."""
-    return (loss_local if s.dp_group is None
-            else float(comm.all_reduce(s.dp_group, np.array([loss_local]))[0]))
+    return (loss_local if session.dp_group is None
+            else float(comm.all_reduce(session.dp_group, np.array([loss_local]))[0]))
 
 
-def overflowed(s: Session, scaler) -> bool:
+def overflowed(session: Session, scaler) -> bool:
     """Skip the step? With a loss scaler: an inf/NaN in any gradient on any rank (a max
     all-reduce of every rank's flag over the world) skips it everywhere."""
     if scaler is None:
         return False
-    skipped = s.sync.local_found_inf(s.model)
-    if s.world_group is not None:                       # any rank's overflow skips the step everywhere
+    skipped = session.sync.local_found_inf(session.model)
+    if session.world_group is not None:                       # any rank's overflow skips the step everywhere
         flag = np.array([skipped], dtype=np.int64)
-        skipped = bool(comm.all_reduce(s.world_group, flag, op="max")[0])
+        skipped = bool(comm.all_reduce(session.world_group, flag, op="max")[0])
     return skipped
 
 
-def step_row(s: Session, w: comm.window, routing: moe.collecting, *, step, loss, lr, grad_norm, step_time,
+def step_row(session: Session, w: comm.window, routing: moe.collecting, *, step, loss, lr, grad_norm, step_time,
              loss_scale, skipped) -> dict:
     """The step's log row (docs/design.md §8) from what it measured and the ledger's window
     over it, by the axis of the group each byte went over (the ledger tags them where they
@@ -254,23 +254,23 @@ def step_row(s: Session, w: comm.window, routing: moe.collecting, *, step, loss,
     pipeline's; inter_host: the bytes that left the host."""
     step_sent, sync_sent = w.sent_by_axis, w.sent_until("synced")
     return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            "tokens_per_s": s.args.batch_size * s.cfg.block_size / step_time,
+            "tokens_per_s": session.args.batch_size * session.cfg.block_size / step_time,
             "comm_bytes": sum(step_sent.values()),
             "grad_sync_bytes": sync_sent.get("dp", 0) + sync_sent.get("zero", 0),
             "pp_bytes": sync_sent.get("pp", 0),
             "tp_bytes": step_sent.get("tp", 0), "zero_bytes": step_sent.get("zero", 0),
             "bytes_by_axis": {str(axis): n for axis, n in step_sent.items() if n},
             "inter_host_bytes_by_axis": {str(axis): n for axis, n in w.inter_host_by_axis.items() if n},
-            "exposed_comm_s": s.sync.exposed_seconds, "cp_wait_s": float(w.counted("ring", "waited")),
+            "exposed_comm_s": session.sync.exposed_seconds, "cp_wait_s": float(w.counted("ring", "waited")),
             "step_time": step_time, "loss_scale": loss_scale, "skipped": skipped, **routing.row()}
 
 
-def train_steps(s: Session, start: int, end: int):
+def train_steps(session: Session, start: int, end: int):
     """Steps start..end-1, one log row per yield."""
     for step in range(start, end):
-        s.requests.step = step
+        session.requests.step = step
         with quiet_overflow(), trace.span(f"step {step}", "step", step=step):
-            row = train_step(s, step)
+            row = train_step(session, step)
         yield row                                       # outside the errstate: the caller runs here
 
 
@@ -374,126 +374,128 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
                    checkpoint=(args.resume, spec.start) if args.resume else None)
 
 
-def train_loop(s: Session) -> list[dict]:
+def train_loop(session: Session) -> list[dict]:
     """The steps from the spec's start to --steps: a progress line every --log-every steps,
     a log row per step, a checkpoint every --save-every; after each step the ranks agree on
     whether to stop (stop.py: divergence, a signal, an output that failed). -> the rows."""
-    a, start = s.args, s.spec.start
-    log_every = a.log_every or max(1, (a.steps - start) // 20)
+    args, start = session.args, session.spec.start
+    log_every = args.log_every or max(1, (args.steps - start) // 20)
     rows_log = []
-    watch = stop.Watch(a)
-    s.requests.in_steps = True
-    for row in train_steps(s, start, a.steps):
+    watch = stop.Watch(args)
+    session.requests.in_steps = True
+    for row in train_steps(session, start, args.steps):
         step = row["step"]
-        row["mfu"] = s.flops_step / row["step_time"] / s.peak
-        row["tokens"] = (step + 1) * a.batch_size * s.cfg.block_size
-        if a.eval_every and (step + 1) % a.eval_every == 0 and step + 1 < a.steps:
-            row["val_loss"] = validation_loss(s)         # collective with --pp
+        row["mfu"] = session.flops_step / row["step_time"] / session.peak
+        row["tokens"] = (step + 1) * args.batch_size * session.cfg.block_size
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            row["val_loss"] = validation_loss(session)         # collective with --pp
         rows_log.append(row)
-        write_log(s, report.json_safe(row))
-        if (step - start) % log_every == 0 or step == a.steps - 1 or row["skipped"]:
-            s.say(report.progress_line(s, row))
-        scaler = s.opt.scaler
+        write_log(session, report.json_safe(row))
+        if (step - start) % log_every == 0 or step == args.steps - 1 or row["skipped"]:
+            session.say(report.progress_line(session, row))
+        scaler = session.opt.scaler
         why = watch.check(row, scaler.scale if scaler is not None and scaler.dynamic else None)
         if why:                                          # the same verdict on every rank
-            s.requests.in_steps = False
-            raise stop.Stop(stop.DIVERGED, watch.line(why, s.checkpoint))
-        reason = stop.REASONS[stop.agree(s.world_group, s.requests.local_code())]
+            session.requests.in_steps = False
+            raise stop.Stop(stop.DIVERGED, watch.line(why, session.checkpoint))
+        reason = stop.REASONS[stop.agree(session.world_group, session.requests.local_code())]
         if reason:
-            s.requests.in_steps = False
-            raise stopped(s, reason, step + 1)
-        if a.save and a.save_every and (step + 1) % a.save_every == 0 and step + 1 < a.steps:
-            save(s, step + 1)
-    s.requests.in_steps = False
+            session.requests.in_steps = False
+            raise stopped(session, reason, step + 1)
+        if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            save(session, step + 1)
+    session.requests.in_steps = False
     return rows_log
 
 
-def write_log(s: Session, obj: dict):
+def write_log(session: Session, obj: dict):
     """One --log line on rank 0. A full disk or an I/O error is said once, in one line naming
     the file; the ranks then stop after this step (the checkpoint still written)."""
-    if s.logf is None:
+    if session.logf is None:
         return
     try:
-        s.logf.write(json.dumps(obj) + "\n")
+        session.logf.write(json.dumps(obj) + "\n")
     except OSError as e:
-        s.requests.output_error = f"--log {s.args.log}: {checkpoint.describe_error(e)}"
+        session.requests.output_error = f"--log {session.args.log}: {checkpoint.describe_error(e)}"
         with contextlib.suppress(OSError):
-            s.logf.close()
-        s.logf = None
+            session.logf.close()
+        session.logf = None
 
 
-def save(s: Session, step: int):
+def save(session: Session, step: int):
     """The checkpoint of the steps before `step` (collective), remembered for a stop line.
     A state holding NaN is never written (the run diverged); one process's full disk is one
     line (several ranks: checkpoint.save agrees, and says it on the failing rank)."""
-    d = s.args.save
+    d = session.args.save
     try:
         with trace.span("save checkpoint", "checkpoint", step=step):
-            checkpoint.save_run(d, s, step)
+            checkpoint.save_run(d, session, step)
     except checkpoint.NotFinite as e:
         raise stop.Stop(stop.DIVERGED, f"minipar.train: {e}") from None
     except OSError as e:                            # one process: the error as it is
         raise stop.Stop(stop.OUTPUT_FAILED, f"minipar.train: checkpoint {d} not written: "
                                             f"{checkpoint.describe_error(e)}; {d} keeps the last good "
                                             f"checkpoint") from None
-    s.checkpoint = (d, step)
+    session.checkpoint = (d, step)
 
 
-def stopped(s: Session, reason: str, step: int) -> stop.Stop:
+def stopped(session: Session, reason: str, step: int) -> stop.Stop:
     """The agreed stop after `step` steps: SIGTERM and a failed output first save a
     checkpoint (with --save); -> the Stop to raise on every rank."""
-    a = s.args
+    args = session.args
     saved = ""
-    if a.save and reason in ("SIGTERM", "output"):
-        save(s, step)
-        saved = f"; checkpoint {a.save} written: --resume {a.save} continues at step {step}"
+    if args.save and reason in ("SIGTERM", "output"):
+        save(session, step)
+        saved = f"; checkpoint {args.save} written: --resume {args.save} continues at step {step}"
     if reason == "output":
         return stop.Stop(stop.OUTPUT_FAILED, f"minipar.train: an output could not be written "
-                                             f"({s.requests.output_error or 'on another rank'}): stopped after "
+                                             f"({session.requests.output_error or 'on another rank'}): stopped after "
                                              f"step {step - 1}{saved}")
     code = stop.INTERRUPTED[signal.SIGTERM if reason == "SIGTERM" else signal.SIGINT]
     return stop.Stop(code, f"minipar.train: interrupted at step {step} ({reason}): steps 0..{step - 1} "
                            f"done, the log flushed{saved}")
 
 
-def validation_loss(s: Session) -> float:
+def validation_loss(session: Session) -> float:
     """The mean loss of 4 batches of the held-out split (collective with --pp: every stage)."""
-    val = data.Sampler(s.spec.tokens, s.cfg.block_size, s.args.batch_size, s.args.seed, split="val")
+    args = session.args
+    val = data.Sampler(session.spec.tokens, session.cfg.block_size, args.batch_size, args.seed, split="val")
     with no_grad(), trace.span("validation", "eval"):
-        loss = float(np.mean([s.model.evaluate(*s.local(val.batch(i))) for i in range(4)]))
-    if s.context is None:
+        loss = float(np.mean([session.model.evaluate(*session.local(val.batch(i))) for i in range(4)]))
+    if session.context is None:
         return loss
     # each cp rank's mean over as many tokens as every other's: their mean is the batch's
-    return float(comm.all_reduce(s.context.group, np.array([loss]))[0]) / s.context.size
+    return float(comm.all_reduce(session.context.group, np.array([loss]))[0]) / session.context.size
 
 
-def replica_digest(s: Session) -> str:
+def replica_digest(session: Session) -> str:
     """Check that the replicas hold the same weights (raises if not) -> the weights' hash.
     With --ep the experts are compared over their own replicas, the rest over dp."""
-    g, params = s.grid, s.model.named_parameters()
-    if g.ep_size == 1:
-        return data_parallel.check_replicas(s.model.parameters(), g.grad_group)
+    grid, params = session.grid, session.model.named_parameters()
+    if grid.ep_size == 1:
+        return data_parallel.check_replicas(session.model.parameters(), grid.grad_group)
     experts = [p for n, p in params if expert_parallel.expert_of(n) is not None]
-    if g.expert_group.size > 1:
-        data_parallel.check_replicas(experts, g.expert_group)
-    return data_parallel.check_replicas([p for n, p in params if expert_parallel.expert_of(n) is None], g.dp_group)
+    if grid.expert_group.size > 1:
+        data_parallel.check_replicas(experts, grid.expert_group)
+    return data_parallel.check_replicas([p for n, p in params if expert_parallel.expert_of(n) is None], grid.dp_group)
 
 
-def sample(s: Session):
+def sample(session: Session):
     """--sample N: N bytes generated on rank 0 from the consolidated model."""
-    a, model = s.args, s.model
-    if a.sample <= 0:
+    args, model = session.args, session.model
+    if args.sample <= 0:
         return
-    if s.grid.tp_size > 1 or s.grid.pp_size > 1 or s.grid.cp_size > 1 or s.grid.ep_size > 1 or a.zero == 3:
+    grid = session.grid
+    if grid.tp_size > 1 or grid.pp_size > 1 or grid.cp_size > 1 or grid.ep_size > 1 or args.zero == 3:
         # collective over tp, pp, dp; whole on rank 0
-        full = checkpoint.canonical_state(model, s.opt)
-        if s.rank == 0:
-            model = GPT(s.cfg, seed=a.seed, dtype=s.spec.dtype)
+        full = checkpoint.canonical_state(model, session.opt)
+        if session.rank == 0:
+            model = GPT(session.cfg, seed=args.seed, dtype=session.spec.dtype)
             model.load_state_dict(full)
-    if s.rank == 0:
-        out = model.generate(data.encode("The pipeline")[None].astype(np.int64), a.sample,
-                             rng=np.random.default_rng(a.seed))
-        s.say("sample:\n  " + data.decode(out[0]).replace("\n", "\n  "))
+    if session.rank == 0:
+        out = model.generate(data.encode("The pipeline")[None].astype(np.int64), args.sample,
+                             rng=np.random.default_rng(args.seed))
+        session.say("sample:\n  " + data.decode(out[0]).replace("\n", "\n  "))
 
 
 def run(args, requests: stop.Requests | None = None) -> dict:
@@ -514,59 +516,60 @@ def run(args, requests: stop.Requests | None = None) -> dict:
             s.lock.release()
 
 
-def phases(s: Session) -> dict:
+def phases(session: Session) -> dict:
     """Describe, train, summarise, verify, sample."""
-    args = s.args
-    for line in report.describe(s):
-        s.say(line)
+    args = session.args
+    for line in report.describe(session):
+        session.say(line)
     if args.dry_run:
-        for line in report.plan_lines(s):
-            s.say(line)
-        s.say(f"dry run: the flags, the layout{', the checkpoint' if args.resume else ''} and the data "
-              f"check out on all {s.world} rank(s); nothing trained, nothing written")
+        for line in report.plan_lines(session):
+            session.say(line)
+        session.say(f"dry run: the flags, the layout{', the checkpoint' if args.resume else ''} and the data "
+              f"check out on all {session.world} rank(s); nothing trained, nothing written")
         return {"dry_run": True}
     t0 = time.perf_counter()
-    rows_log = train_loop(s)
+    rows_log = train_loop(session)
     elapsed = time.perf_counter() - t0
     # the training steps' only (not validation)
     tp_ledger = tensor_parallel.traffic()
     # stage 3: every dp rank holds other shards
-    replicated = s.grid.grad_group.size > 1 and args.zero != 3
-    digest = replica_digest(s) if replicated else None
+    replicated = session.grid.grad_group.size > 1 and args.zero != 3
+    digest = replica_digest(session) if replicated else None
     if args.save:
-        save(s, args.steps)
-    val_loss = validation_loss(s)
-    stages = s.pipe.gather_stats() if s.pipe is not None else None   # collective over pp
-    summary, lines = report.summarize(s, rows_log, elapsed, val_loss, digest, stages, tp_ledger)
+        save(session, args.steps)
+    val_loss = validation_loss(session)
+    stages = session.pipe.gather_stats() if session.pipe is not None else None   # collective over pp
+    summary, lines = report.summarize(session, rows_log, elapsed, val_loss, digest, stages, tp_ledger)
     for line in lines:
-        s.say(line)
-    if args.timeline and s.rank == 0:
-        report.draw_timeline(s, summary)
+        session.say(line)
+    if args.timeline and session.rank == 0:
+        report.draw_timeline(session, summary)
     if args.verify:
-        verify.verify(s, rows_log, summary)
+        verify.verify(session, rows_log, summary)
     if args.trace:                                  # collective: every rank's events to rank 0
         try:
-            written = tracing.finish(s.grid.world, args.trace, trace_metadata(s))
+            written = tracing.finish(session.grid.world, args.trace, trace_metadata(session))
         except OSError as e:                        # rank 0 alone writes it: the others are done
-            s.requests.output_error = f"--trace {args.trace}: {checkpoint.describe_error(e)}"
+            session.requests.output_error = f"--trace {args.trace}: {checkpoint.describe_error(e)}"
             written = None
         if written:
-            s.say(f"trace: {written} (open it in https://ui.perfetto.dev or chrome://tracing)")
-    write_log(s, summary)
-    if s.requests.output_error:
+            session.say(f"trace: {written} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    write_log(session, summary)
+    if session.requests.output_error:
         raise stop.Stop(stop.OUTPUT_FAILED, f"minipar.train: an output could not be written "
-                                            f"({s.requests.output_error})")
-    sample(s)
+                                            f"({session.requests.output_error})")
+    sample(session)
     return summary
 
 
-def trace_metadata(s: Session) -> dict:
+def trace_metadata(session: Session) -> dict:
     """What a reader of the trace needs to check it: the layout, the schedule, the command."""
-    a, g = s.args, s.grid
-    return {"layout": {"dp": g.dp_size, "cp": g.cp_size, "tp": g.tp_size, "pp": g.pp_size, "zero": a.zero},
-            "schedule": a.schedule if g.pp_size > 1 else None, "micro_batches": a.micro_batches,
-            "virtual_stages": a.virtual_stages,
-            "steps": [s.spec.start, a.steps], "argv": sys.argv[1:]}
+    args, grid = session.args, session.grid
+    return {"layout": {"dp": grid.dp_size, "cp": grid.cp_size, "tp": grid.tp_size, "pp": grid.pp_size,
+                       "zero": args.zero},
+            "schedule": args.schedule if grid.pp_size > 1 else None, "micro_batches": args.micro_batches,
+            "virtual_stages": args.virtual_stages,
+            "steps": [session.spec.start, args.steps], "argv": sys.argv[1:]}
 
 
 def end_job(code: int):

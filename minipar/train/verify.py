@@ -89,17 +89,18 @@ def compare(losses, ref_losses, state, ref_state, norms=(), ref_norms=()) -> dic
             "key_bias_abs": key_bias}
 
 
-def verdict(s, rows_log, ref_losses, ref_norms, state, ref_state) -> tuple[dict, str]:
+def verdict(session, rows_log, ref_losses, ref_norms, state, ref_state) -> tuple[dict, str]:
     """compare() judged at VERIFY_RTOL (fp16/bf16: the losses judged, the gradient norms and
     parameters only reported), and the line that says so."""
-    a = s.args
-    mixed = a.precision != "fp32"
+    args = session.args
+    mixed = args.precision != "fp32"
     d = compare([r["loss"] for r in rows_log], ref_losses, state, ref_state,
                 [r["grad_norm"] for r in rows_log], ref_norms)
-    tol = VERIFY_RTOL[a.precision if mixed else a.dtype]
+    tol = VERIFY_RTOL[args.precision if mixed else args.dtype]
     d["tolerance"] = tol
     d["ok"] = d["loss_rel"] <= tol and (mixed or (d["norm_rel"] <= tol and d["param_rel"] <= tol))
-    line = (f"verify: {s.grid.describe()}{f' zero={a.zero}' if a.zero else ''} vs 1 process over {len(rows_log)} "
+    zero = f" zero={args.zero}" if args.zero else ""
+    line = (f"verify: {session.grid.describe()}{zero} vs 1 process over {len(rows_log)} "
             f"steps: loss max |diff| {d['loss_abs']:.3e} (rel {d['loss_rel']:.3e}), grad norm rel "
             f"{d['norm_rel']:.3e}, parameters max |diff| "
             f"{d['param_abs']:.3e} (rel {d['param_rel']:.3e}, {d['worst_param']}"
@@ -122,14 +123,14 @@ def run_twin(spec, args, start: int, stop: int):
     return [r["loss"] for r in rows], [r["grad_norm"] for r in rows], canonical_state(s.model, s.opt)
 
 
-def verify(s, rows_log, summary: dict):
+def verify(session, rows_log, summary: dict):
     """Rank 0 re-runs the steps on one process and compares; summary["verify"] gets the
     figures and the verdict line is printed. Collective: every rank hands in its state."""
-    state = canonical_state(s.model, s.opt)                 # collective over tp, pp (and dp with ZeRO)
-    if s.grid.rank != 0:
+    state = canonical_state(session.model, session.opt)                 # collective over tp, pp (and dp with ZeRO)
+    if session.grid.rank != 0:
         return
-    s.say(f"verify: re-running steps {s.spec.start}..{s.args.steps - 1} on one process ...")
+    session.say(f"verify: re-running steps {session.spec.start}..{session.args.steps - 1} on one process ...")
     with trace.span("verify twin", "verify"), trace.paused():     # --trace: one span
-        ref_losses, ref_norms, ref_state = run_twin(s.spec, s.args, s.spec.start, s.args.steps)
-    summary["verify"], line = verdict(s, rows_log, ref_losses, ref_norms, state, ref_state)
-    s.say(line)
+        ref_losses, ref_norms, ref_state = run_twin(session.spec, session.args, session.spec.start, session.args.steps)
+    summary["verify"], line = verdict(session, rows_log, ref_losses, ref_norms, state, ref_state)
+    session.say(line)
