@@ -183,10 +183,16 @@ def test_sigint_on_one_rank_stops_every_rank_with_one_line(tmp_path):
     assert [r.get("step") for r in rows[:-1]] == [0, 1] and rows[-1]["exit_code"] == 130
 
 
+def complete_rows(path) -> int:
+    """Rows written whole so far: the trainer may be in the middle of writing the next one."""
+    with open(path, encoding="utf-8") as f:
+        return f.read().count("\n")
+
+
 def wait_for_rows(path, k, proc, limit=60.0):
     t0 = time.monotonic()
     while time.monotonic() - t0 < limit and proc.poll() is None:
-        if os.path.exists(path) and len(rows_of(path)) >= k:
+        if os.path.exists(path) and complete_rows(path) >= k:
             return
         time.sleep(0.02)
     raise AssertionError(f"{path}: fewer than {k} rows after {limit} s (exit {proc.poll()})")

@@ -51,13 +51,13 @@ class untracked:
     def __enter__(self):
         self.saved = ({k: list(v) for k, v in _LEDGER.items()}, {k: list(v) for k, v in _AXES.items()},
                       {k: dict(v) for k, v in _COUNTS.items()})
-        self.rec, _trace.RECORDER = _trace.RECORDER, None
+        self.rec = _trace.install(None)
 
     def __exit__(self, *exc):
         for ledger, saved in zip((_LEDGER, _AXES, _COUNTS), self.saved):
             ledger.clear()
             ledger.update(saved)
-        _trace.RECORDER = self.rec
+        _trace.install(self.rec)
 
 
 def account(name, axis, sent, recvd, seconds, sent_inter, recvd_inter):

@@ -56,6 +56,8 @@ class Recorder:
     def __init__(self, name: str, peek: bool = False):
         self.name = name                # the process row's name
         self.peek = peek                # also keep each float64 message's first/last value
+        self.clock = [(0.0, 0.0)]       # rank 0: [(offset_s, rtt_s)] per rank (show/tracing.py)
+        self.ledger0 = {}               # the ledger by axis when recording began
         self.t0 = time.perf_counter()
         self.events = []                # [ph, name, cat, tid, start, end, args, id]
         self.layers = []                # (first seq, last seq, name): forward layers, in order
