@@ -20,7 +20,8 @@ and one bf16 --sp run with pp > 1. The schedules past 1F1B (past_1f1b): beside e
 pipelined 1F1B layout in float64 (every ZeRO stage) and in fp16/bf16 (ZeRO 0), interleaved
 with 2 virtual stages, ZB-H1 and ZB-H2. fp32 runs in float64 and must agree to 1e-10 relative,
 losses and every parameter tensor; fp16/bf16 must agree on the losses to 5e-2, as --verify
-judges them. The model is tiny (2 layers, or 4 with pp = 4; C = 16; 3 steps; gradient
+judges them. The Llama family (llama): 1, 2 and 4 key/value heads across dp, ZeRO, tp (split and
+shared heads), sp, pp, cp, recomputation, tied embeddings and fp16/bf16. The model is tiny (2 layers, or 4 with pp = 4; C = 16; 3 steps; gradient
 clipping on) so that the matrix runs in minutes. Every run also writes a --trace, which must
 pass minipar.show.traceview.audit (a valid trace; a process row per rank; comm events equal to
 each rank's ledger; forwards and backwards in the schedule's order). Prints one row per run
@@ -76,6 +77,7 @@ def cases(ranks, precisions):
                     yield from past_1f1b(n, dp, tp, pp, zero, precision)
         yield from context_parallel(n, precisions)
         yield from experts(n, precisions)
+        yield from llama(n, precisions)
 
 
 def experts(n, precisions):
@@ -134,6 +136,47 @@ def context_parallel(n, precisions):
             yield n, run + f64
 
 
+def llama(n, precisions):
+    """--arch llama (H 4, F 24, theta 500) with 1, 2 and 4 key/value heads: dp with every ZeRO
+    stage; tp 2 and 4 (key/value heads split, or shared by 2 and 4 ranks), with --sp and
+    recomputation; pipelines (1F1B, GPipe, interleaved, ZB-H1, ZB-H2) with tp and sp; the ring
+    (cp 2 and 4, zig-zag and contiguous) alone and with dp, ZeRO, tp and pp; tied embeddings;
+    fp16/bf16. 8 ranks: dp x tp x pp and dp x cp x tp."""
+    base = ["--arch", "llama", "--ffn-hidden", "24", "--rope-theta", "500"]
+    f64 = ["--dtype", "float64"]
+
+    def kv(k):
+        return base + ["--n-kv-head", str(k)]
+
+    if n == 4:
+        for zero in ("0", "1", "2", "3"):
+            yield n, kv(2) + ["--dp", "4", "--zero", zero] + f64
+        for k in (1, 2, 4):
+            yield n, kv(k) + ["--dp", "2", "--tp", "2", "--zero", str(k % 4)] + f64
+            yield n, kv(k) + ["--tp", "4"] + f64
+            yield n, kv(k) + ["--tp", "4", "--sp", "--recompute", "selective"] + f64
+            yield n, kv(k) + ["--dp", "2", "--tp", "2", "--sp", "--recompute", "full"] + f64
+        for schedule in ("1f1b", "gpipe", "zb-h1", "zb-h2"):
+            yield n, kv(1) + ["--tp", "2", "--pp", "2", "--schedule", schedule, "--micro-batches", "2"] + f64
+        yield n, kv(2) + ["--tp", "2", "--sp", "--pp", "2", "--n-layer", "4", "--schedule", "interleaved",
+                          "--virtual-stages", "2", "--micro-batches", "2"] + f64
+        yield n, kv(2) + ["--pp", "4", "--n-layer", "4", "--micro-batches", "4", "--tied"] + f64
+        yield n, kv(1) + ["--dp", "2", "--pp", "2", "--zero", "2", "--micro-batches", "2", "--tied"] + f64
+        yield n, kv(2) + ["--cp", "4"] + f64
+        yield n, kv(1) + ["--cp", "4", "--cp-layout", "contiguous"] + f64
+        for zero in ("1", "3"):
+            yield n, kv(2) + ["--cp", "2", "--dp", "2", "--zero", zero] + f64
+        yield n, kv(1) + ["--cp", "2", "--tp", "2", "--recompute", "full"] + f64
+        yield n, kv(4) + ["--cp", "2", "--tp", "2"] + f64
+        yield n, kv(2) + ["--cp", "2", "--pp", "2", "--schedule", "zb-h1", "--micro-batches", "2"] + f64
+        for precision in set(precisions) - {"fp32"}:
+            yield n, kv(2) + ["--dp", "2", "--tp", "2", "--zero", "1", "--precision", precision]
+            yield n, kv(1) + ["--cp", "2", "--tp", "2", "--precision", precision]
+    else:
+        yield n, kv(1) + ["--dp", "2", "--tp", "2", "--pp", "2", "--micro-batches", "2", "--zero", "1"] + f64
+        yield n, kv(2) + ["--dp", "2", "--cp", "2", "--tp", "2", "--zero", "3"] + f64
+
+
 def past_1f1b(n, dp, tp, pp, zero, precision):
     """The schedules past 1F1B on a pipelined layout: interleaved (V = 2, so 2p layers and p
     micro-batches), ZB-H1 and ZB-H2 (2 micro-batches, as the others)."""
@@ -185,7 +228,8 @@ def main():
             failed.append((n, flags, code))
         else:
             key = ("fp32" if "float64" in flags else "fp16/bf16") + (" --sp" if "--sp" in flags else "") \
-                + (" --cp" if "--cp" in flags else "") + (" --moe" if "--moe-experts" in flags else "")
+                + (" --cp" if "--cp" in flags else "") + (" --moe" if "--moe-experts" in flags else "") \
+                + (" llama" if "llama" in flags else "")
             for k, v in figures.items():
                 worst.setdefault(key, {})[k] = max(v, worst.get(key, {}).get(k, 0.0))
     print(f"{total - len(failed)} of {total} layouts pass --verify ({time.time() - t0:.0f} s); largest relative "

@@ -373,9 +373,8 @@ def matmul_counter(monkeypatch):
     wrap(ops.Linear, lambda self, a, out: 2 * out.size * a[0].shape[-1])        # (N, Cin) @ (Cin, Cout)
     wrap(ops.MatMul, lambda self, a, out: 2 * out.size * a[0].shape[-1])        # (..., K) @ (K, M)
     def attention(self, a, out):
-        q, k, v, pt = self.saved                                               # (B, nh, T, hs), P^T (B, nh, T, T)
-        return 2 * (k.shape[0] * k.shape[1] * k.shape[2] * q.shape[2] * k.shape[3]      # k @ q^T
-                    + pt.shape[0] * pt.shape[1] * pt.shape[3] * pt.shape[2] * v.shape[3])  # P @ v
+        q, k, v, pt = self.saved                          # P^T (..., Tk, Tq): one entry per (key, query)
+        return 2 * 2 * pt.size * q.shape[-1]              # k @ q^T and P @ v, hs multiply-adds per entry
     wrap(ops.CausalSelfAttention, attention)
     return count
 

@@ -85,7 +85,7 @@ def test_added_flops_are_counted_exactly(monkeypatch):
     """Every matrix product that runs, counted as 2*M*N*K by wrapping the ops (as
     test_model counts train_flops_per_token), in one forward + backward: what each mode adds
     over none equals recompute.added_flops."""
-    from minipar.autograd import ops, recompute
+    from minipar.autograd import attention, ops, recompute
     count = [0]
 
     def wrap(owner, name, flops):
@@ -101,7 +101,7 @@ def test_added_flops_are_counted_exactly(monkeypatch):
     wrap(ops.MatMul, "forward", lambda out, self, a, b: 2 * out.size * a.shape[-1])
     # the attention core: P = softmax(Q K^T) in _probs_t (forward, and selective's backward),
     # P V in the forward
-    wrap(ops, "_probs_t", lambda out, q, k, T: 2 * out.size * q.shape[-1])
+    wrap(attention, "_probs_t", lambda out, q, k, T: 2 * out.size * q.shape[-1])
     wrap(ops.CausalSelfAttention, "forward", lambda out, self, qkv, nh, *r: 2 * out.size * out.shape[1])
     cfg = GPTConfig(vocab_size=256, block_size=8, n_layer=3, n_head=2, n_embd=16)
     B, T, C, L = 2, 8, 16, 3

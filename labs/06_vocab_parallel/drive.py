@@ -262,7 +262,7 @@ def count(student, out):
     TensorParallelGPT (L = 1) built with both, one forward + backward, by kind."""
     me = MPI.COMM_WORLD.Get_rank()
     spy_on_all_reduce(student)
-    install(student)
+    seam_calls = install(student)
     for tp, g in groups():
         if g is None or tp == 1:
             continue
@@ -294,19 +294,22 @@ def count(student, out):
         out.case(f"TensorParallelGPT tp={tp} rank {r} V=256 L=1 H={heads} C={width} with your embedding and "
                  f"cross-entropy, one forward + backward, counting")
         model = tpar.TensorParallelGPT(cfg, g, seed=0, dtype=np.float64)
-        out.put(key("count", "model yours", tp, me), isinstance(model.wte, student.VocabParallelEmbedding))
         data = np.random.default_rng([5, tp]).integers(0, cfg.vocab_size, size=(2, 2, 8))
         comm.reset_traffic()
         tpar.reset_traffic()
+        before = seam_calls()
         model(data[0], data[1]).backward()
+        # the forward ran your embedding and your cross-entropy, once each
+        out.put(key("count", "model yours", tp, me), seam_calls() - before == 2)
         out.put(key("count", "model", tp, me), {str(k): int(v["calls"]) for k, v in tpar.traffic().items()})
 
 
 # --- the seam -------------------------------------------------------------------------------
 
 def install(student):
-    """TensorParallelGPT's vocabulary-parallel embedding (for every model built after this
-    call) and cross-entropy become the student's (counted)."""
+    """TensorParallelGPT's vocabulary-parallel embedding and cross-entropy become the
+    student's (counted): the model builds its embedding at each forward from this module's
+    name, so every forward after this call runs the student's."""
     calls = [0]
 
     class Embedding(student.VocabParallelEmbedding):

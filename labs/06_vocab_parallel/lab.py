@@ -1,9 +1,9 @@
 """Lab 06's criteria, judged in the grader's process (labs/framework.py says what a lab is).
 
 Seam (drive.install): the two names of minipar/parallel/tensor/tensor_parallel.py the vocabulary-
-parallel ends of TensorParallelGPT use: VocabParallelEmbedding, which TensorParallelGPT.__init__
-constructs (so install() runs before the model is built), and vocab_parallel_cross_entropy,
-which TensorParallelGPT.loss calls. The embedding's all-reduce (kind g) and the
+parallel ends of TensorParallelGPT use: VocabParallelEmbedding, which TensorParallelGPT's layers
+(tensor_parallel.TensorSplit) construct at each forward, and vocab_parallel_cross_entropy,
+which its loss calls. The embedding's all-reduce (kind g) and the
 cross-entropy's three (kind cross_entropy) are then the student's.
 Oracle: NumPy here, on the full, unpadded tensors the grader rebuilds from the cases' seeds
 (drive.table, drive.ids_for, drive.full_logits, ...): W[ids] and the scatter-add of dy for
@@ -221,7 +221,7 @@ def judge_count(res):
                 heads, width = drive.MODEL_CFG[tp]
                 case = f"TensorParallelGPT tp={tp} rank {r} (V=256, Vp={-(-256 // tp) * tp}) L=1"
                 assert res.get(w, key("count", "model yours", tp, w)) is True, \
-                    f"{case}: the model was not built from your embedding"
+                    f"{case}: the model's forward did not run your embedding and cross-entropy once each"
                 kinds = res.get(w, key("count", "model", tp, w))
                 want = {"f": 3, "g": 3, "cross_entropy": 3}
                 assert kinds == want, f"{case} with your embedding and cross-entropy, one forward + backward: " \

@@ -27,6 +27,7 @@ import math
 
 import numpy as np
 
+from minipar.autograd.attention import CausalSelfAttention, CausalSelfAttentionReference  # noqa: F401
 from minipar.autograd.dtypes import compute, store
 from minipar.autograd.tensor import Function, Tensor
 
@@ -383,123 +384,7 @@ class Softmax(Function):
         return store(dx, self.dtype), None
 
 
-# --- attention ------------------------------------------------------------------------------
-
-_MASKS: dict = {}
-
-
-def _causal_mask_t(t: int, dtype) -> np.ndarray:
-    """(t, t) additive mask for TRANSPOSED scores S^T[j, i] = k_j . q_i: 0 where key j <=
-    query i (on and above the diagonal), -inf below (cached)."""
-    key = (t, np.dtype(dtype))
-    if key not in _MASKS:
-        _MASKS[key] = np.tril(np.full((t, t), -np.inf, dtype=dtype), k=-1)
-    return _MASKS[key]
-
-
-class CausalSelfAttentionReference:
-    """y = softmax(q k^T / sqrt(hs) + causal mask) @ v per head, as written (docs/design.md §1).
-    qkv (B, T, 3C) = [q | k | v], nh heads of hs = C/nh; returns y (B, T, C)."""
-
-    @staticmethod
-    def forward(qkv, n_head):
-        B, T, C3 = qkv.shape
-        C = C3 // 3
-        hs = C // n_head
-
-        def heads(a):                                      # (B, T, C) -> (B, nh, T, hs)
-            return a.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
-
-        q, k, v = (heads(a) for a in np.split(qkv, 3, axis=-1))
-        scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hs)          # (B, nh, T, T): [query, key]
-        allowed = np.tril(np.ones((T, T), dtype=bool))                # query i sees keys j <= i
-        scores = np.where(allowed, scores, -np.inf)
-        att = np.exp(scores - scores.max(-1, keepdims=True))
-        att = att / att.sum(-1, keepdims=True)                        # softmax over the keys
-        y = att @ v                                                   # (B, nh, T, hs)
-        out = y.transpose(0, 2, 1, 3).reshape(B, T, C)                # heads side by side
-        return out, (q, k, v, att)
-
-    @staticmethod
-    def backward(dout, cache):
-        q, k, v, att = cache
-        B, nh, T, hs = q.shape
-        dy = dout.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)         # (B, nh, T, hs)
-        datt = dy @ v.transpose(0, 1, 3, 2)                           # (B, nh, T, T)
-        dv = att.transpose(0, 1, 3, 2) @ dy                           # (B, nh, T, hs)
-        # softmax backward per query row; masked entries have att = 0, so they get no gradient
-        dscores = att * (datt - (datt * att).sum(-1, keepdims=True))  # (B, nh, T, T)
-        dq = dscores @ k / math.sqrt(hs)                              # (B, nh, T, hs)
-        dk = dscores.transpose(0, 1, 3, 2) @ q / math.sqrt(hs)        # (B, nh, T, hs)
-
-        def merge(a):                                      # (B, nh, T, hs) -> (B, T, C)
-            return a.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
-
-        return np.concatenate([merge(dq), merge(dk), merge(dv)], axis=-1)   # (B, T, 3C)
-
-
-def _probs_t(q, k, T):
-    """The causal softmax, transposed: P^T (B, nh, Tk, Tq) from the scaled q and k."""
-    pt = k @ np.swapaxes(q, -1, -2)                        # (B, nh, Tk, Tq): S^T
-    pt += _causal_mask_t(T, pt.dtype)
-    pt -= pt.max(-2, keepdims=True)                        # per query: over the keys
-    np.exp(pt, out=pt)
-    pt /= pt.sum(-2, keepdims=True)                        # P^T
-    return pt
-
-
-class CausalSelfAttention(Function):
-    """Fused causal attention on the packed projection qkv (B, T, 3C') = [q | k | v],
-    with nh heads of hs = C'/nh. Returns y (B, T, C'). C' = C, or C/tp on a
-    tensor-parallel rank that holds nh/tp heads: the op does not care.
-
-    The scores are kept transposed, P^T (B, nh, T_key, T_query): the softmax then reduces
-    over axis -2, which NumPy vectorises across the contiguous last axis, instead of over
-    64- or 128-element rows one at a time (3x faster for the row max). The maths is
-    softmax(q k^T / sqrt(hs)) @ v, exactly as written in docs/design.md §1, and untransposed
-    in CausalSelfAttentionReference above."""
-
-    def forward(self, qkv, n_head, recompute=False):
-        self.dtype, qkv = qkv.dtype, compute(qkv)          # fp16/bf16: attend in fp32
-        B, T, C3 = qkv.shape
-        C = C3 // 3
-        hs = C // n_head
-        # (B, T, 3, nh, hs) -> three (B, nh, T, hs)
-        q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
-        q = q * (1.0 / math.sqrt(hs))                      # scale the smaller operand
-        k = np.ascontiguousarray(k)
-        v = np.ascontiguousarray(v)
-        pt = _probs_t(q, k, T)                             # P^T (B, nh, Tk, Tq)
-        y = np.swapaxes(pt, -1, -2) @ v                    # P @ v: (B, nh, Tq, hs)
-        # --recompute selective: P is made again in backward, from q and k (recompute.py)
-        if recompute:
-            self.save(q, k, v)
-        else:
-            self.save(q, k, v, pt)
-        self.dims = (B, T, C, n_head, hs)
-        return store(y.transpose(0, 2, 1, 3).reshape(B, T, C), self.dtype)
-
-    def backward(self, g):
-        q, k, v, *kept = self.saved
-        B, T, C, nh, hs = self.dims
-        pt = kept[0] if kept else _probs_t(q, k, T)        # the same operations as forward
-        g = compute(g)
-        gy = np.ascontiguousarray(g.reshape(B, T, nh, hs).transpose(0, 2, 1, 3))  # (B, nh, T, hs)
-        dqkv = np.empty((B, T, 3, nh, hs), dtype=g.dtype)
-        dv = pt @ gy                                        # P^T @ dy: (B, nh, Tk, hs)
-        dpt = v @ np.swapaxes(gy, -1, -2)                   # dP^T = v @ dy^T: (B, nh, Tk, Tq)
-        # softmax backward, per query column: dS = P * (dP - sum_keys(dP * P))
-        col = np.einsum("bhji,bhji->bhi", dpt, pt)[:, :, None, :]
-        dpt -= col
-        dpt *= pt                                           # dS^T
-        dq = np.swapaxes(dpt, -1, -2) @ k                   # dS @ k: (B, nh, Tq, hs)
-        dq *= 1.0 / math.sqrt(hs)
-        dk = dpt @ q                                        # dS^T @ q (q was scaled in forward)
-        dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
-        dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
-        dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
-        return store(dqkv.reshape(B, T, 3 * C), self.dtype), None, None
-
+# --- attention: autograd/attention.py (multi-head and grouped-query) -------------------------
 
 # --- loss -----------------------------------------------------------------------------------
 
@@ -631,9 +516,10 @@ def softmax(x: Tensor, axis: int = -1) -> Tensor:
     return Softmax.apply(x, axis)
 
 
-def causal_self_attention(qkv: Tensor, n_head: int, recompute: bool = False) -> Tensor:
-    """recompute: keep q, k, v only and compute the softmax again in backward (selective)."""
-    return CausalSelfAttention.apply(qkv, n_head, recompute)
+def causal_self_attention(qkv: Tensor, n_head: int, recompute: bool = False, n_kv_head: int | None = None) -> Tensor:
+    """qkv (B, T, (H + 2 Hkv) hs) -> (B, T, H hs); n_kv_head Hkv None: H (multi-head).
+    recompute: keep q, k, v only and compute the softmax again in backward (selective)."""
+    return CausalSelfAttention.apply(qkv, n_head, recompute, n_kv_head)
 
 
 def cross_entropy(logits: Tensor, targets, denom=None) -> Tensor:

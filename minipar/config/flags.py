@@ -15,8 +15,11 @@ from minipar.model.gpt import GPTConfig
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.context.ring_attention import LAYOUTS
 
-MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64,
-                      moe_experts=0, moe_top_k=2, moe_every=1, moe_capacity_factor=0.0)
+MODEL_DEFAULTS = dict(arch="gpt2", n_layer=4, n_head=4, n_embd=128, block_size=64,
+                      moe_experts=0, moe_top_k=2, moe_every=1, moe_capacity_factor=0.0,
+                      n_kv_head=0, ffn_hidden=0, ffn_multiplier=1.0, multiple_of=256, norm_eps=1e-5,
+                      rope_theta=10000.0)
+LLAMA_ONLY = ("n_kv_head", "ffn_multiplier", "multiple_of", "rope_theta")   # GPT-2 has none of them
 DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
@@ -80,13 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group(
         "model (unset: the checkpoint's value on --resume, else the default shown)")
     d = MODEL_DEFAULTS
+    add_family_arguments(m)
     m.add_argument("--n-layer", type=int, metavar="L", help=f"transformer blocks [{d['n_layer']}]")
     m.add_argument("--n-head", type=int, metavar="H", help=f"attention heads [{d['n_head']}]")
     m.add_argument("--n-embd", type=int, metavar="C",
                    help=f"channels, divisible by H [{d['n_embd']}]")
     m.add_argument("--block-size", type=int, metavar="T",
                    help=f"context length [{d['block_size']}]")
-    m.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
+    add_tie_arguments(m)
     add_moe_arguments(m)
     t = p.add_argument_group("training")
     t.add_argument("--moe-aux-coef", type=float, default=0.01, metavar="A",
@@ -155,9 +159,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_family_arguments(group):
+    """The model family and the Llama family's shape flags (the trainer's and the planner's)."""
+    d = MODEL_DEFAULTS
+    group.add_argument("--arch", choices=("gpt2", "llama"),
+                       help=f"the model family: GPT-2, or Llama (RMSNorm, rotary positions, SwiGLU, "
+                            f"grouped-query attention, no biases; docs/llama.md) [{d['arch']}]")
+    group.add_argument("--n-kv-head", type=int, metavar="K",
+                       help="llama: key/value heads, dividing --n-head (1: multi-query) [--n-head]")
+    group.add_argument("--ffn-hidden", type=int, metavar="F",
+                       help="the MLP's width [gpt2: 4C; llama: Llama's rule from --ffn-multiplier and --multiple-of]")
+    group.add_argument("--ffn-multiplier", type=float, metavar="X",
+                       help=f"llama: ffn_dim_multiplier of Llama's rule, F = multiple-of x ceil(X int(8C/3) / "
+                            f"multiple-of) [{d['ffn_multiplier']}]")
+    group.add_argument("--multiple-of", type=int, metavar="N",
+                       help=f"llama: Llama's rule rounds F up to a multiple of N [{d['multiple_of']}]")
+    group.add_argument("--rope-theta", type=float, metavar="THETA",
+                       help=f"llama: the rotary embedding's base (Llama 3: 500000) [{d['rope_theta']:g}]")
+    group.add_argument("--norm-eps", type=float, metavar="EPS",
+                       help=f"the epsilon of LayerNorm (gpt2) or RMSNorm (llama) [{d['norm_eps']:g}]")
+
+
+def add_tie_arguments(group):
+    t = group.add_mutually_exclusive_group()
+    t.add_argument("--untied", action="store_true",
+                   help="a separate lm_head.weight instead of the token embedding's transpose [llama's default]")
+    t.add_argument("--tied", action="store_true",
+                   help="the logits use the token embedding's transpose [gpt2's default]")
+
+
 def resolve_model(args, meta: dict | None) -> GPTConfig:
-    """Explicit flag > checkpoint > default; a flag that contradicts the checkpoint is an error."""
+    """Explicit flag > checkpoint > default; a flag that contradicts the checkpoint is an error
+    (an --arch among them)."""
     saved = (meta or {}).get("config", {})
+    if meta is not None:
+        saved = {"arch": "gpt2", **saved}        # a checkpoint from before the families is GPT-2's
     values = {}
     for key, default in MODEL_DEFAULTS.items():
         flag = getattr(args, key)
@@ -165,12 +201,41 @@ def resolve_model(args, meta: dict | None) -> GPTConfig:
             raise ConfigError(f"--{key.replace('_', '-')} {flag} does not match the checkpoint "
                               f"{args.resume} ({key} = {saved[key]})")
         values[key] = flag if flag is not None else saved.get(key, default)
-    tied = not args.untied
-    if meta is not None and args.untied and saved.get("tie_embeddings", True):
-        raise ConfigError(f"--untied does not match the checkpoint {args.resume} (tied embeddings)")
+    tied = True if args.tied else False if args.untied else None          # None: the family's default
     if meta is not None:
-        tied = saved.get("tie_embeddings", True)
+        was = saved.get("tie_embeddings", True)
+        if tied is not None and tied != was:
+            raise ConfigError(f"--{'tied' if tied else 'untied'} does not match the checkpoint {args.resume} "
+                              f"({'tied' if was else 'untied'} embeddings)")
+        tied = was
     return GPTConfig(vocab_size=256, tie_embeddings=tied, **values)
+
+
+def check_family(args, cfg: GPTConfig):
+    """The family's flags: the Llama ones only with --arch llama, each in its range, and the
+    shape the family can build (its heads, its rotary pairs)."""
+    if cfg.arch == "gpt2":
+        given = [f for f in LLAMA_ONLY if getattr(args, f, None) is not None]
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} is a setting of the Llama family: it needs --arch llama")
+        if args.ffn_hidden is not None and args.ffn_hidden != 4 * cfg.n_embd:
+            raise ConfigError(f"--ffn-hidden {args.ffn_hidden}: GPT-2's MLP is 4 x --n-embd = {4 * cfg.n_embd} wide "
+                              f"(another width needs --arch llama)")
+    if cfg.n_kv_head < 0 or (cfg.n_kv_head and cfg.n_head % cfg.n_kv_head):
+        raise ConfigError(f"--n-kv-head {cfg.n_kv_head} must divide --n-head {cfg.n_head} (each key/value head "
+                          f"serves n_head/n_kv_head query heads)")
+    if cfg.ffn_hidden < 0:
+        raise ConfigError(f"--ffn-hidden {cfg.ffn_hidden} must be >= 1 (0: the family's rule)")
+    if cfg.multiple_of < 1:
+        raise ConfigError(f"--multiple-of {cfg.multiple_of} must be >= 1")
+    for flag, v, low in (("norm_eps", cfg.norm_eps, 0.0), ("rope_theta", cfg.rope_theta, 1.0),
+                         ("ffn_multiplier", cfg.ffn_multiplier, 0.0)):
+        if not v > low:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be > {low:g}, got {v}")
+    try:
+        cfg.family.check(cfg)
+    except ValueError as e:
+        raise ConfigError(f"--arch {cfg.arch}: {e}") from None
 
 
 def check_numbers(args):
@@ -192,6 +257,7 @@ def validate(args, cfg: GPTConfig):
                               f"got {getattr(args, flag)}")
     if cfg.n_embd % cfg.n_head:
         raise ConfigError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    check_family(args, cfg)
     if args.batch_size % args.micro_batches:
         raise ConfigError(f"--batch-size {args.batch_size} is not divisible by "
                           f"--micro-batches {args.micro_batches}")
@@ -238,6 +304,10 @@ def check_split(cfg: GPTConfig | None, dp: int, tp: int, pp: int, batch_size: in
         raise ConfigError(f"--n-head {cfg.n_head} is not divisible by --tp {tp}: "
                           f"each tensor-parallel "
                           f"rank needs whole heads")
+    if cfg is not None and cfg.kv_heads % tp and tp % cfg.kv_heads:
+        raise ConfigError(f"--n-kv-head {cfg.kv_heads} and --tp {tp}: tensor parallelism needs --tp to divide "
+                          f"--n-kv-head (each rank its own key/value heads) or --n-kv-head to divide --tp (each "
+                          f"key/value head held by tp/n_kv_head ranks)")
     if batch_size % (dp * micro_batches):
         raise ConfigError(f"--batch-size {batch_size} is not divisible by dp*micro-batches = "
                           f"{dp}*{micro_batches} = {dp * micro_batches}")

@@ -1,7 +1,15 @@
 """The single-process models, which know nothing of how they are split. Read in this order:
 
-    gpt.py              GPT-2: GPTConfig, the canonical parameter names and shapes
-                        (param_specs), the model top to bottom, its FLOPs per token
+    config.py           GPTConfig: the shape of a model of either family (arch), and how
+                        every parameter is drawn (init_param)
+    family.py           Family: what the rest of minipar may ask of a model family (its
+                        names, where each sits, how tensor parallelism cuts it, the forward)
+    gpt.py              GPT-2's family: the canonical names and shapes, the block top to
+                        bottom, its FLOPs per token; and GPT, the single-process model of
+                        either family
+    llama.py            the Llama family: RMSNorm, rotary positions, grouped-query
+                        attention, SwiGLU, no biases
+    families.py         the families by arch
     moe.py              a mixture-of-experts MLP: router, top-k, capacity, the Switch
                         load-balancing loss
     contract.py         what every layout of the model offers the trainer (Model)

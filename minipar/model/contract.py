@@ -28,9 +28,14 @@ from minipar import trace
 from minipar.optim.adamw import sum_of_squares
 
 
-def whole_attention(qkv, n_head: int):
-    """Causal self-attention of the packed qkv (B, t, 3C') on this rank's whole sequence."""
-    return ops.causal_self_attention(qkv, n_head)
+def whole_attention(qkv, n_head: int, n_kv_head: int | None = None):
+    """Causal self-attention of the packed qkv (B, t, (H + 2 Hkv) hs) on this rank's whole sequence."""
+    return ops.causal_self_attention(qkv, n_head, n_kv_head=n_kv_head)
+
+
+def recomputed_attention(qkv, n_head: int, n_kv_head: int | None = None):
+    """whole_attention keeping q, k and v only: the softmax made again in backward (--recompute selective)."""
+    return ops.causal_self_attention(qkv, n_head, recompute=True, n_kv_head=n_kv_head)
 
 
 def whole_positions(t: int, block_size: int) -> np.ndarray:
@@ -65,13 +70,69 @@ class Resident:
         return run(x)
 
 
+class Whole:
+    """The layers of one process, every one whole: what a model's family calls to compute its
+    forward (model/family.py). Tensor and sequence parallelism give a model theirs instead
+    (parallel/tensor/): the same calls, each rank's shard and the messages between them.
+
+        column(x, w, b)     x @ w + b, a layer whose outputs tensor parallelism splits
+        row(x, w, b)        x @ w + b, a layer whose inputs it splits (it sums the parts)
+        replicated(p)       a parameter every rank holds whole, as used
+        kv(p)               a key or value projection, as used (tp > n_kv_head: a shared copy)
+        heads(n)            of n heads, those this rank computes
+        kv_heads(cfg)       of the key/value heads, those this rank computes
+        check_ids(idx, cfg) the token ids, checked
+        tokens(idx, w)      the token embedding's rows
+        positions(w, pos)   the position embedding's rows of positions pos (GPT-2)
+        logits(x, w)        x @ w.T, the head
+        loss(z, t, denom)   the cross-entropy of the logits z"""
+
+    def column(self, x, w, b=None):
+        return ops.linear(x, w, b)
+
+    row = column
+
+    def replicated(self, p):
+        return p
+
+    kv = replicated
+
+    def heads(self, n: int) -> int:
+        return n
+
+    def kv_heads(self, cfg) -> int:
+        return cfg.kv_heads
+
+    def check_ids(self, idx, cfg) -> np.ndarray:
+        idx = np.asarray(idx)
+        if idx.shape[-1] > cfg.block_size:
+            raise ValueError(f"sequence length {idx.shape[-1]} > block_size {cfg.block_size}")
+        if idx.size and (idx.min() < 0 or idx.max() >= cfg.vocab_size):
+            raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), got [{idx.min()}, {idx.max()}]")
+        return idx
+
+    def tokens(self, idx, w):
+        return ops.embedding(idx, w)                                  # (B, t, C)
+
+    def positions(self, w, pos):
+        return ops.embedding(pos[None, :], w)                         # (1, t, C)
+
+    def logits(self, x, w):
+        return ops.matmul(x, ops.transpose(w))                        # (B, t, V)
+
+    def loss(self, logits, targets, denom=None):
+        return ops.cross_entropy(logits, targets, denom)
+
+
 @dataclass(frozen=True)
 class Parts:
     """What a layout plugs into the model's forward: given to the model when it is built and
     never changed. The defaults are one process's; minipar/parallel/parallelize.py builds
     the others (ring attention, recomputation, expert placement, a pipeline stage's share).
 
-        attention(qkv, n_head)      causal self-attention of the packed projection (B, t, 3C')
+        attention(qkv, n_head, n_kv_head)
+                                    causal self-attention of the packed projection
+                                    (B, t, (H' + 2 Hkv') hs) of this rank's heads
         positions(t, block_size)    the global positions of the t tokens of a sequence this rank holds
         run_block(block, i, x)      block(i, x) as the forward runs it: traced, maybe recomputed
         moe                         the MoE blocks' routing settings (moe.MoESettings), or None:
@@ -93,8 +154,8 @@ class Model:
         parts        the Parts its layout plugs into the forward
         params       {canonical name: Tensor} of the parameters this rank holds, model order
         full_shapes  {canonical name: shape} of every parameter of the whole model
-    and provides embed(idx), block(i, x) and head(x); loss(logits, targets, denom) too when
-    its logits are not the whole vocabulary's."""
+    and, if its layers are not one process's, `split` (Whole's calls). The forward pieces
+    embed(idx), block(i, x) and head(x) are the family's (model/family.py) on those layers."""
 
     cfg: object
     parts: Parts = Parts()
@@ -102,6 +163,12 @@ class Model:
     full_shapes: dict
     tp_size: int = 1          # tensor-parallel ranks the model is split over
     tp_rank: int = 0          # and this rank's place among them
+    split = Whole()           # the layers the family's forward calls (tensor parallelism: its own)
+
+    @property
+    def family(self):
+        """The model family's description (model/family.py): names and the forward."""
+        return self.cfg.family
 
     @property
     def dtype(self) -> np.dtype:
@@ -134,9 +201,22 @@ class Model:
 
     forward = __call__
 
+    def embed(self, idx):
+        return self.family.embed(self, idx)
+
+    def block(self, i: int, x):
+        return self.family.block(self, i, x)
+
+    def head(self, x):
+        return self.family.final(self, x)
+
     def loss(self, logits, targets, loss_denom=None):
-        """The cross-entropy of whole-vocabulary logits."""
-        return ops.cross_entropy(logits, targets, loss_denom)
+        """The cross-entropy of the logits (the layout's: maybe from vocabulary shards)."""
+        targets = np.asarray(targets)
+        if targets.size and (targets.min() < 0 or targets.max() >= self.cfg.vocab_size):
+            raise ValueError(f"targets must be in [0, {self.cfg.vocab_size}), got "
+                             f"[{targets.min()}, {targets.max()}]")
+        return self.split.loss(logits, targets, loss_denom)
 
     def run_embed(self, idx):
         """The embedding, its parameters there (Parts.gathers)."""
@@ -158,9 +238,9 @@ class Model:
         """The global positions of the t tokens of each sequence this rank holds (Parts.positions)."""
         return self.parts.positions(t, self.cfg.block_size)
 
-    def attend(self, qkv, n_head: int):
-        """Causal self-attention of the packed qkv (B, t, 3C') (Parts.attention)."""
-        return self.parts.attention(qkv, n_head)
+    def attend(self, qkv, n_head: int, n_kv_head: int | None = None):
+        """Causal self-attention of the packed qkv (B, t, (H' + 2 Hkv') hs) (Parts.attention)."""
+        return self.parts.attention(qkv, n_head, n_kv_head)
 
     def moe_layer(self, i: int, x):
         """Block i's mixture of experts on x (B, t, C) (moe.py)."""

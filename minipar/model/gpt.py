@@ -1,4 +1,5 @@
-"""GPT-2, single process: the model every parallel layout is checked against.
+"""GPT-2's family, and GPT: the single-process model of either family, the model every
+parallel layout is checked against.
 
     x = wte[idx] + wpe[0:t]                                  # (B, t, C)
     for each block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))
@@ -7,108 +8,130 @@
 
 Parameters carry the canonical GPT-2 / Hugging Face names and shapes of docs/design.md §2,
 weights stored (in, out). Each is drawn from its own generator seeded by (seed, name), so
-a shard on any dp/tp/pp layout is a slice of the very same full tensor.
+a shard on any dp/tp/pp layout is a slice of the very same full tensor. The Llama family is
+model/llama.py; `param_specs` and `train_flops_per_token` below answer for either.
 """
 from __future__ import annotations
 
 import math
-import zlib
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from minipar.model import moe
 from minipar.autograd import ops
-from minipar.model.contract import Model, Parts
 from minipar.autograd.tensor import Tensor, no_grad
+from minipar.model.config import GPTConfig, init_param  # noqa: F401 - the kept import path
+from minipar.model.contract import Model, Parts
+from minipar.model.family import Family
 
 
-@dataclass
-class GPTConfig:
-    vocab_size: int = 256        # V: byte-level tokens
-    block_size: int = 64         # T: longest context
-    n_layer: int = 4             # L: transformer blocks
-    n_head: int = 4              # H: attention heads
-    n_embd: int = 128            # C: channels; head size C/H
-    tie_embeddings: bool = True  # logits use wte.T (GPT-2) or a separate lm_head.weight
-    moe_experts: int = 0         # E > 0: every moe_every-th block's MLP is E experts (moe.py)
-    moe_top_k: int = 2           # K experts per token
-    moe_every: int = 1           # block i is a MoE block when (i + 1) % moe_every == 0
-    moe_capacity_factor: float = 0.0   # F: slots per expert ceil(F N K / E); 0: no dropping
+class GPT2(Family):
+    """GPT-2 (Radford et al. 2019): learned positions, LayerNorm, fused qkv, GELU MLP, biases."""
 
-    def validate(self):
-        for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
-        if self.moe_experts < 0 or self.moe_every < 1 or self.moe_capacity_factor < 0:
-            raise ValueError(f"moe_experts {self.moe_experts} must be >= 0, moe_every {self.moe_every} >= 1, "
-                             f"moe_capacity_factor {self.moe_capacity_factor} >= 0")
-        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
-            raise ValueError(f"moe_top_k {self.moe_top_k} must be between 1 and moe_experts {self.moe_experts}")
-        return self
+    name, embedding, positions, block_word = "gpt2", "wte.weight", "wpe.weight", "h"
+    final_names = ("ln_f.weight", "ln_f.bias")
 
-    def is_moe(self, i: int) -> bool:
-        """Is block i a mixture-of-experts block?"""
-        return self.moe_experts > 0 and moe.is_moe_block(i, self.moe_every)
+    def check(self, cfg):
+        if cfg.kv_heads != cfg.n_head or cfg.ffn_hidden not in (0, 4 * cfg.n_embd):
+            raise ValueError(f"gpt2 has n_head key/value heads and an MLP of 4 x n_embd: n_kv_head "
+                             f"{cfg.n_kv_head} and ffn_hidden {cfg.ffn_hidden} are Llama's settings")
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def default_hidden(self, cfg) -> int:
+        return 4 * cfg.n_embd
+
+    def param_specs(self, cfg):
+        V, T, C, L, F = cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.hidden
+        proj_std = 0.02 / math.sqrt(2 * L)                     # GPT-2's scaled residual init
+        specs = [("wte.weight", (V, C), 0.02), ("wpe.weight", (T, C), 0.02)]
+        for i in range(L):
+            h = self.block_prefix(i)
+            specs += [
+                (h + "ln_1.weight", (C,), "ones"), (h + "ln_1.bias", (C,), "zeros"),
+                (h + "attn.c_attn.weight", (C, 3 * C), 0.02), (h + "attn.c_attn.bias", (3 * C,), "zeros"),
+                (h + "attn.c_proj.weight", (C, C), proj_std), (h + "attn.c_proj.bias", (C,), "zeros"),
+                (h + "ln_2.weight", (C,), "ones"), (h + "ln_2.bias", (C,), "zeros"),
+            ]
+            mlps = [h + "mlp."] if not cfg.is_moe(i) else [h + f"mlp.experts.{e}." for e in range(cfg.moe_experts)]
+            if cfg.is_moe(i):
+                specs.append((h + "mlp.router.weight", (C, cfg.moe_experts), 0.02))
+            for m in mlps:
+                specs += [(m + "c_fc.weight", (C, F), 0.02), (m + "c_fc.bias", (F,), "zeros"),
+                          (m + "c_proj.weight", (F, C), proj_std), (m + "c_proj.bias", (C,), "zeros")]
+        specs += [("ln_f.weight", (C,), "ones"), ("ln_f.bias", (C,), "zeros")]
+        if not cfg.tie_embeddings:
+            specs.append(("lm_head.weight", (V, C), 0.02))
+        return specs
+
+    def split_kind(self, name: str) -> str:
+        """A MoE block's router and experts are replicated: every tp rank runs the whole MoE
+        layer on the (replicated) activations, so each computes their full gradient (docs/moe.md)."""
+        if ".mlp.experts." in name or name.endswith("mlp.router.weight"):
+            return "replicated"
+        if name in ("wte.weight", "lm_head.weight"):
+            return "vocab"
+        if name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias"):
+            return "qkv"
+        if name.endswith("mlp.c_fc.weight") or name.endswith("mlp.c_fc.bias"):
+            return "column"
+        if name.endswith("c_proj.weight"):
+            return "row"
+        return "replicated"
+
+    # --- the forward, against the layout's layers (model.split) -----------------------------
+    def embed(self, m, idx):
+        s = m.split
+        idx = s.check_ids(idx, m.cfg)
+        tok = s.tokens(idx, m.params["wte.weight"])                            # (B, t, C)
+        return tok + s.positions(m.params["wpe.weight"], m.position_ids(idx.shape[-1]))
+
+    def block(self, m, i: int, x):
+        P, h, s, eps = m.params, self.block_prefix(i), m.split, m.cfg.norm_eps
+        r = s.replicated                                   # sequence parallelism sums their gradients
+        a = ops.layer_norm(x, r(P[h + "ln_1.weight"]), r(P[h + "ln_1.bias"]), eps)
+        qkv = s.column(a, P[h + "attn.c_attn.weight"], P[h + "attn.c_attn.bias"])    # (B, t, 3C/tp)
+        y = m.attend(qkv, s.heads(m.cfg.n_head))                                      # (B, t, C/tp)
+        x = x + s.row(y, P[h + "attn.c_proj.weight"], r(P[h + "attn.c_proj.bias"]))
+        u = ops.layer_norm(x, r(P[h + "ln_2.weight"]), r(P[h + "ln_2.bias"]), eps)
+        if m.cfg.is_moe(i):
+            return x + m.moe_layer(i, u)
+        u = ops.gelu(s.column(u, P[h + "mlp.c_fc.weight"], P[h + "mlp.c_fc.bias"]))   # (B, t, 4C/tp)
+        return x + s.row(u, P[h + "mlp.c_proj.weight"], r(P[h + "mlp.c_proj.bias"]))
+
+    def final(self, m, x):
+        s = m.split
+        x = ops.layer_norm(x, s.replicated(m.params["ln_f.weight"]), s.replicated(m.params["ln_f.bias"]),
+                           m.cfg.norm_eps)
+        return s.logits(x, m.params[self.head_weight(m.cfg)])                        # (B, t, V/tp)
+
+    def train_flops_per_token(self, cfg, t: int | None = None) -> float:
+        """Matmul FLOPs of one training token (forward + backward = 3x forward), the numerator
+        of MFU. Forward per token: 2 * (weights of every matmul) + attention's two (t x t)
+        products, 2 * 2 * t * C per layer (the full square, as computed here)."""
+        t = cfg.block_size if t is None else t
+        C, L, V, F = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.hidden
+        per_layer = 2 * (3 * C * C + C * C + 2 * C * F) + 2 * 2 * t * C
+        # a MoE block: each token through K experts' MLPs (the active ones) and the router
+        moe_extra = sum(2 * (2 * C * F * (cfg.moe_top_k - 1) + C * cfg.moe_experts) for i in range(L) if cfg.is_moe(i))
+        return 3.0 * (L * per_layer + moe_extra + 2 * C * V)
+
+
+FAMILY = GPT2()
 
 
 def param_specs(cfg: GPTConfig):
-    """[(canonical name, shape, init)] in model order; init is a std, "zeros" or "ones"."""
-    V, T, C, L = cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.n_layer
-    proj_std = 0.02 / math.sqrt(2 * L)                     # GPT-2's scaled residual init
-    specs = [("wte.weight", (V, C), 0.02), ("wpe.weight", (T, C), 0.02)]
-    for i in range(L):
-        h = f"h.{i}."
-        specs += [
-            (h + "ln_1.weight", (C,), "ones"), (h + "ln_1.bias", (C,), "zeros"),
-            (h + "attn.c_attn.weight", (C, 3 * C), 0.02), (h + "attn.c_attn.bias", (3 * C,), "zeros"),
-            (h + "attn.c_proj.weight", (C, C), proj_std), (h + "attn.c_proj.bias", (C,), "zeros"),
-            (h + "ln_2.weight", (C,), "ones"), (h + "ln_2.bias", (C,), "zeros"),
-        ]
-        mlps = [h + "mlp."] if not cfg.is_moe(i) else [h + f"mlp.experts.{e}." for e in range(cfg.moe_experts)]
-        if cfg.is_moe(i):
-            specs.append((h + "mlp.router.weight", (C, cfg.moe_experts), 0.02))
-        for m in mlps:
-            specs += [(m + "c_fc.weight", (C, 4 * C), 0.02), (m + "c_fc.bias", (4 * C,), "zeros"),
-                      (m + "c_proj.weight", (4 * C, C), proj_std), (m + "c_proj.bias", (C,), "zeros")]
-    specs += [("ln_f.weight", (C,), "ones"), ("ln_f.bias", (C,), "zeros")]
-    if not cfg.tie_embeddings:
-        specs.append(("lm_head.weight", (V, C), 0.02))
-    return specs
-
-
-def init_param(name: str, shape, init, seed: int, dtype=np.float64) -> np.ndarray:
-    """The full canonical tensor `name`, identical on every layout: drawn in float64 from
-    a generator seeded by (seed, crc32(name)), then cast."""
-    if init == "zeros":
-        return np.zeros(shape, dtype=dtype)
-    if init == "ones":
-        return np.ones(shape, dtype=dtype)
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    return (rng.standard_normal(shape) * init).astype(dtype)
+    """[(canonical name, shape, init)] of cfg's family, in model order; init is a std, "zeros" or "ones"."""
+    return cfg.family.param_specs(cfg)
 
 
 def train_flops_per_token(cfg: GPTConfig, t: int | None = None) -> float:
-    """Matmul FLOPs of one training token (forward + backward = 3x forward), the numerator
-    of MFU. Forward per token: 2 * (weights of every matmul) + attention's two (t x t)
-    products, 2 * 2 * t * C per layer (the full square, as computed here)."""
-    t = cfg.block_size if t is None else t
-    C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
-    per_layer = 2 * (3 * C * C + C * C + 8 * C * C) + 2 * 2 * t * C
-    # a MoE block: each token through K experts' MLPs (the active ones) and the router
-    moe_extra = sum(2 * (8 * C * C * (cfg.moe_top_k - 1) + C * cfg.moe_experts) for i in range(L) if cfg.is_moe(i))
-    return 3.0 * (L * per_layer + moe_extra + 2 * C * V)
+    """Matmul FLOPs of one training token of cfg's family (forward + backward), MFU's numerator."""
+    return cfg.family.train_flops_per_token(cfg, t)
 
 
 class GPT(Model):
-    """The single-process model. Parameters are leaf Tensors in `self.params`. It knows
-    nothing of how it is split: a layout gives it its Parts (model/contract.py), and holds
-    only the parameters Parts.holds names."""
+    """The single-process model of either family (cfg.arch). Parameters are leaf Tensors in
+    `self.params`. It knows nothing of how it is split: a layout gives it its Parts
+    (model/contract.py), and holds only the parameters Parts.holds names. The forward is the
+    family's (model/family.py), on one process's layers (contract.Whole)."""
 
     def __init__(self, cfg: GPTConfig, seed: int = 0, dtype=np.float64, parts: Parts = Parts()):
         self.cfg, self.parts = cfg.validate(), parts
@@ -120,34 +143,7 @@ class GPT(Model):
         self.full_shapes = {name: tuple(shape) for name, shape, _ in param_specs(cfg)}
 
     # The Python API of docs/design.md §4 (parameters, state_dict, load_state_dict, the
-    # gradient norm) is interfaces.Model's: this whole model holds every tensor whole.
-
-    # --- forward, in pieces that the pipeline can cut between -----------------------------
-    def embed(self, idx) -> Tensor:
-        idx = np.asarray(idx)
-        positions = self.position_ids(idx.shape[-1])                    # 0..t-1 (--cp: its share)
-        P = self.params
-        tok = ops.embedding(idx, P["wte.weight"])                       # (B, t, C)
-        pos = ops.embedding(positions[None, :], P["wpe.weight"])        # (1, t, C)
-        return tok + pos
-
-    def block(self, i: int, x: Tensor) -> Tensor:
-        P, h = self.params, f"h.{i}."
-        a = ops.layer_norm(x, P[h + "ln_1.weight"], P[h + "ln_1.bias"])
-        qkv = ops.linear(a, P[h + "attn.c_attn.weight"], P[h + "attn.c_attn.bias"])   # (B, t, 3C)
-        y = self.attend(qkv, self.cfg.n_head)                                         # (B, t, C)
-        x = x + ops.linear(y, P[h + "attn.c_proj.weight"], P[h + "attn.c_proj.bias"])
-        m = ops.layer_norm(x, P[h + "ln_2.weight"], P[h + "ln_2.bias"])
-        if self.cfg.is_moe(i):
-            return x + self.moe_layer(i, m)
-        m = ops.gelu(ops.linear(m, P[h + "mlp.c_fc.weight"], P[h + "mlp.c_fc.bias"]))  # (B, t, 4C)
-        return x + ops.linear(m, P[h + "mlp.c_proj.weight"], P[h + "mlp.c_proj.bias"])
-
-    def head(self, x: Tensor) -> Tensor:
-        P = self.params
-        x = ops.layer_norm(x, P["ln_f.weight"], P["ln_f.bias"])
-        w = P["wte.weight"] if self.cfg.tie_embeddings else P["lm_head.weight"]
-        return ops.matmul(x, ops.transpose(w))                          # (B, t, V)
+    # gradient norm) and the forward are contract.Model's: this model holds every tensor whole.
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40,
                  rng: np.random.Generator | None = None) -> np.ndarray:

@@ -66,10 +66,6 @@ class MoESettings:
         return coef / self.groups_total / G * self.loss_scale
 
 
-def is_moe_block(i: int, every: int) -> bool:
-    return every > 0 and (i + 1) % every == 0
-
-
 def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int | None:
     """Slots per expert in a group of `tokens`: ceil(F N K / E); None without a capacity."""
     return None if factor <= 0 else math.ceil(factor * tokens * top_k / experts)

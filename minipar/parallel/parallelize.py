@@ -19,12 +19,11 @@ Nothing is set on the model after it is built; everything it is given is in its 
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
-
 import numpy as np
 
-from minipar.autograd import ops, recompute
-from minipar.model.contract import Model, Parts, Resident, every_parameter, whole_attention, whole_positions
+from minipar.autograd import recompute
+from minipar.model.contract import (Model, Parts, Resident, every_parameter, recomputed_attention, whole_attention,
+                                    whole_positions)
 from minipar.model.gpt import GPT, GPTConfig
 from minipar.parallel.context.context_parallel import ContextSplit
 from minipar.parallel.expert.expert_parallel import ExpertPlacement
@@ -39,7 +38,7 @@ def parts(recompute_mode: str = "none", context: ContextSplit | None = None, moe
           holds=None, gathers=None) -> Parts:
     """The Parts of a layout: steps 1 to 5 above, for a model on one rank or many."""
     attention = (context.attention if context is not None
-                 else partial(ops.causal_self_attention, recompute=True) if recompute_mode == "selective"
+                 else recomputed_attention if recompute_mode == "selective"
                  else whole_attention)
     positions = context.global_positions if context is not None else whole_positions
     return Parts(attention=attention, positions=positions, run_block=recompute.runner(recompute_mode),

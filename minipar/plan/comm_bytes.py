@@ -231,7 +231,8 @@ def cp_bytes(cfg: GPTConfig, stage: int, lay, compute_itemsize: int, g=None):
         return 0
     messages, nbytes = context_parallel.step_traffic(rank_layer_count(cfg, stage, lay.pp, chunks(lay)),
                                                      lay.micro_batches, lay.rows, cfg.block_size,
-                                                     cfg.n_embd // lay.tp, lay.cp, compute_itemsize, lay.recompute)
+                                                     context_parallel.kv_width(cfg, lay.tp), lay.cp,
+                                                     compute_itemsize, lay.recompute)
     return nbytes if g is None else g.ring(messages, nbytes)
 
 

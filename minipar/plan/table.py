@@ -93,6 +93,7 @@ PRESETS = {   # name: (n_layer, n_head, n_embd, vocab_size, block_size)
 }
 SHAPE_FLAGS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
 MOE_FLAGS = ("moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor")
+FAMILY_FLAGS = ("arch", "n_kv_head", "ffn_hidden", "ffn_multiplier", "multiple_of", "norm_eps", "rope_theta")
 
 
 class PlanError(config.ConfigError):
@@ -175,7 +176,7 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
         out["notes"].append("--params alone: model states only, spread evenly over tp*pp "
                             "(no shapes: FLOPs, activations and communication unavailable)")
         return out
-    out["model"] = {k: getattr(cfg, k) for k in (*SHAPE_FLAGS, "tie_embeddings", *MOE_FLAGS)}
+    out["model"] = {k: getattr(cfg, k) for k in (*SHAPE_FLAGS, "tie_embeddings", *MOE_FLAGS, *FAMILY_FLAGS)}
     out["params"] = sum(math.prod(shape) for _, shape, _ in param_specs(cfg))
     out["params_active"] = active_params(cfg)
     mem_st, flops_st, comm_st = [], [], []
@@ -254,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
                               ("n_embd", "C", "channels"), ("block_size", "T", "context length")):
         model.add_argument(f"--{key.replace('_', '-')}", type=int, metavar=letter,
                            help=f"{what} [{config.MODEL_DEFAULTS[key]}]")
-    model.add_argument("--untied", action="store_true", help="separate lm_head.weight instead of wte.T")
+    config.add_family_arguments(model)
+    config.add_tie_arguments(model)
     config.add_moe_arguments(model, "0: no capacity (all-to-all bytes then estimated for balanced routing)")
     layout = parser.add_argument_group("layout (the trainer's flags and defaults)")
     layout.add_argument("--dp", type=int, metavar="D",
@@ -311,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     """Flags -> (cfg or None, layout, params or None); PlanError for what cannot run,
     with the trainer's messages (config.validate, train/setup.prepare) where they exist."""
-    given = [k for k in (*SHAPE_FLAGS, *MOE_FLAGS) if getattr(args, k) is not None]
+    given = [k for k in (*SHAPE_FLAGS, *MOE_FLAGS, *FAMILY_FLAGS) if getattr(args, k) is not None]
     for flag in ("dp", "cp", "tp", "pp"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise PlanError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
@@ -337,8 +339,9 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     if args.device_tflops is not None and not args.device_tflops > 0:
         raise PlanError(f"--device-tflops must be > 0, got {args.device_tflops}")
     if args.params is not None:
-        if args.model or given or args.untied:
-            extra = "--model" if args.model else "--untied" if args.untied else f"--{given[0].replace('_', '-')}"
+        if args.model or given or args.untied or args.tied:
+            extra = "--model" if args.model else "--untied" if args.untied else "--tied" if args.tied \
+                else f"--{given[0].replace('_', '-')}"
             raise PlanError(f"--params gives the size alone; drop {extra} (or drop --params)")
         if not (math.isfinite(args.params) and args.params >= 1):
             raise PlanError(f"--params must be a count >= 1, got {args.params:g}")
@@ -352,10 +355,15 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     for k in SHAPE_FLAGS:
         if shape[k] <= 0:
             raise PlanError(f"--{k.replace('_', '-')} must be positive, got {shape[k]}")
-    experts = {k: getattr(args, k) if getattr(args, k) is not None else config.MODEL_DEFAULTS[k] for k in MOE_FLAGS}
-    cfg = GPTConfig(tie_embeddings=not args.untied, **shape, **experts)
+    experts = {k: getattr(args, k) if getattr(args, k) is not None else config.MODEL_DEFAULTS[k]
+               for k in (*MOE_FLAGS, *FAMILY_FLAGS)}
+    tied = True if args.tied else False if args.untied else None
+    cfg = GPTConfig(tie_embeddings=tied, **shape, **experts)
     if cfg.n_embd % cfg.n_head:
         raise PlanError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    config.check_family(args, cfg)
+    if cfg.arch != "gpt2":
+        raise PlanError(f"--arch {cfg.arch}: the planner's formulas for this family are not built yet")
     config.check_split(cfg, lay.dp, lay.tp, lay.pp, lay.batch_size, lay.micro_batches)
     config.check_sequence_split(cfg, lay.tp, lay.sp)
     lay = lay.but(cp_layout=config.check_context_split(cfg, lay))

@@ -140,7 +140,7 @@ def describe(session) -> list[str]:
     args, cfg, grid, model, opt = session.args, session.cfg, session.grid, session.model, session.opt
     B, T, M, dp = args.batch_size, cfg.block_size, args.micro_batches, grid.dp_size
     mixed = args.precision != "fp32"
-    lines = [f"minipar: GPT L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={T} V={cfg.vocab_size} "
+    lines = [f"minipar: {cfg.family.describe(cfg)} T={T} V={cfg.vocab_size} "
              f"({'tied' if cfg.tie_embeddings else 'untied'}), "
              f"{model.num_params():,} params, {args.dtype}"
              + (f", --precision {args.precision}" if mixed else ""), mechanisms(session)]

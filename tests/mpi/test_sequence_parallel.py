@@ -67,10 +67,10 @@ def test_matches_single_process(groups, tp, tied):
 
 
 def test_replicated_gradients_must_be_summed_over_tp(groups, monkeypatch):
-    """The trap: without SumGradOverTP's all-reduce each rank's LayerNorm and row-parallel
+    """The trap: without SumGradOver's all-reduce each rank's LayerNorm and row-parallel
     bias gradients cover its own tokens only. The twin comparison then fails on exactly
     those parameters (and on nothing that tensor parallelism splits)."""
-    monkeypatch.setattr(spar.SumGradOverTP, "backward", lambda self, g: (g, None))
+    monkeypatch.setattr(spar.SumGradOver, "backward", lambda self, g: (g, None, None))
     x, y = batch()
     ref = GPT(config(), seed=0, dtype=np.float64)
     _, ref_grads = grads(ref, x, y)

@@ -21,6 +21,7 @@ import numpy as np
 from minipar.parallel.context import ring_attention
 from minipar.parallel.context.ring_attention import LAYOUTS, RingAttention, positions
 from minipar.autograd.dtypes import compute, store
+from minipar.autograd.attention import head_counts
 
 __all__ = ["ContextSplit", "RingSelfAttention", "LAYOUTS", "step_traffic", "summary"]
 
@@ -54,41 +55,60 @@ class ContextSplit:
         a = np.asarray(a)
         return a[..., self.positions(a.shape[-1])]
 
-    def attention(self, qkv, n_head: int):
+    def attention(self, qkv, n_head: int, n_kv_head: int | None = None):
         """Causal self-attention of the whole sequence for this rank's queries."""
-        return RingSelfAttention.apply(qkv, n_head, self.group, self.layout)
+        return RingSelfAttention.apply(qkv, n_head, self.group, self.layout, n_kv_head)
 
 
 class RingSelfAttention(RingAttention):
-    """RingAttention on the packed projection qkv (B, t, 3C') = [q | k | v] of n_head heads,
-    -> y (B, t, C'), as ops.CausalSelfAttention takes and gives them (C' = C/tp with
-    tensor parallelism). fp16/bf16 attend in fp32, like every op. It keeps q, k, v, the
-    output and the log-sum-exp (never the t x T softmax): selective recomputation built in."""
+    """RingAttention on the packed projection qkv (B, t, (H + 2 Hkv) hs) = [q | k | v],
+    -> y (B, t, H hs), as ops.CausalSelfAttention takes and gives them (H = n_head/tp with
+    tensor parallelism). Grouped-query attention (Hkv < H): the heads are arranged
+    (B, Hkv, g, t, hs), g = H/Hkv, so only the Hkv key and value heads go round the ring and
+    the g query heads of a group meet theirs by broadcasting. fp16/bf16 attend in fp32, like
+    every op. It keeps q, k, v, the output and the log-sum-exp (never the t x T softmax):
+    selective recomputation built in."""
 
-    def forward(self, qkv, n_head, group, layout):
+    def forward(self, qkv, n_head, group, layout, n_kv_head=None):
         self.dtype, qkv = qkv.dtype, compute(qkv)
-        B, t, C3 = qkv.shape
-        hs = C3 // 3 // n_head
-        self.dims = (B, t, n_head, hs)
-        q, k, v = qkv.reshape(B, t, 3, n_head, hs).transpose(2, 0, 3, 1, 4)   # (B, nh, t, hs) each
-        o = super().forward(q, k, v, group, layout)
-        return store(o.transpose(0, 2, 1, 3).reshape(B, t, n_head * hs), self.dtype)
+        B, t, width = qkv.shape
+        H, Hkv, hs = head_counts(width, n_head, n_kv_head)
+        self.dims = (B, t, H, Hkv, hs)
+
+        def heads(a, n, g):                                           # (B, t, n g hs) -> (B, n, g, t, hs)
+            return np.ascontiguousarray(a.reshape(B, t, n, g, hs).transpose(0, 2, 3, 1, 4))
+
+        q = heads(qkv[..., :H * hs], Hkv, H // Hkv)
+        k = heads(qkv[..., H * hs:(H + Hkv) * hs], Hkv, 1)
+        v = heads(qkv[..., (H + Hkv) * hs:], Hkv, 1)
+        o = super().forward(q, k, v, group, layout)                   # (B, Hkv, g, t, hs)
+        return store(o.transpose(0, 3, 1, 2, 4).reshape(B, t, H * hs), self.dtype)
 
     def backward(self, g):
-        B, t, nh, hs = self.dims
-        do = np.ascontiguousarray(compute(g).reshape(B, t, nh, hs).transpose(0, 2, 1, 3))
+        B, t, H, Hkv, hs = self.dims
+        do = np.ascontiguousarray(compute(g).reshape(B, t, Hkv, H // Hkv, hs).transpose(0, 2, 3, 1, 4))
         dq, dk, dv = super().backward(do)[:3]
-        dqkv = np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4)             # (B, t, 3, nh, hs)
-        return store(dqkv.reshape(B, t, 3 * nh * hs), self.dtype), None, None, None
+
+        def merge(a):                                                 # (B, n, g, t, hs) -> (B, t, n g hs)
+            return a.transpose(0, 3, 1, 2, 4).reshape(B, t, -1)
+
+        dqkv = np.concatenate([merge(dq), merge(dk), merge(dv)], axis=-1)
+        return store(dqkv, self.dtype), None, None, None, None
+
+
+def kv_width(cfg, tp: int) -> int:
+    """The channels of the key (or value) heads one tp rank holds: Hkv/tp heads of hs, at least
+    one head (tp > Hkv: a shared one). GPT-2: C/tp."""
+    return max(1, cfg.kv_heads // tp) * cfg.head_size
 
 
 def step_traffic(layers: int, micro_batches: int, rows: int, T: int, width: int, C: int, itemsize: int,
                  recompute: str = "none") -> tuple[int, int]:
     """(messages, bytes) a rank sends round its cp ring in one training step: one attention
     call per layer it runs and micro-batch, each ring_attention.ring_traffic with
-    n = rows (T/C) width elements (width = C_model/tp, the channels of its heads); with
-    --recompute full each forward runs twice. itemsize: of the compute dtype (fp16/bf16
-    attend in float32)."""
+    n = rows (T/C) width elements (width = kv_width: the channels of its key heads, C/tp for
+    GPT-2; grouped-query attention sends only its Hkv heads); with --recompute full each
+    forward runs twice. itemsize: of the compute dtype (fp16/bf16 attend in float32)."""
     messages, nbytes = ring_attention.ring_traffic(rows * (T // C) * width, C, itemsize,
                                                    2 if recompute == "full" else 1)
     calls = layers * micro_batches
@@ -103,7 +123,8 @@ def summary(rows_log: list, cfg, *, cp: int, layout: str, rows: int, micro_batch
     rows: sequences per micro-batch of this dp rank; layers: those this rank runs; itemsize:
     of the dtype attention computes in."""
     C, M, T = cp, micro_batches, cfg.block_size
-    messages, want = step_traffic(layers, M, rows, T, cfg.n_embd // tp, C, itemsize, recompute)
+    width = kv_width(cfg, tp)
+    messages, want = step_traffic(layers, M, rows, T, width, C, itemsize, recompute)
     sent = float(np.mean([r["bytes_by_axis"].get("cp", 0) for r in rows_log]))
     wait = float(np.mean([r["cp_wait_s"] for r in rows_log]))
     work = [ring_attention.blocks(r, C, T, layout) for r in range(C)]
@@ -116,7 +137,7 @@ def summary(rows_log: list, cfg, *, cp: int, layout: str, rows: int, micro_batch
     line = (f"  context parallel: cp={C} ({layout}), {T // C} of {T} tokens per rank; ring sent "
             f"{sent:,.0f} B/step per rank, theory {layers} layer(s) x {M} micro-batch(es) x "
             f"[2n(C-1) fwd{' x 2 (full recompute)' if recompute == 'full' else ''} + 2n(C-1) + 2nC bwd] "
-            f"x {itemsize} B + {messages} headers, n = {rows}x{T // C}x{cfg.n_embd // tp} "
+            f"x {itemsize} B + {messages} headers, n = {rows}x{T // C}x{width} "
             f"= {want:,} B (ratio {ratio:.3f}); waited {wait * 1e3:.1f} ms/step for ring messages; "
             f"score sub-blocks per rank and pass {'/'.join(map(str, work))} "
             f"({other}: {'/'.join(map(str, work_other))})")

@@ -138,9 +138,16 @@ def _progress(handles):
         handles[0].test()
 
 
+def _fold(grad, like):
+    """A key head's gradient from its query heads' (grouped-query attention, heads (B, Hkv, g,
+    t, hs) against keys (B, Hkv, 1, t, hs)): summed over the g query heads that read it."""
+    return grad if grad.shape[-3] == like.shape[-3] else grad.sum(-3, keepdims=True)
+
+
 class RingAttention(Function):
-    """o = causal softmax(q K^T / sqrt(hs)) V over the whole sequence, q, k, v (B, H, t, hs)
-    this rank's tokens at `layout` positions of a sequence of t * C (see the module)."""
+    """o = causal softmax(q K^T / sqrt(hs)) V over the whole sequence, q (..., t, hs) and k, v
+    this rank's tokens at `layout` positions of a sequence of t * C (see the module): (B, H, t,
+    hs) each, or grouped-query q (B, Hkv, g, t, hs) against k, v (B, Hkv, 1, t, hs)."""
 
     def forward(self, q, k, v, group, layout="zigzag", overlap=True):
         C, r = group.size, group.rank
@@ -186,10 +193,10 @@ class RingAttention(Function):
             for a, b, mask in sub_blocks(pos_q, positions(owner, C, T, self.layout)):
                 qa, da = q[..., a, :], do[..., a, :]
                 p = np.exp(_scores(qa, kb[..., b, :], mask, self.scale) - lse[..., a, None])  # P again
-                dv[..., b, :] += np.swapaxes(p, -1, -2) @ da
+                dv[..., b, :] += _fold(np.swapaxes(p, -1, -2) @ da, dv)
                 ds = p * (da @ np.swapaxes(vb[..., b, :], -1, -2) - D[..., a, None])
                 dq[..., a, :] += (ds @ kb[..., b, :]) * self.scale
-                dk[..., b, :] += (np.swapaxes(ds, -1, -2) @ qa) * self.scale
+                dk[..., b, :] += _fold(np.swapaxes(ds, -1, -2) @ qa, dk) * self.scale
                 BLOCKS["backward"] += 1
             outgoing = block if j < C - 1 else block[2:]              # the last pass: dK, dV home
             if C > 1:

@@ -192,11 +192,11 @@ def rank_layers(n_layer: int, stage: int, n_stages: int, n_chunks: int = 1) -> l
 
 def stage_param_names(cfg: GPTConfig, stage: int, n_stages: int, n_chunks: int = 1) -> list:
     """Canonical names (docs/design.md §2) of the parameters `stage` holds, in model order: its
-    blocks; the first stage wte and wpe; the last ln_f and lm_head (untied) or, tied, its
-    own copy of wte (Megatron's embedding group: both ends hold wte and all-reduce its
-    gradient). With one stage that is every name once. With n_chunks V > 1: the names of
-    every virtual stage the rank holds (rank_layers), the embeddings on rank 0's chunk 0 and
-    the head on rank p-1's chunk V-1."""
+    blocks; the first stage the embeddings (wte and wpe; Llama's embed_tokens); the last the
+    final norm and lm_head (untied) or, tied, its own copy of the token embedding (Megatron's
+    embedding group: both ends hold it and all-reduce its gradient). With one stage that is
+    every name once. With n_chunks V > 1: the names of every virtual stage the rank holds
+    (rank_layers), the embeddings on rank 0's chunk 0 and the head on rank p-1's chunk V-1."""
     if n_chunks > 1:
         held = {n for c in range(n_chunks)
                 for n in stage_param_names(cfg, c * n_stages + stage, n_stages * n_chunks)}
@@ -206,15 +206,16 @@ def stage_param_names(cfg: GPTConfig, stage: int, n_stages: int, n_chunks: int =
         raise ValueError(f"stage must be in 0..{n_stages - 1} for {n_stages} stages, got {stage!r}")
     layers = parts[stage]
     first, last = stage == 0, stage == n_stages - 1
-    names = []
+    names, family = [], cfg.family
     for name, _, _ in param_specs(cfg):
-        if name.startswith("h."):
-            keep = int(name.split(".")[1]) in layers
-        elif name == "wte.weight":
+        place = family.place(name)
+        if place == "block":
+            keep = family.block_of(name) in layers
+        elif place == "embedding":
             keep = first or (last and cfg.tie_embeddings)
-        elif name == "wpe.weight":
+        elif place == "positions":
             keep = first
-        else:                                   # ln_f.*, lm_head.weight
+        else:                                   # the final norm, the untied head
             keep = last
         if keep:
             names.append(name)

@@ -62,7 +62,7 @@ from minipar.model.gpt import GPTConfig, param_specs
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.schedules import (COMPUTE, Backward, Forward, RecvActivation, RecvGrad,
                                                  SendActivation, SendGrad, WeightGrad, neighbour)
-from minipar.parallel.tensor.tensor_parallel import layout_of, local_size, tp_all_reduce
+from minipar.parallel.tensor.tensor_parallel import local_size, tp_all_reduce
 from minipar.optim.mixed_precision import backward_seed
 from minipar.autograd.tensor import Tensor, no_grad
 
@@ -122,21 +122,21 @@ class PipelineStage(Model):
             return full
         if not self.is_first:
             for n in self.names:
-                if not (n == "wte.weight" and self.tied_copy):
+                if not (n == self.family.embedding and self.tied_copy):
                     comm.send(self.group, full[n], 0)
             return full
         for s in range(1, self.n_stages):
             for n in schedules.stage_param_names(self.cfg, s, self.n_stages, self.n_chunks):
-                if not (n == "wte.weight" and s == self.n_stages - 1):
+                if not (n == self.family.embedding and s == self.n_stages - 1):
                     full[n] = comm.recv(self.group, s)
         return {n: full[n] for n, _, _ in param_specs(self.cfg)}     # canonical order
 
     def counts_in_norm(self, name: str) -> bool:
-        """The last stage skips its copy of a tied wte; tp ranks other than 0 skip
-        replicated parameters."""
-        if name == "wte.weight" and self.tied_copy:
+        """The last stage skips its copy of a tied token embedding; otherwise the layers'
+        rule (tensor parallelism: a copy held on several tp ranks counts on one)."""
+        if name == self.family.embedding and self.tied_copy:
             return False
-        return self.tp_rank == 0 or layout_of(name) != "replicated"
+        return self.inner.counts_in_norm(name)
 
     def reduce_norm_sq(self, local: float) -> float:
         """All-reduced over tp (tensor_parallel's ledger) and over pp."""
@@ -373,7 +373,7 @@ class PipelineEngine:
         model = self.model
         if not model.cfg.tie_embeddings or model.n_stages == 1 or not (model.is_first or model.is_last):
             return
-        w = model.params["wte.weight"]
+        w = model.params[model.family.embedding]
         grad = sync.tied_grad(w)
         other = model.n_stages - 1 if model.is_first else 0
         with trace.span("tied embedding exchange", "pipeline"):

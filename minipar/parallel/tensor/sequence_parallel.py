@@ -35,7 +35,7 @@ What else changes:
     gradient's matmul;
   - the trap: every replicated parameter used on the sequence shard (ln_1, ln_2, ln_f,
     the row-parallel biases) now sees only 1/tp of the tokens, so its gradient on a rank
-    is a partial sum. SumGradOverTP all-reduces it over tp in backward (each use, each
+    is a partial sum. SumGradOver all-reduces it over tp in backward (each use, each
     micro-batch; Megatron does one coalesced all-reduce per step), so every gradient
     synchroniser after it (dp buckets, ZeRO) sees whole gradients. wpe's rows are
     disjoint between ranks: an all-gather of them suffices.
@@ -49,15 +49,18 @@ collective (Megatron keeps (t, B, C) to avoid those copies).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from minipar import comm
 from minipar.comm.ledger import human_bytes
 from minipar.autograd import ops
+from minipar.model.gpt import param_specs
 from minipar.parallel.tensor import tensor_parallel
-from minipar.parallel.tensor.tensor_parallel import (MaskColumns, MaskedEmbedding, TensorParallelGPT,
-                                                     tp_all_reduce, tp_collective)
-from minipar.autograd.tensor import Function, Tensor
+from minipar.parallel.tensor.tensor_parallel import (MaskColumns, MaskedEmbedding, SumGradOver, TensorParallelGPT,
+                                                     TensorSplit, tp_collective)
+from minipar.autograd.tensor import Function
 
 KINDS = ("f_gather", "f_scatter", "g_scatter", "g_gather", "regather", "sp_grads")
 
@@ -126,19 +129,6 @@ class GatherSequenceLinear(Function):
         return (dx, *dparams, *([] if self.has_bias else [None]), None)
 
 
-class SumGradOverTP(Function):
-    """A replicated parameter used on this rank's tokens only: identity forward (the same
-    array, so nothing is copied or saved); backward all-reduces its gradient over tp, the
-    sum over the whole sequence. Without it each rank would step with its own tokens' part."""
-
-    def forward(self, p, group):
-        self.group = group
-        return p
-
-    def backward(self, g):
-        return tp_all_reduce(self.group, g, "sum", "sp_grads"), None
-
-
 class PositionsOfShard(Function):
     """wpe rows [r t/tp, (r+1) t/tp) of this rank's positions. Each position's gradient is on
     one rank only, so backward all-gathers the (t/tp, C) pieces into the (t, C) rows."""
@@ -156,50 +146,65 @@ class PositionsOfShard(Function):
         return dw, None, None
 
 
-# --- the model ----------------------------------------------------------------------------------
+# --- the layers of a sequence-parallel rank -------------------------------------------------------
 
-class SequenceParallelGPT(TensorParallelGPT):
-    """TensorParallelGPT (the same shards, canonical names, checkpoints) with the residual
-    stream split along the sequence between the tensor-parallel layers (see the module).
-    Block i maps (B, t/tp, C) -> (B, t/tp, C); head() returns tensor parallelism's
-    vocabulary-sharded logits of all t tokens."""
+class SequenceSplit(TensorSplit):
+    """Tensor parallelism's layers with the residual stream split along the sequence between
+    them (see the module): what a family's forward calls on a tp rank with --sp. Block i maps
+    (B, t/tp, C) -> (B, t/tp, C); logits() returns tensor parallelism's vocabulary-sharded
+    logits of all t tokens."""
 
-    sequence_parallel = True
+    def column(self, x, w, b=None):
+        return GatherSequenceLinear.apply(x, w, b, self.group)
 
-    def replicated(self, name: str) -> Tensor:
-        return SumGradOverTP.apply(self.params[name], self.group)
+    def row(self, x, w, b=None):
+        y = ScatterToSequence.apply(ops.linear(x, w), self.group)
+        return y if b is None else y + b
 
-    def embed(self, idx) -> Tensor:
-        idx = self.check_ids(idx)
-        t = idx.shape[-1]
-        if t % self.tp_size:
-            raise ValueError(f"sequence parallelism splits each sequence over tp {self.tp_size}: "
-                             f"length {t} is not divisible by {self.tp_size}")
-        tok = MaskedEmbedding.apply(idx, self.params["wte.weight"], self.vocab_start)  # (B, t, C), partial
-        tok = ScatterToSequence.apply(tok, self.group)                    # (B, t/tp, C), summed
-        return tok + PositionsOfShard.apply(self.params["wpe.weight"], t, self.group)
+    def replicated(self, p):
+        return SumGradOver.apply(p, self.group, "sp_grads")
 
-    def block(self, i: int, x: Tensor) -> Tensor:
-        P, h, g, r = self.params, f"h.{i}.", self.group, self.replicated
-        a = ops.layer_norm(x, r(h + "ln_1.weight"), r(h + "ln_1.bias"))            # (B, t/tp, C)
-        qkv = GatherSequenceLinear.apply(a, P[h + "attn.c_attn.weight"], P[h + "attn.c_attn.bias"], g)
-        y = self.attend(qkv, self.cfg.n_head // self.tp_size)                     # (B, t, C/tp)
-        x = x + (ScatterToSequence.apply(ops.linear(y, P[h + "attn.c_proj.weight"]), g)
-                 + r(h + "attn.c_proj.bias"))
-        m = ops.layer_norm(x, r(h + "ln_2.weight"), r(h + "ln_2.bias"))
-        u = ops.gelu(GatherSequenceLinear.apply(m, P[h + "mlp.c_fc.weight"], P[h + "mlp.c_fc.bias"], g))
-        return x + (ScatterToSequence.apply(ops.linear(u, P[h + "mlp.c_proj.weight"]), g)
-                    + r(h + "mlp.c_proj.bias"))
+    def check_ids(self, idx, cfg):
+        idx = super().check_ids(idx, cfg)
+        if idx.shape[-1] % self.group.size:
+            raise ValueError(f"sequence parallelism splits each sequence over tp {self.group.size}: "
+                             f"length {idx.shape[-1]} is not divisible by {self.group.size}")
+        return idx
 
-    def head(self, x: Tensor) -> Tensor:
+    def tokens(self, idx, w):
+        tok = MaskedEmbedding.apply(idx, w, self.vocab_start)             # (B, t, C), partial
+        return ScatterToSequence.apply(tok, self.group)                   # (B, t/tp, C), summed
+
+    def positions(self, w, pos):
+        return PositionsOfShard.apply(w, len(pos), self.group)
+
+    def logits(self, x, w):
         """(B, t/tp, C) -> vocab-sharded logits (B, t, Vp/tp); padded columns are -inf."""
-        x = ops.layer_norm(x, self.replicated("ln_f.weight"), self.replicated("ln_f.bias"))
-        w = self.params["wte.weight" if self.cfg.tie_embeddings else "lm_head.weight"]   # (Vp/tp, C)
         logits = GatherSequenceLinear.apply(x, ops.transpose(w), None, self.group)
         return logits if self.vocab_valid == w.shape[0] else MaskColumns.apply(logits, self.vocab_valid)
 
 
+class SequenceParallelGPT(TensorParallelGPT):
+    """TensorParallelGPT (the same shards, canonical names, checkpoints) on SequenceSplit's layers."""
+
+    sequence_parallel = True
+    split_class = SequenceSplit
+
+
 # --- the formulas: what sequence parallelism sends ---------------------------------------------
+
+def replicated_sums(cfg) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """What sequence parallelism sums over tp, from the family's names: ((calls, elements) per
+    block: the parameters of a block that every rank holds whole, GPT-2's two LayerNorms' weight
+    and bias and the two row-parallel biases (6, 6C), Llama's two RMSNorm weights (2, 2C);
+    (calls, elements) of the final norm; elements of the position table's rows (GPT-2's wpe:
+    t C, gathered; 0 for rotary positions))."""
+    fam, h = cfg.family, cfg.family.block_prefix(0)
+    specs = param_specs(cfg)
+    block = [math.prod(s) for n, s, _ in specs if n.startswith(h) and fam.split_kind(n) == "replicated"]
+    final = [math.prod(s) for n, s, _ in specs if n in fam.final_names]
+    return (len(block), sum(block)), (len(final), sum(final)), (cfg.n_embd if fam.positions else 0)
+
 
 def sp_count(cfg, rows: int, t: int, tp: int, n_layers: int | None = None, first: bool = True,
              last: bool = True, recompute: str = "none") -> dict:
@@ -207,24 +212,29 @@ def sp_count(cfg, rows: int, t: int, tp: int, n_layers: int | None = None, first
     rank holding n_layers blocks (default all), the embedding if first, the head if last.
     elements: of the whole (rows, t, C) tensor each gather/scatter assembles or splits (for
     sp_grads, the parameter gradient). Per block: f and g twice each way, the re-gather of
-    both column-parallel inputs, six C-element gradient sums (ln_1, ln_2: weight and bias;
-    the two row-parallel biases); full recomputation runs each block's forward gathers and
-    scatters once more. The embedding: one g (scatter forward, gather backward) and wpe's
-    all-gather of t*C; the head: one f, its re-gather, ln_f's two sums, the cross-entropy's
-    three all-reduces of rows*t."""
+    both column-parallel inputs, the gradient sums of its replicated parameters
+    (replicated_sums: GPT-2 six of C, Llama two); full recomputation runs each block's forward
+    gathers and scatters once more. The embedding: one g (scatter forward, gather backward)
+    and GPT-2's wpe all-gather of t*C; the head: one f, its re-gather, the final norm's sums,
+    the cross-entropy's three all-reduces of rows*t; shared key/value heads their sums
+    (tensor_parallel.kv_grad_count)."""
     L = cfg.n_layer if n_layers is None else n_layers
-    C, n = cfg.n_embd, rows * t * cfg.n_embd
+    n = rows * t * cfg.n_embd
     again = 2 if recompute == "full" else 1
     f_fwd = again * 2 * L + (1 if last else 0)            # column-parallel layers' gathers
     g_fwd = again * 2 * L + (1 if first else 0)           # row-parallel layers' (and the embedding's) scatters
     f_bwd, g_bwd = 2 * L + (1 if last else 0), 2 * L + (1 if first else 0)
-    grads = [(6 * L, 6 * L * C)] + ([(2, 2 * C)] if last else []) + ([(1, t * C)] if first else [])
+    (bc, be), (fc, fe), pos = replicated_sums(cfg)
+    grads = [(bc * L, be * L)] + ([(fc, fe)] if last else []) + ([(1, t * pos)] if first and pos else [])
     out = {"f_gather": (f_fwd, f_fwd * n), "f_scatter": (f_bwd, f_bwd * n),
            "g_scatter": (g_fwd, g_fwd * n), "g_gather": (g_bwd, g_bwd * n),
            "regather": (f_bwd, f_bwd * n),
            "sp_grads": (sum(c for c, _ in grads), sum(e for _, e in grads))}
     if last:
         out["cross_entropy"] = (3, 3 * rows * t)
+    kv = tensor_parallel.kv_grad_count(cfg, tp, L)
+    if kv[0]:
+        out["kv_grads"] = kv
     return out
 
 

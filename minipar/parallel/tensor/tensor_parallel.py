@@ -43,7 +43,8 @@ import numpy as np
 from minipar import comm
 from minipar.comm.ledger import human_bytes
 from minipar.autograd import ops
-from minipar.model.contract import Model, Parts
+from minipar.model.contract import Model, Parts, Whole
+from minipar.model.gpt import FAMILY as GPT2_FAMILY
 from minipar.model.gpt import GPTConfig, init_param, param_specs
 from minipar.optim.adamw import clip_coef
 from minipar.autograd.dtypes import compute, store
@@ -128,44 +129,29 @@ class ColumnParallelLinear:
 
 class RowParallelLinear:
     """y = g(x_local @ W[rows, :]) + b: weight (Cin/tp, Cout), bias (Cout,) replicated and
-    added after the all-reduce (adding it on every rank before would count it tp times)."""
+    added after the all-reduce (adding it on every rank before would count it tp times), or
+    None (Llama has no biases)."""
 
-    def __init__(self, weight: Tensor, bias: Tensor, group: comm.Group):
+    def __init__(self, weight: Tensor, bias: Tensor | None, group: comm.Group):
         self.weight, self.bias, self.group = weight, bias, group
 
     def __call__(self, x: Tensor) -> Tensor:                  # (B, t, Cin/tp) -> (B, t, Cout)
-        return reduce_from_tp(ops.linear(x, self.weight), self.group) + self.bias
+        y = reduce_from_tp(ops.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
 
 
-class ParallelMLP:
-    """column (c_fc) -> GELU -> row (c_proj): GELU is elementwise, so it runs on the split
-    (B, t, 4C/tp) activation with no communication between the two matmuls."""
+class SumGradOver(Function):
+    """A parameter whose copies on several ranks each see part of its uses: identity forward
+    (the same array: nothing copied or saved), backward all-reduces its gradient over `group`,
+    counted under `kind`. Sequence parallelism's replicated parameters (sp_grads, over tp) and
+    a key/value head held by several tp ranks (kv_grads, over the ranks that hold it)."""
 
-    def __init__(self, c_fc: ColumnParallelLinear, c_proj: RowParallelLinear):
-        self.c_fc, self.c_proj = c_fc, c_proj
+    def forward(self, p, group, kind):
+        self.group, self.kind = group, kind
+        return p
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return self.c_proj(ops.gelu(self.c_fc(x)))            # (B, t, 4C/tp) inside
-
-
-class ParallelAttention:
-    """Heads split across ranks: c_attn column-parallel, attention on H/tp local heads,
-    c_proj row-parallel (its rows are the channels of the local heads).
-
-    The trap: c_attn.weight (C, 3C) is laid out [q | k | v]. Cutting it into tp contiguous
-    column blocks would give rank 0 (of 2) all of q and half of k, which still has the
-    right shape (C, 3C/tp), so nothing fails but the maths is wrong. A rank's shard must be
-    its head group from EACH of q, k and v, [q_r | k_r | v_r] (see TensorParallelGPT.shard),
-    so that ops.causal_self_attention(qkv_local, H/tp) reads it as q, k, v of H/tp heads."""
-
-    def __init__(self, c_attn: ColumnParallelLinear, c_proj: RowParallelLinear, local_heads: int):
-        self.c_attn, self.c_proj, self.local_heads = c_attn, c_proj, local_heads
-
-    def __call__(self, x: Tensor, attend=ops.causal_self_attention) -> Tensor:
-        """attend(qkv, heads): the model's attention (Model.attend; the ring with --cp)."""
-        qkv = self.c_attn(x)                                          # (B, t, 3C/tp)
-        y = attend(qkv, self.local_heads)                             # (B, t, C/tp)
-        return self.c_proj(y)                                         # (B, t, C)
+    def backward(self, g):
+        return tp_all_reduce(self.group, g, "sum", self.kind), None, None
 
 
 # --- the vocabulary-parallel embedding, head and cross-entropy ------------------------------
@@ -270,28 +256,74 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, group: comm.Group, voc
     return VocabParallelCrossEntropy.apply(logits, np.asarray(targets), group, vocab_start, denom)
 
 
+# --- the layers of a tensor-parallel rank -----------------------------------------------------
+
+def kv_share(cfg, tp: int) -> int:
+    """Ranks that hold each key/value head: 1 when tp divides n_kv_head (each rank its own group
+    of n_kv_head/tp heads); tp/n_kv_head when n_kv_head divides tp (each head copied on as many
+    ranks, Megatron-LM's way when tp > query groups). Anything else: ValueError, one line."""
+    H, Hkv = cfg.n_head, cfg.kv_heads
+    if H % tp:
+        raise ValueError(f"n_head {H} is not divisible by tp {tp}: tensor parallelism gives each rank "
+                         f"n_head/tp whole heads")
+    if Hkv % tp == 0:
+        return 1
+    if tp % Hkv == 0:
+        return tp // Hkv
+    raise ValueError(f"n_kv_head {Hkv} and tp {tp}: tensor parallelism needs tp to divide n_kv_head (each "
+                     f"rank its own key/value heads) or n_kv_head to divide tp (each head on tp/n_kv_head ranks)")
+
+
+class TensorSplit(Whole):
+    """Megatron's layers over the tp group, what a family's forward calls on a tp rank (the
+    calls of model/contract.Whole): column- and row-parallel linears built from this module's
+    classes at each call (so a lab can put its own in), the vocabulary-parallel embedding,
+    head and cross-entropy, and the head counts of this rank. kv_group: the tp ranks that hold
+    this rank's key/value head when kv_share > 1, whose gradients are summed over it."""
+
+    def __init__(self, group: comm.Group, vocab_start: int, vocab_valid: int, kv_group=None):
+        self.group, self.vocab_start, self.vocab_valid, self.kv_group = group, vocab_start, vocab_valid, kv_group
+
+    def column(self, x, w, b=None):
+        return ColumnParallelLinear(w, b, self.group)(x)
+
+    def row(self, x, w, b=None):
+        return RowParallelLinear(w, b, self.group)(x)
+
+    def kv(self, p):
+        return p if self.kv_group is None else SumGradOver.apply(p, self.kv_group, "kv_grads")
+
+    def heads(self, n: int) -> int:
+        return n // self.group.size
+
+    def kv_heads(self, cfg) -> int:
+        return max(1, cfg.kv_heads // self.group.size)
+
+    def tokens(self, idx, w):
+        return VocabParallelEmbedding(w, self.vocab_start, self.group)(idx)
+
+    def logits(self, x, w):
+        """-> vocab-sharded logits (B, t, Vp/tp); padded columns are -inf."""
+        return parallel_lm_logits(x, w, self.group, self.vocab_valid)
+
+    def loss(self, logits, targets, denom=None):
+        return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_start, denom)
+
+
 # --- the model --------------------------------------------------------------------------------
 
-def layout_of(name: str) -> str:
-    """How canonical parameter `name` is split: vocab, qkv, column, row or replicated. A MoE
-    block's router and experts are replicated: every tp rank runs the whole MoE layer on the
-    (replicated) activations, so each computes their full gradient (docs/moe.md)."""
-    if ".mlp.experts." in name or name.endswith("mlp.router.weight"):
-        return "replicated"
-    if name in ("wte.weight", "lm_head.weight"):
-        return "vocab"
-    if name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias"):
-        return "qkv"
-    if name.endswith("mlp.c_fc.weight") or name.endswith("mlp.c_fc.bias"):
-        return "column"
-    if name.endswith("c_proj.weight"):
-        return "row"
-    return "replicated"
+def layout_of(name: str, cfg=None) -> str:
+    """How canonical parameter `name` of cfg's family (default GPT-2) is split: vocab, qkv,
+    column, kv, row or replicated (Family.split_kind)."""
+    return (cfg.family if cfg is not None else GPT2_FAMILY).split_kind(name)
 
 
 class TensorParallelGPT(Model):
-    """GPT-2 (model.GPT's maths and canonical names) with every layer split across the tp
-    group. Parameters are leaf Tensors holding this rank's shard, under canonical names."""
+    """Either family (model.GPT's maths and canonical names) with every layer split across the
+    tp group. Parameters are leaf Tensors holding this rank's shard, under canonical names;
+    the forward is the family's, on TensorSplit's layers (SequenceSplit's with --sp)."""
+
+    split_class = TensorSplit
 
     def __init__(self, cfg: GPTConfig, tp_group: comm.Group, seed: int = 0, dtype=np.float64,
                  parts: Parts = Parts()):
@@ -299,14 +331,16 @@ class TensorParallelGPT(Model):
         dtype = np.dtype(dtype)
         self.group, self.tp_size, self.tp_rank = tp_group, tp_group.size, tp_group.rank
         tp = self.tp_size
-        if cfg.n_head % tp:
-            raise ValueError(f"n_head {cfg.n_head} is not divisible by tp {tp}: tensor parallelism "
-                             f"gives each rank n_head/tp whole heads")
+        self.kv_share = kv_share(cfg, tp)
         V = cfg.vocab_size
         self.vocab_padded = -(-V // tp) * tp                          # Vp
         self.vocab_per_rank = self.vocab_padded // tp                 # Vp/tp
         self.vocab_start = self.tp_rank * self.vocab_per_rank
         self.vocab_valid = min(max(V - self.vocab_start, 0), self.vocab_per_rank)   # real rows here
+        kv_group = None
+        if self.kv_share > 1:                                         # the ranks holding my KV head
+            kv_group = comm.Group(tp_group.comm.Split(self.tp_rank // self.kv_share, self.tp_rank), axis="tp")
+        self.split = self.split_class(tp_group, self.vocab_start, self.vocab_valid, kv_group)
         self.full_shapes = {name: tuple(shape) for name, shape, _ in param_specs(cfg)}
         # each rank draws the full tensor from its own generator and keeps its slice
         self.params = {
@@ -314,25 +348,15 @@ class TensorParallelGPT(Model):
                          requires_grad=True, name=name)
             for name, shape, init in param_specs(cfg) if parts.holds(name)
         }
-        P, g = self.params, tp_group
-        # the layers of what this rank holds (a pipeline stage: its blocks; the embedding on
-        # the first stage, or on the last with tied embeddings, where it is not run)
-        self.wte = VocabParallelEmbedding(P["wte.weight"], self.vocab_start, g) if "wte.weight" in P else None
-        self.attn, self.mlp = [], []
-        for i in range(cfg.n_layer):
-            h = f"h.{i}."
-            held = h + "attn.c_attn.weight" in P
-            self.attn.append(ParallelAttention(
-                ColumnParallelLinear(P[h + "attn.c_attn.weight"], P[h + "attn.c_attn.bias"], g),
-                RowParallelLinear(P[h + "attn.c_proj.weight"], P[h + "attn.c_proj.bias"], g),
-                cfg.n_head // tp) if held else None)
-            self.mlp.append(None if cfg.is_moe(i) or not held else ParallelMLP(
-                ColumnParallelLinear(P[h + "mlp.c_fc.weight"], P[h + "mlp.c_fc.bias"], g),
-                RowParallelLinear(P[h + "mlp.c_proj.weight"], P[h + "mlp.c_proj.bias"], g)))
 
     # --- where each slice lives -------------------------------------------------------------
     def is_replicated(self, name: str) -> bool:
-        return layout_of(name) == "replicated"
+        return layout_of(name, self.cfg) == "replicated"
+
+    def is_copy(self, name: str) -> bool:
+        """Does another tp rank hold the same values (a replicated tensor, a shared KV head)?"""
+        kind = layout_of(name, self.cfg)
+        return kind == "replicated" or (kind == "kv" and self.kv_share > 1)
 
     def shard(self, name: str, full: np.ndarray, rank: int | None = None) -> np.ndarray:
         """The slice of canonical tensor `name` that tp rank `rank` (default: this one) holds."""
@@ -340,7 +364,7 @@ class TensorParallelGPT(Model):
             raise ValueError(f"{name!r} is not a parameter of this model")
         if self.full_shapes[name] != tuple(np.shape(full)):
             raise ValueError(f"{name}: shape {np.shape(full)} is not the canonical {self.full_shapes[name]}")
-        r, tp, kind = self.tp_rank if rank is None else rank, self.tp_size, layout_of(name)
+        r, tp, kind = self.tp_rank if rank is None else rank, self.tp_size, layout_of(name, self.cfg)
         full = np.asarray(full)
         if kind == "replicated":
             return full.copy()
@@ -352,9 +376,13 @@ class TensorParallelGPT(Model):
         if kind == "row":                                             # (Cin, C) -> (Cin/tp, C)
             n = full.shape[0] // tp
             return full[r * n:(r + 1) * n].copy()
-        if kind == "column":                                          # (..., 4C) -> (..., 4C/tp)
+        if kind == "column":                                          # (..., F) -> (..., F/tp)
             n = full.shape[-1] // tp
             return full[..., r * n:(r + 1) * n].copy()
+        if kind == "kv":                                              # (C, Hkv hs): my heads, or my shared one
+            n = full.shape[-1] // (tp // self.kv_share)
+            j = r // self.kv_share
+            return full[..., j * n:(j + 1) * n].copy()
         # qkv: (..., 3C) = [q | k | v] -> (..., 3, tp, C/tp): take head group r of each
         C = full.shape[-1] // 3
         parts = full.reshape(*full.shape[:-1], 3, tp, C // tp)
@@ -362,7 +390,7 @@ class TensorParallelGPT(Model):
 
     def unshard(self, name: str, shards) -> np.ndarray:
         """The full canonical tensor from every tp rank's shard (in tp-rank order)."""
-        kind = layout_of(name)
+        kind = layout_of(name, self.cfg)
         if len(shards) != self.tp_size:
             raise ValueError(f"{name}: {len(shards)} shards for tp {self.tp_size}")
         if kind == "replicated":
@@ -373,6 +401,8 @@ class TensorParallelGPT(Model):
             return np.concatenate(shards, axis=0)
         if kind == "column":
             return np.concatenate(shards, axis=-1)
+        if kind == "kv":                                              # one copy of each head group
+            return np.concatenate(shards[::self.kv_share], axis=-1)
         lead = shards[0].shape[:-1]                                   # qkv: undo shard()
         parts = np.stack([s.reshape(*lead, 3, -1) for s in shards], axis=-2)   # (..., 3, tp, C/tp)
         return parts.reshape(*lead, -1)
@@ -397,49 +427,15 @@ class TensorParallelGPT(Model):
         return out
 
     def counts_in_norm(self, name: str) -> bool:
-        """Split parameters count on every rank (its slice), replicated ones on tp rank 0."""
+        """Split parameters count on every rank (its slice), copies on the first rank that
+        holds them (replicated: tp rank 0; a shared KV head: the first of its kv_share ranks)."""
+        if layout_of(name, self.cfg) == "kv":
+            return self.tp_rank % self.kv_share == 0
         return self.tp_rank == 0 or not self.is_replicated(name)
 
     def reduce_norm_sq(self, local: float) -> float:
         """One all-reduce over tp of each rank's counted sum of squares."""
         return float(tp_all_reduce(self.group, np.array([local]), "sum", "grad_norm")[0])
-
-    # --- forward, in pieces a pipeline stage can run ----------------------------------------
-    def check_ids(self, idx) -> np.ndarray:
-        idx = np.asarray(idx)
-        if idx.shape[-1] > self.cfg.block_size:
-            raise ValueError(f"sequence length {idx.shape[-1]} > block_size {self.cfg.block_size}")
-        if idx.size and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
-                             f"[{idx.min()}, {idx.max()}]")
-        return idx
-
-    def embed(self, idx) -> Tensor:
-        idx = self.check_ids(idx)
-        t = idx.shape[-1]
-        tok = self.wte(idx)                                                       # (B, t, C)
-        pos = ops.embedding(self.position_ids(t)[None, :], self.params["wpe.weight"])  # (1, t, C)
-        return tok + pos
-
-    def block(self, i: int, x: Tensor) -> Tensor:
-        P, h = self.params, f"h.{i}."
-        x = x + self.attn[i](ops.layer_norm(x, P[h + "ln_1.weight"], P[h + "ln_1.bias"]), self.attend)
-        m = ops.layer_norm(x, P[h + "ln_2.weight"], P[h + "ln_2.bias"])
-        return x + (self.moe_layer(i, m) if self.cfg.is_moe(i) else self.mlp[i](m))
-
-    def head(self, x: Tensor) -> Tensor:
-        """-> vocab-sharded logits (B, t, Vp/tp); padded columns are -inf."""
-        P = self.params
-        x = ops.layer_norm(x, P["ln_f.weight"], P["ln_f.bias"])
-        w = P["wte.weight"] if self.cfg.tie_embeddings else P["lm_head.weight"]   # (Vp/tp, C)
-        return parallel_lm_logits(x, w, self.group, self.vocab_valid)
-
-    def loss(self, logits: Tensor, targets, loss_denom=None) -> Tensor:
-        targets = np.asarray(targets)
-        if targets.size and (targets.min() < 0 or targets.max() >= self.cfg.vocab_size):
-            raise ValueError(f"targets must be in [0, {self.cfg.vocab_size}), got "
-                             f"[{targets.min()}, {targets.max()}]")
-        return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_start, loss_denom)
 
 
 def clip_grad_norm(model: TensorParallelGPT, max_norm: float) -> float:
@@ -457,14 +453,17 @@ def clip_grad_norm(model: TensorParallelGPT, max_norm: float) -> float:
 
 # --- the formulas: what a rank holds, what it sends (the planner and the summary use them) ----
 
-def local_size(name: str, shape, tp: int) -> int:
-    """Elements of canonical tensor `name` (of canonical `shape`) on one tp rank, as shard()
-    cuts it: a vocabulary tensor Vp/tp = ceil(V/tp) rows of C, a split one 1/tp of it, a
-    replicated one (wpe, LayerNorms, row-parallel biases) whole."""
-    kind = layout_of(name)
+def local_size(name: str, shape, tp: int, cfg=None) -> int:
+    """Elements of canonical tensor `name` (of canonical `shape`, of cfg's family: default
+    GPT-2) on one tp rank, as shard() cuts it: a vocabulary tensor Vp/tp = ceil(V/tp) rows of
+    C, a split one 1/tp of it, a replicated one (wpe, the norms, row-parallel biases) whole, a
+    key/value projection 1/min(tp, n_kv_head) of it (tp > n_kv_head: one head's columns)."""
+    kind = layout_of(name, cfg)
     if kind == "vocab":
         return -(-shape[0] // tp) * shape[1]                     # (Vp/tp, C)
     n = math.prod(shape)
+    if kind == "kv":
+        return n // min(tp, cfg.kv_heads)
     return n if kind == "replicated" else n // tp
 
 
@@ -472,7 +471,7 @@ def local_param_count(cfg: GPTConfig, tp: int) -> int:
     """Parameters one tp rank holds, by formula (what num_local_params() must measure):
     (P - replicated)/tp + replicated, with the vocabulary tensors padded to Vp rows first;
     the sum of local_size over the canonical tensors."""
-    return sum(local_size(name, shape, tp) for name, shape, _ in param_specs(cfg))
+    return sum(local_size(name, shape, tp, cfg) for name, shape, _ in param_specs(cfg))
 
 
 def megatron_calls(n_layers: int, first: bool = True, last: bool = True,
@@ -487,13 +486,26 @@ def megatron_calls(n_layers: int, first: bool = True, last: bool = True,
     return 4 * n_layers + again + (1 if first else 0) + (1 if last else 0), 3 if last else 0
 
 
+def kv_grad_count(cfg: GPTConfig, tp: int, n_layers: int | None = None) -> tuple[int, int]:
+    """(all-reduces, elements) of the shared key/value heads' gradient sums of one micro-batch
+    (kind kv_grads): when tp > n_kv_head, per block one for k_proj and one for v_proj, each of
+    its (C, hs) copy, over the tp/n_kv_head ranks holding it; none otherwise."""
+    if tp <= 1 or kv_share(cfg, tp) == 1:
+        return 0, 0
+    L = cfg.n_layer if n_layers is None else n_layers
+    return 2 * L, 2 * L * cfg.n_embd * cfg.head_size
+
+
 def megatron_count(cfg: GPTConfig, rows: int, t: int, n_layers: int | None = None,
-                   first: bool = True, last: bool = True, recompute: str = "none") -> tuple[int, int]:
+                   first: bool = True, last: bool = True, recompute: str = "none", tp: int = 1) -> tuple[int, int]:
     """(all-reduces, elements) of one micro-batch of `rows` sequences of t tokens: for the
     whole model 4L + 5 calls and (4L + 2) * rows * t * C + 3 * rows * t elements (module
-    docstring); for a pipeline stage, its n_layers blocks and ends (megatron_calls)."""
-    act, per_row = megatron_calls(cfg.n_layer if n_layers is None else n_layers, first, last, recompute)
-    return act + per_row, act * rows * t * cfg.n_embd + per_row * rows * t
+    docstring); for a pipeline stage, its n_layers blocks and ends (megatron_calls); with
+    key/value heads shared by tp ranks, their gradient sums (kv_grad_count) besides."""
+    L = cfg.n_layer if n_layers is None else n_layers
+    act, per_row = megatron_calls(L, first, last, recompute)
+    kv_calls, kv_elems = kv_grad_count(cfg, tp, L)
+    return act + per_row + kv_calls, act * rows * t * cfg.n_embd + per_row * rows * t + kv_elems
 
 
 # --- the summary's tensor-parallel figures ----------------------------------------------------
@@ -520,7 +532,7 @@ def summary(tp_ledger: dict, rows_log: list, cfg: GPTConfig, *, tp: int, rows: i
     _, calls, elements, tp_bytes = measured(tp_ledger, rows_log)
     out = {"tp": tp, "sequence_parallel": False, "all_reduces_per_step": calls,
            "elements_per_step": elements, "bytes_per_step": tp_bytes}
-    want_calls, want_elems = megatron_count(cfg, rows, T, layers, pp_rank == 0, pp_rank == pp - 1, recompute)
+    want_calls, want_elems = megatron_count(cfg, rows, T, layers, pp_rank == 0, pp_rank == pp - 1, recompute, tp)
     out.update(megatron_all_reduces_per_step=want_calls * M, megatron_elements_per_step=want_elems * M)
     return out, [f"  tensor parallel: {calls:.0f} all-reduces/step of {elements:,.0f} elements (Megatron: "
                  f"{'(4L+5)' if pp == 1 else 'stage ' + str(pp_rank) + ', 4 x its layers + ends'}"

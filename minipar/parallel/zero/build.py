@@ -45,7 +45,8 @@ def build(model, opt, group: comm.Group, stage: int, expert_group: comm.Group | 
     units = [Unit(names, [named[n] for n in names], g.size, g.rank, g, m=[ms[n] for n in names],
                   v=[vs[n] for n in names], master=[masters[n] for n in names] if mixed else None,
                   grad_dtype=dtype, params_sharded=cls.params_sharded, grads_sharded=cls.grads_sharded)
-             for names, g in _unit_groups(unit_names(named), group.with_axis("zero"), expert_group, is_expert)]
+             for names, g in _unit_groups(unit_names(named, model.family), group.with_axis("zero"), expert_group,
+                                          is_expert)]
     sync = cls(model, units, group, dtype)
     optimizer = ShardedAdamW(opt, units, sync)
     del opt.m, opt.v                                                # only the shards live on

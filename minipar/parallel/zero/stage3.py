@@ -26,7 +26,7 @@ import numpy as np
 from minipar import comm
 from minipar.autograd.tensor import Function, is_grad_enabled
 from minipar.parallel.zero.stage2 import Stage2
-from minipar.parallel.zero.units import BLOCK, Unit, _placeholder
+from minipar.parallel.zero.units import Unit, _placeholder
 
 
 class Regather(Function):
@@ -118,10 +118,12 @@ class Gathers:
 
     def bind(self, sync: Stage3):
         self.sync = sync
+        family = sync.model.family
         for u in sync.units:
-            if BLOCK.match(u.names[0]):
-                self.blocks.setdefault(int(BLOCK.match(u.names[0]).group(1)), []).append(u)
-        self.outer = [u for u in sync.units if not BLOCK.match(u.names[0])]
+            i = family.block_of(u.names[0])
+            if i is not None:
+                self.blocks.setdefault(i, []).append(u)
+        self.outer = [u for u in sync.units if family.block_of(u.names[0]) is None]
 
     def embed(self, run, idx):
         for u in self.outer if self.sync is not None else ():

@@ -1,7 +1,7 @@
 """ZeRO's layout: the units a rank's parameters are cut into, and its shard of each.
 
 The layout. A rank's parameters (its tp slice, its pp stage) are cut into units
-(`unit_names`): wte.weight alone, one unit per transformer block, and the rest. Each unit
+(`unit_names`): the token embedding alone, one unit per transformer block, and the rest. Each unit
 is flattened in model order into n elements, padded with zeros to n_pad = ceil(n/N)*N, and
 dp rank r owns elements [r*n_pad/N, (r+1)*n_pad/N) of it: its shard, the piece r of
 np.array_split that comm.reduce_scatter hands it. The optimizer state (fp32 master weights
@@ -10,25 +10,24 @@ shards each of its flat parameters the same way, unit by unit.)
 """
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
-BLOCK = re.compile(r"h\.(\d+)\.")
+from minipar.model.gpt import FAMILY as GPT2
 
 
-def unit_names(names) -> list[list[str]]:
-    """Cut a rank's parameters (canonical names, model order) into the units ZeRO flattens,
-    shards and (stage 3) gathers together: wte.weight alone (a tied copy on the last
-    pipeline stage must shard exactly like stage 0's), one unit per transformer block, and
-    one for the rest (wpe, ln_f, lm_head). Empty units are dropped."""
+def unit_names(names, family=None) -> list[list[str]]:
+    """Cut a rank's parameters (canonical names of `family`, default GPT-2's, model order) into the units ZeRO
+    flattens, shards and (stage 3) gathers together: the token embedding alone (a tied copy
+    on the last pipeline stage must shard exactly like stage 0's), one unit per transformer
+    block, and one for the rest (wpe, the final norm, lm_head). Empty units are dropped."""
+    family = family or GPT2
     wte, blocks, rest = [], {}, []
     for n in names:
-        m = BLOCK.match(n)
-        if n == "wte.weight":
+        i = family.block_of(n)
+        if n == family.embedding:
             wte.append(n)
-        elif m:
-            blocks.setdefault(int(m.group(1)), []).append(n)
+        elif i is not None:
+            blocks.setdefault(i, []).append(n)
         else:
             rest.append(n)
     return [u for u in [wte, *blocks.values(), rest] if u]
