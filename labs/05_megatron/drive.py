@@ -248,9 +248,10 @@ def count(student, out):
 # --- the seam ---------------------------------------------------------------------------------
 
 def install(student):
-    """TensorParallelGPT's f, g and linear layers become the student's: the model builds its
-    layers at each forward from this module's names, so every forward after this call runs the
-    student's. Returns the count of the student's linear layers called so far."""
+    """TensorParallelGPT's f, g and linear layers become the student's: a model builds each
+    layer from this module's names when its parameter is first used (and keeps it), so every
+    model run after this call runs the student's. Returns the count of the student's linear
+    layers called so far."""
     layers = [0]
 
     class Column(student.ColumnParallelLinear):

@@ -4,8 +4,8 @@ Seam (drive.install): the four names of minipar/parallel/tensor/tensor_parallel.
 TensorParallelGPT builds its layers from: CopyToTP (f) and ReduceFromTP (g), which copy_to_tp /
 reduce_from_tp apply (the vocabulary-parallel embedding's g and the LM head's f use them too),
 and ColumnParallelLinear and RowParallelLinear, which TensorParallelGPT's layers
-(tensor_parallel.TensorSplit) construct at each forward. Every all-reduce of tensor parallelism but the
-cross-entropy's three is then the student's.
+(tensor_parallel.TensorSplit) construct when a parameter is first used, and keep. Every
+all-reduce of tensor parallelism but the cross-entropy's three is then the student's.
 Oracles, computed here from the inputs the grader rebuilds from the cases' seeds (drive.py):
 the sums of every rank's x and dy (f and g), the full linear layer y = x @ W + b with its
 textbook gradients in float64 (the layers), megatron_count and minipar's single-process GPT's

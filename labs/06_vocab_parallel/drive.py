@@ -308,8 +308,8 @@ def count(student, out):
 
 def install(student):
     """TensorParallelGPT's vocabulary-parallel embedding and cross-entropy become the
-    student's (counted): the model builds its embedding at each forward from this module's
-    name, so every forward after this call runs the student's."""
+    student's (counted): a model builds its embedding from this module's name when it first
+    runs (and keeps it), so every model run after this call runs the student's."""
     calls = [0]
 
     class Embedding(student.VocabParallelEmbedding):

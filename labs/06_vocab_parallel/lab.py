@@ -2,7 +2,7 @@
 
 Seam (drive.install): the two names of minipar/parallel/tensor/tensor_parallel.py the vocabulary-
 parallel ends of TensorParallelGPT use: VocabParallelEmbedding, which TensorParallelGPT's layers
-(tensor_parallel.TensorSplit) construct at each forward, and vocab_parallel_cross_entropy,
+(tensor_parallel.TensorSplit) construct when it first runs, and vocab_parallel_cross_entropy,
 which its loss calls. The embedding's all-reduce (kind g) and the
 cross-entropy's three (kind cross_entropy) are then the student's.
 Oracle: NumPy here, on the full, unpadded tensors the grader rebuilds from the cases' seeds

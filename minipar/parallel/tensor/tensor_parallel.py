@@ -276,19 +276,32 @@ def kv_share(cfg, tp: int) -> int:
 
 class TensorSplit(Whole):
     """Megatron's layers over the tp group, what a family's forward calls on a tp rank (the
-    calls of model/contract.Whole): column- and row-parallel linears built from this module's
-    classes at each call (so a lab can put its own in), the vocabulary-parallel embedding,
-    head and cross-entropy, and the head counts of this rank. kv_group: the tp ranks that hold
-    this rank's key/value head when kv_share > 1, whose gradients are summed over it."""
+    calls of model/contract.Whole): column- and row-parallel linears and the vocabulary-parallel
+    embedding, each built from this module's classes the first time its parameter is used and
+    kept (Megatron builds its layers once: state a layer keeps from its construction must stay
+    right after an optimizer step), the vocabulary-parallel head and cross-entropy, and the head
+    counts of this rank. kv_group: the tp ranks that hold this rank's key/value head when
+    kv_share > 1, whose gradients are summed over it."""
 
     def __init__(self, group: comm.Group, vocab_start: int, vocab_valid: int, kv_group=None):
         self.group, self.vocab_start, self.vocab_valid, self.kv_group = group, vocab_start, vocab_valid, kv_group
+        self.built = {}                     # (kind, parameter names) -> the layer
+
+    def layer(self, kind: str, make, *tensors):
+        """The layer of `kind` on these parameters, made once by make(). A weight made in the
+        forward (Llama's fused [q | k | v], [gate | up]: no name) gets a layer at each call."""
+        if any(t is not None and t.name is None for t in tensors):
+            return make()
+        key = (kind, *(None if t is None else t.name for t in tensors))
+        if key not in self.built:
+            self.built[key] = make()
+        return self.built[key]
 
     def column(self, x, w, b=None):
-        return ColumnParallelLinear(w, b, self.group)(x)
+        return self.layer("column", lambda: ColumnParallelLinear(w, b, self.group), w, b)(x)
 
     def row(self, x, w, b=None):
-        return RowParallelLinear(w, b, self.group)(x)
+        return self.layer("row", lambda: RowParallelLinear(w, b, self.group), w, b)(x)
 
     def kv(self, p):
         return p if self.kv_group is None else SumGradOver.apply(p, self.kv_group, "kv_grads")
@@ -300,7 +313,7 @@ class TensorSplit(Whole):
         return max(1, cfg.kv_heads // self.group.size)
 
     def tokens(self, idx, w):
-        return VocabParallelEmbedding(w, self.vocab_start, self.group)(idx)
+        return self.layer("tokens", lambda: VocabParallelEmbedding(w, self.vocab_start, self.group), w)(idx)
 
     def logits(self, x, w):
         """-> vocab-sharded logits (B, t, Vp/tp); padded columns are -inf."""
