@@ -31,7 +31,7 @@ TRAIN = ["--dp", "2", "--pp", "2", "--zero", "1", "--micro-batches", "4", "--ste
 EXPLAIN = [("ring-all-reduce", 4), ("reduce-scatter", 4), ("all-gather", 4),
            ("recursive-doubling", 5), ("broadcast", 4), ("reduce", 4), ("megatron-mlp", 2),
            ("1f1b", 4), ("ring-attention", 4), ("moe-dispatch", 4),
-           ("moe-dispatch", 2, "--capacity-factor", "0")]         # (what, p, its own flags)
+           ("moe-dispatch", 2, "--capacity-factor", "0"), ("gqa-tp", 4)]   # (what, p, its own flags)
 SCHEDULE_RUN = ["--pp", "4", "--n-layer", "8", "--micro-batches", "8", "--steps", "6", "--sample", "0"]
 SCHEDULES = [("gpipe", []), ("1f1b", []), ("interleaved", ["--virtual-stages", "2"]), ("zb-h1", []),
              ("zb-h2", [])]

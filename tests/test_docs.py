@@ -27,7 +27,7 @@ DOCS = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.pat
                               if f.endswith(".md"))
 PAGES = ["design", "collectives", "data-parallel", "tensor-parallel", "pipeline", "zero", "mixed-precision",
          "checkpoints", "verify", "planner", "performance", "debugging", "pictures", "cluster", "recompute",
-         "sequence-parallel", "context-parallel", "moe"]
+         "sequence-parallel", "context-parallel", "moe", "llama"]
 
 
 def fenced_commands(text: str) -> list[str]:

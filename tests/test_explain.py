@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from minipar.explain import cli as explain, collectives, megatron, moe, pipeline, ring_attention
+from minipar.explain import cli as explain, collectives, gqa_tp, megatron, moe, pipeline, ring_attention
 from minipar.show import traceview
 from minipar.parallel.pipeline import schedules
 
@@ -501,6 +501,7 @@ def test_png_has_the_svgs_size_and_is_not_blank(what, p, tmp_path_factory):
                                          (["ring-attention", "--p", "9"], "--p 9: ring-attention draws 2 <= P <= 8"),
                                          (["ring-attention", "--bytes", "64"], "--bytes 64"),
                                          (["moe-dispatch", "--p", "3"], "--p 3: moe-dispatch splits E = 4 experts"),
+                                         (["gqa-tp", "--p", "3"], "--p 3: gqa-tp splits 8 query heads"),
                                          (["reduce", "--capacity-factor", "1"], "--capacity-factor 1 is for moe-"),
                                          (["moe-dispatch", "--capacity-factor", "-1"], "need 0 <= F <= 100"),
                                          (["ring-all-reduce", "--bytes", "12"], "--bytes 12")])
@@ -534,3 +535,59 @@ def test_under_mpirun_the_ranks_are_the_workers(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("ring all-gather, p=2,") == 1, proc.stdout      # rank 0 draws, once
     assert os.path.isfile(tmp_path / "explain-all-gather-p2.svg")
+
+
+# --- grouped-query attention under tensor parallelism ----------------------------------------------
+
+def test_gqa_tp_holdings_read_from_the_shards_and_the_shared_heads_sums(tmp_path_factory):
+    """tp 4, H 8, Hkv 2: rank r holds query heads 2r, 2r+1 and key/value head r // 2, a copy on 2
+    ranks, whose k_proj and v_proj gradients it sums with its partner (two all-reduces of one
+    head's (C, hs) = (16, 2) float64 = 256 B); tp 2: each rank its own key/value head, no sum."""
+    proc, trace, out = explained("gqa-tp", 4, tmp_path_factory)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pic = gqa_tp.gqa_picture(trace)
+    assert pic.problems == [], pic.problems
+    assert pic.q_heads == [[2 * r, 2 * r + 1] for r in range(4)] and pic.kv_heads == [[r // 2] for r in range(4)]
+    assert pic.sums == [[([r ^ 1], 256)] * 2 for r in range(4)], pic.sums
+    assert "rank 2    .  .  .  . q4 q5  .  .     . k1    k_proj, v_proj gradients summed with rank 3: 2 " \
+           "all-reduces of 256 B" in proc.stdout, proc.stdout
+    root = ET.parse(os.path.join(out, "explain-gqa-tp-p4.svg")).getroot()
+    texts = ["".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert texts[0] == proc.stdout.splitlines()[0] and [t for t in texts if t.startswith("rank ")] == \
+        [f"rank {r}" for r in range(4)], texts
+    proc2, trace2, _ = explained("gqa-tp", 2, tmp_path_factory)
+    pic2 = gqa_tp.gqa_picture(trace2)
+    assert proc2.returncode == 0 and pic2.problems == [] and pic2.sums == [[], []], (pic2.problems, pic2.sums)
+    assert pic2.q_heads == [[0, 1, 2, 3], [4, 5, 6, 7]] and pic2.kv_heads == [[0], [1]]
+
+
+def test_gqa_tp_planted_mistakes_are_reported(tmp_path_factory, tmp_path):
+    """A shared head's sum missing on one rank, a sum over the wrong ranks, a query head held
+    twice (and one never), a rank without the key/value head its query heads read: each named."""
+    _, trace, _ = explained("gqa-tp", 4, tmp_path_factory)
+    missing = copy.deepcopy(trace)
+    missing["traceEvents"] = [e for e in missing["traceEvents"]
+                              if not (e.get("cat") == "comm" and e["pid"] == 1 and len(e["args"]["group"]) == 2)]
+    problems = gqa_tp.gqa_picture(missing).problems
+    assert problems == ["rank 1 holds key/value heads [0] (also on ranks [0]): want two all-reduces of 256 B over "
+                        "ranks [0], the trace shows []"], problems
+    wide = copy.deepcopy(trace)
+    for e in wide["traceEvents"]:
+        if e.get("cat") == "comm" and e["pid"] == 2 and len(e["args"]["group"]) == 2:
+            e["args"]["group"] = [0, 2, 3]
+    assert any(p.startswith("rank 2 holds key/value heads [1] (also on ranks [3])")
+               for p in gqa_tp.gqa_picture(wide).problems)
+    twice = copy.deepcopy(trace)
+    twice["otherData"]["minipar"]["q_heads"][1] = [1, 3]
+    problems = gqa_tp.gqa_picture(twice).problems
+    assert problems[0] == "the query heads held over the ranks are [0, 1, 1, 3, 4, 5, 6, 7], not each of 0..7 once"
+    unread = copy.deepcopy(trace)
+    unread["otherData"]["minipar"]["kv_heads"][3] = [0]
+    problems = gqa_tp.gqa_picture(unread).problems
+    assert "rank 3 holds query head 6, which reads key/value head 1, but not that head (it holds [0])" in problems
+    path = str(tmp_path / "planted.json")
+    with open(path, "w") as f:
+        json.dump(missing, f)
+    assert explain.draw(path, str(tmp_path)) != []
+    svg = open(tmp_path / "explain-gqa-tp-p4.svg").read()
+    assert 'fill="#c00000">PROBLEM: rank 1 holds key/value heads [0]' in svg

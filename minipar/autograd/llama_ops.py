@@ -166,16 +166,18 @@ class RoPE(Function):
         return store(out, self.dtype)
 
     def _turn(self, src, dst, cos, sin):
-        """dst's q, k halves = src's turned by the angle whose (cos, sin) are given."""
+        """dst's q, k halves = src's turned by the angle whose (cos, sin) are given, with one
+        temporary of a half's size (the products land in `out=` buffers)."""
         B, t, _ = src.shape
         n, h = self.n, self.hs // 2
         x = src[..., :n * 2 * h].reshape(B, t, n, 2, h)
         y = dst[..., :n * 2 * h].reshape(B, t, n, 2, h)
-        x1, x2 = x[..., 0, :], x[..., 1, :]
-        np.multiply(x1, cos, out=y[..., 0, :])
-        y[..., 0, :] -= x2 * sin
-        np.multiply(x2, cos, out=y[..., 1, :])
-        y[..., 1, :] += x1 * sin
+        x1, x2, y1, y2 = x[..., 0, :], x[..., 1, :], y[..., 0, :], y[..., 1, :]
+        tmp = np.empty(x1.shape, dtype=x1.dtype)
+        np.multiply(x1, cos, out=y1)
+        y1 -= np.multiply(x2, sin, out=tmp)
+        np.multiply(x2, cos, out=y2)
+        y2 += np.multiply(x1, sin, out=tmp)
 
     def backward(self, g):
         g = compute(g)

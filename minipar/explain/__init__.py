@@ -9,6 +9,8 @@ in this order:
     pipeline.py         the 1F1B pipeline, the trainer's own trace
     ring_attention.py   ring attention (context parallelism)
     moe.py              one MoE layer's all-to-alls (expert parallelism)
+    gqa_tp.py           a Llama block's query and key/value heads over tp ranks, and the
+                        sums of a shared key/value head's gradients
 """
 from minipar.explain.cli import build_parser, main, settle
 

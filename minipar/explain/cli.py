@@ -13,6 +13,7 @@ its trace and draws it).
     1f1b                 python -m minipar.train --pp P, its measured timeline   4 stages
     ring-attention       RingAttention forward and backward (context parallelism)  cp 4 (2..8)
     moe-dispatch         one MoE layer, its experts over the ranks (expert parallelism)  ep 4 (2 or 4)
+    gqa-tp               a Llama block's query and key/value heads over tp ranks   tp 4 (2, 4 or 8)
 
 What runs. The launcher starts `mpirun -n P python -m minipar.explain --worker WHAT` (under
 a timeout, MINIPAR_EXPLAIN_TIMEOUT seconds, 120 by default). The trace records with
@@ -35,6 +36,7 @@ import sys
 
 from minipar.explain.common import COLLECTIVES, WHATS, ExplainError, UsageError
 from minipar.explain.collectives import collective_picture, grid_svg, grid_text, work
+from minipar.explain.gqa_tp import gqa_picture, gqa_ranks_ok, gqa_svg, gqa_text
 from minipar.explain.megatron import MLP_SHAPE, mlp_picture, mlp_svg, mlp_text
 from minipar.explain.moe import MOE_EXPERTS, MOE_FACTOR, moe_picture, moe_svg, moe_text
 from minipar.explain.pipeline import pipeline_argv, pipeline_picture, pipeline_svg, pipeline_text
@@ -53,7 +55,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m minipar.explain", allow_abbrev=False,
-                 description="Run a collective, Megatron's MLP, a 1F1B pipeline, ring attention or a MoE layer "
+                 description="Run a collective, Megatron's MLP, a 1F1B pipeline, ring attention, a MoE layer or "
+                             "grouped-query attention under tensor parallelism "
                              "on P ranks (mpirun) with the trace on, and draw each message it sent: in the terminal, "
                              "as DIR/explain-WHAT-pP.svg and, with resvg_py, .png.",
                  epilog=f"WHAT: {', '.join(WHATS)}")
@@ -85,6 +88,8 @@ def settle(args) -> tuple[str, int, int]:
     hidden = 4 * MLP_SHAPE[2]
     if what == "megatron-mlp" and hidden % p:
         raise UsageError(f"--p {p}: megatron-mlp splits the hidden width 4C = {hidden}; P must divide it")
+    if what == "gqa-tp" and not gqa_ranks_ok(p):
+        raise UsageError(f"--p {p}: gqa-tp splits 8 query heads and 2 key/value heads; P must be 2, 4 or 8")
     if what == "moe-dispatch" and MOE_EXPERTS % p:
         raise UsageError(f"--p {p}: moe-dispatch splits E = {MOE_EXPERTS} experts over the ranks; P must divide it")
     if args.capacity_factor is not None and what != "moe-dispatch":
@@ -177,6 +182,9 @@ def draw(path: str, out: str) -> list[str]:
     elif what == "megatron-mlp":
         pic = mlp_picture(trace)
         problems, text, svg = pic.problems, mlp_text(pic), mlp_svg(pic)
+    elif what == "gqa-tp":
+        pic = gqa_picture(trace)
+        problems, text, svg = pic.problems, gqa_text(pic), gqa_svg(pic)
     else:
         pic = collective_picture(trace)
         problems, text, svg = pic.problems, grid_text(pic), grid_svg(pic)

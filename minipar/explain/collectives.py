@@ -3,7 +3,7 @@ recursive-doubling, broadcast, reduce): the run, what its trace says, and the dr
 
 The run. Each rank calls the algorithm module itself, not the dispatcher of minipar.comm, so
 the algorithm drawn is the one named whatever the size. work is every WHAT's worker: it hands
-the other pictures to theirs (megatron.work_mlp, ring_attention.work_ring, moe.work_moe).
+the other pictures to theirs (megatron.work_mlp, ring_attention.work_ring, moe.work_moe, gqa_tp.work_gqa).
 
 What the trace of an explained run says: which piece each message carried, read from the
 values on the wire, and the per-step picture drawn below.
@@ -40,6 +40,7 @@ import numpy as np
 from minipar.show.draw import _esc
 from minipar.explain.common import (BOLD, CHAR_W, LINE_H, PAD, ROOT, SQ, WHATS, ExplainError, Spec,
                                     colour)
+from minipar.explain.gqa_tp import work_gqa
 from minipar.explain.megatron import work_mlp
 from minipar.explain.moe import MOE_FACTOR, work_moe
 from minipar.explain.ring_attention import work_ring
@@ -60,6 +61,8 @@ def work(what: str, n: int, path: str, factor: float = MOE_FACTOR):
         return work_mlp(comm.Group(MPI.COMM_WORLD, axis="tp"), path)
     if what == "ring-attention":
         return work_ring(comm.Group(MPI.COMM_WORLD, axis="cp"), path)
+    if what == "gqa-tp":
+        return work_gqa(comm.Group(MPI.COMM_WORLD, axis="tp"), path)
     from minipar.comm.algorithms import doubling, ring, tree                       # noqa: PLC0415
     world = comm.Group(MPI.COMM_WORLD, axis="world")
     p, r = world.size, world.rank

@@ -35,6 +35,7 @@ WHATS = {
     "1f1b": Spec("1F1B pipeline", 4),
     "ring-attention": Spec("ring attention", 4),
     "moe-dispatch": Spec("MoE dispatch and combine", 4),
+    "gqa-tp": Spec("grouped-query attention under tensor parallelism", 4),
 }
 COLLECTIVES = [w for w, s in WHATS.items() if s.algorithm]
 

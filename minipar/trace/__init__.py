@@ -8,12 +8,12 @@ What is recorded (docs/pictures.md shows how to read it):
   (category "microbatch", args kind F/B, mb, stage), each layer inside them ("h.3 forward",
   "h.3 backward"), the waits after backward, the optimizer step, validation, checkpoint
   saves and the --verify twin;
-- every collective and point-to-point call (category "comm"): op, algorithm, group axis,
-  peers, bytes sent and received, and each message (step, send/recv, peer, bytes). A
-  blocking call is an "X" span on the communication thread; a call that runs in the
-  background (a Handle: data parallelism's buckets, a pipeline's sends) is an async pair
-  ("b" when it starts, "e" when it completes, matched by id), because several of them are
-  in flight at once and one thread's spans may not overlap.
+- every collective and point-to-point call (category "comm"): op, algorithm, group axis, the
+  group (its world ranks), peers, bytes sent and received, and each message (step,
+  send/recv, peer, bytes). A blocking call is an "X" span on the communication thread; a
+  call that runs in the background (a Handle: data parallelism's buckets, a pipeline's
+  sends) is an async pair ("b" when it starts, "e" when it completes, matched by id),
+  because several of them are in flight at once and one thread's spans may not overlap.
 
 How:
 - Off (the default), RECORDER is None: `span()` and `layer()` return one shared no-op
@@ -76,7 +76,7 @@ class Recorder:
             return
         w = c.g.world_ranks
         msgs = [[step, kind, w[peer], n] + extra for step, kind, peer, n, *extra in c.log]
-        args = {"op": c.name, "algorithm": c.algorithm, "axis": c.axis,
+        args = {"op": c.name, "algorithm": c.algorithm, "axis": c.axis, "group": list(w),
                 "peers": sorted({m[2] for m in msgs}), "bytes_sent": c.sent, "bytes_recv": c.recvd,
                 "steps": c.nsteps, "messages": msgs}
         if c.asynchronous:
