@@ -141,7 +141,9 @@ def llama(n, precisions):
     stage; tp 2 and 4 (key/value heads split, or shared by 2 and 4 ranks), with --sp and
     recomputation; pipelines (1F1B, GPipe, interleaved, ZB-H1, ZB-H2) with tp and sp; the ring
     (cp 2 and 4, zig-zag and contiguous) alone and with dp, ZeRO, tp and pp; tied embeddings;
-    fp16/bf16. 8 ranks: dp x tp x pp and dp x cp x tp."""
+    fp16/bf16; a Mixtral-style mixture of experts (its pooled loss; ep 1, 2, 4; DeepSeekMoE's shared and
+    fine-grained experts; ZeRO; tp; capacity; top-1; pipelines with the Switch loss). 8 ranks: dp x tp x
+    pp and dp x cp x tp."""
     base = ["--arch", "llama", "--ffn-hidden", "24", "--rope-theta", "500"]
     f64 = ["--dtype", "float64"]
 
@@ -169,9 +171,22 @@ def llama(n, precisions):
         yield n, kv(1) + ["--cp", "2", "--tp", "2", "--recompute", "full"] + f64
         yield n, kv(4) + ["--cp", "2", "--tp", "2"] + f64
         yield n, kv(2) + ["--cp", "2", "--pp", "2", "--schedule", "zb-h1", "--micro-batches", "2"] + f64
+        mixtral = kv(2) + ["--moe-experts", "4", "--moe-top-k", "2"]
+        deepseek = mixtral + ["--moe-shared-experts", "1", "--moe-ffn-hidden", "12"]
+        for ep in ("1", "2", "4"):
+            yield n, mixtral + ["--dp", "4", "--ep", ep] + f64
+        for zero in ("1", "3"):
+            yield n, deepseek + ["--dp", "4", "--ep", "2", "--zero", zero] + f64
+        yield n, deepseek + ["--dp", "2", "--ep", "2", "--tp", "2", "--recompute", "full"] + f64
+        yield n, mixtral + ["--dp", "4", "--ep", "2", "--moe-capacity-factor", "1.0", "--micro-batches", "2"] + f64
+        yield n, mixtral + ["--moe-top-k", "1", "--dp", "4", "--ep", "2"] + f64
+        for schedule in ("1f1b", "zb-h1"):
+            yield n, mixtral + ["--moe-router", "switch", "--dp", "2", "--ep", "2", "--pp", "2", "--n-layer", "2",
+                                "--micro-batches", "2", "--schedule", schedule] + f64
         for precision in set(precisions) - {"fp32"}:
             yield n, kv(2) + ["--dp", "2", "--tp", "2", "--zero", "1", "--precision", precision]
             yield n, kv(1) + ["--cp", "2", "--tp", "2", "--precision", precision]
+            yield n, deepseek + ["--dp", "4", "--ep", "2", "--precision", precision]
     else:
         yield n, kv(1) + ["--dp", "2", "--tp", "2", "--pp", "2", "--micro-batches", "2", "--zero", "1"] + f64
         yield n, kv(2) + ["--dp", "2", "--cp", "2", "--tp", "2", "--zero", "3"] + f64

@@ -7,8 +7,10 @@ import math
 import numpy as np
 import pytest
 
+from minipar.model import moe
 from minipar.model.config import GPTConfig, llama_hidden
 from minipar.model.gpt import GPT, param_specs
+from minipar.parallel.parallelize import parts
 from minipar.autograd.tensor import Tensor  # noqa: F401 - the model's own
 
 
@@ -20,9 +22,11 @@ def small(**kw):
 
 # --- the straight-line forward ---------------------------------------------------------------------
 
-def straight_line_loss(P: dict, cfg: GPTConfig, idx: np.ndarray, targets: np.ndarray):
-    """(logits, mean cross-entropy) of a Llama, as the papers write it, weights (in, out)."""
+def straight_line_loss(P: dict, cfg: GPTConfig, idx: np.ndarray, targets: np.ndarray, aux_coef: float = 0.0):
+    """(logits, mean cross-entropy + aux_coef x Mixtral's load-balancing loss) of a Llama, as
+    the papers write it, weights (in, out)."""
     B, T = idx.shape
+    pooled = {"p": [], "slots": []}
     C, H, Hkv, eps = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.norm_eps
     hs = C // H
 
@@ -53,13 +57,47 @@ def straight_line_loss(P: dict, cfg: GPTConfig, idx: np.ndarray, targets: np.nda
             y[:, :, head] = p @ v[:, :, kv]
         x = x + y.reshape(B, T, C) @ P[h + "self_attn.o_proj.weight"]
         m = rmsnorm(x, P[h + "post_attention_layernorm.weight"])
+        if cfg.is_moe(i):
+            x = x + mixtral_moe(P, h + "block_sparse_moe.", cfg, m.reshape(B * T, C), pooled).reshape(B, T, C)
+            continue
         g = m @ P[h + "mlp.gate_proj.weight"]
         x = x + (g / (1 + np.exp(-g)) * (m @ P[h + "mlp.up_proj.weight"])) @ P[h + "mlp.down_proj.weight"]
     x = rmsnorm(x, P["norm.weight"])
     logits = x @ P["embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"].T
     z = logits - logits.max(-1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
-    return logits, -np.mean(np.take_along_axis(logp, targets[..., None], -1))
+    loss = -np.mean(np.take_along_axis(logp, targets[..., None], -1))
+    if not pooled["p"]:
+        return logits, loss
+    # Mixtral's load-balancing loss, as its reference code pools it: over every MoE layer and
+    # token, f_e = the top-k slots routed to e / (L N) (summing to k), P_e the mean probability
+    f = np.mean(pooled["slots"], axis=0)                     # (E,): over the L N (token, layer) rows
+    P_mean = np.mean(pooled["p"], axis=0)
+    return logits, loss + aux_coef * cfg.moe_experts * np.sum(f * P_mean)
+
+
+def mixtral_moe(P, pre, cfg, x, pooled):
+    """Mixtral's sparse MoE block, token by token: softmax over all experts, the top k, their
+    weights renormalised, SwiGLU experts (w1 gate, w3 up, w2 down); plus every shared expert."""
+    E, K = cfg.moe_experts, cfg.moe_top_k
+
+    def expert(q, v):
+        g = v @ P[q + "w1.weight"]
+        return (g / (1 + np.exp(-g)) * (v @ P[q + "w3.weight"])) @ P[q + "w2.weight"]
+
+    y = np.zeros_like(x)
+    for n in range(x.shape[0]):
+        z = x[n] @ P[pre + "gate.weight"]
+        p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        top = sorted(range(E), key=lambda e: (-p[e], e))[:K]
+        w = p[top] / p[top].sum()
+        for k, e in enumerate(top):
+            y[n] += w[k] * expert(f"{pre}experts.{e}.", x[n])
+        for s in range(cfg.moe_shared_experts):
+            y[n] += expert(f"{pre}shared_experts.{s}.", x[n])
+        pooled["p"].append(p)
+        pooled["slots"].append(np.bincount(top, minlength=E))
+    return y
 
 
 def batch(cfg, B=2, seed=0):
@@ -88,12 +126,40 @@ def test_logits_and_loss_equal_the_straight_line_forward(name):
     assert abs(model(idx, targets).item() - loss) <= 1e-12 * abs(loss)
 
 
-@pytest.mark.parametrize("name", ["gqa", "multi-query", "tied"])
+MOE = {
+    "mixtral": dict(moe_experts=4, moe_top_k=2),
+    "mixtral top-1, every 2nd block": dict(moe_experts=3, moe_top_k=1, moe_every=2, n_layer=3),
+    "deepseek: shared and fine-grained": dict(moe_experts=4, moe_top_k=2, moe_shared_experts=1, moe_ffn_hidden=8),
+}
+AUX = 0.3
+
+
+def moe_model(cfg, seed):
+    return GPT(cfg, seed=seed, parts=parts(moe=moe.settings_of(cfg, aux_coef=AUX)))
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_mixture_of_experts_equals_the_straight_line_forward(name):
+    """Mixtral's router (softmax over all experts, top k, renormalised), SwiGLU experts, shared
+    experts: logits and loss at 1e-12; the load-balancing loss pooled over every MoE layer is
+    checked through the gradients below."""
+    cfg = small(**MOE[name])
+    model = moe_model(cfg, 3)
+    idx, targets = batch(cfg)
+    P = {n: p.data for n, p in model.named_parameters()}
+    logits, loss = straight_line_loss(P, cfg, idx, targets)
+    np.testing.assert_allclose(model(idx).data, logits, rtol=1e-12, atol=1e-13)
+    assert abs(model(idx, targets).item() - loss) <= 1e-12 * abs(loss)
+
+
+@pytest.mark.parametrize("name", ["gqa", "multi-query", "tied", *MOE])
 def test_every_gradient_equals_central_differences_of_the_straight_line_forward(name):
     """Every tensor's gradient, at 6 entries each, against (L(w + e) - L(w - e)) / 2e of the
-    straight-line forward: the model's backward is the derivative of the published maths."""
-    cfg = small(**CONFIGS[name])
-    model = GPT(cfg, seed=4)
+    straight-line forward: the model's backward is the derivative of the published maths (with
+    experts: of the cross-entropy plus AUX x Mixtral's pooled load-balancing loss)."""
+    cfg = small(**{**CONFIGS.get(name, {}), **MOE.get(name, {})})
+    model = moe_model(cfg, 4) if name in MOE else GPT(cfg, seed=4)
+    aux = AUX if name in MOE else 0.0
     idx, targets = batch(cfg, seed=1)
     model(idx, targets).backward()
     P = {n: p.data.copy() for n, p in model.named_parameters()}
@@ -105,9 +171,9 @@ def test_every_gradient_equals_central_differences_of_the_straight_line_forward(
         for j in rng.choice(p.data.size, size=min(6, p.data.size), replace=False):
             old = P[n].flat[j]
             P[n].flat[j] = old + eps
-            up = straight_line_loss(P, cfg, idx, targets)[1]
+            up = straight_line_loss(P, cfg, idx, targets, aux)[1]
             P[n].flat[j] = old - eps
-            down = straight_line_loss(P, cfg, idx, targets)[1]
+            down = straight_line_loss(P, cfg, idx, targets, aux)[1]
             P[n].flat[j] = old
             num = (up - down) / (2 * eps)
             assert abs(g.flat[j] - num) <= 1e-7 * max(1.0, np.abs(g).max()), (n, j, g.flat[j], num)
@@ -169,3 +235,20 @@ def test_tied_default_follows_the_family():
     assert GPTConfig(arch="llama").tie_embeddings is False
     assert GPTConfig().tie_embeddings is True
     assert GPTConfig(arch="llama", tie_embeddings=True).tie_embeddings is True
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_leaves_every_gradient_of_a_mixtral_model_bit_identical(mode):
+    """--recompute full runs each block's forward again in backward: its routers must not add
+    their counts to Mixtral's pool twice (the pooled loss would halve), and the gradients stay
+    equal, bit for bit, to those without recomputation."""
+    cfg = small(**MOE["deepseek: shared and fine-grained"])
+    idx, targets = batch(cfg, seed=2)
+    grads = []
+    for m in ("none", mode):
+        model = GPT(cfg, seed=5, parts=parts(m, moe=moe.settings_of(cfg, aux_coef=AUX)))
+        model(idx, targets).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        assert model.moe.pool.blocks == {0, 1} and sum(model.moe.pool.counts[0]) == 2 * 2 * idx.size
+    for n in grads[0]:
+        np.testing.assert_array_equal(grads[1][n], grads[0][n], err_msg=n)

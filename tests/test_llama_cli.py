@@ -25,7 +25,9 @@ def verified(p, layout):
     ["--n-kv-head", "1", "--dp", "2", "--tp", "2", "--zero", "2"],                 # one KV head on both tp ranks
     ["--n-kv-head", "2", "--tp", "2", "--sp", "--pp", "2", "--n-layer", "2", "--micro-batches", "2"],
     ["--n-kv-head", "2", "--cp", "2", "--dp", "2", "--zero", "3", "--recompute", "selective"],
-], ids=["dp2-tp2-kv1-zero2", "tp2-sp-pp2", "cp2-dp2-zero3"])
+    ["--moe-experts", "4", "--moe-shared-experts", "1", "--moe-ffn-hidden", "12", "--dp", "2", "--ep", "2", "--tp", "2",
+     "--recompute", "full"],
+], ids=["dp2-tp2-kv1-zero2", "tp2-sp-pp2", "cp2-dp2-zero3", "mixtral-deepseek-ep2-tp2"])
 def test_verify_equals_the_single_process(layout):
     verified(ok(mpirun(4, *LLAMA, *layout, "--verify", timeout=240)), layout)
 
@@ -46,7 +48,8 @@ def test_trains_and_says_what_it_is(capsys):
     (["--arch", "llama", "--rope-theta", "nan"], ["--rope-theta must be a finite number, got nan"]),
     (["--arch", "llama", "--multiple-of", "0"], ["--multiple-of 0 must be >= 1"]),
     (["--arch", "llama", "--ffn-hidden", "-4"], ["--ffn-hidden -4 must be >= 1"]),
-    (["--arch", "llama", "--moe-experts", "2"], ["mixture of experts"]),
+    (["--moe-experts", "2", "--moe-shared-experts", "1"], ["--moe-shared-experts is a setting of the Llama family"]),
+    (["--moe-router", "mixtral"], ["--moe-router is for a mixture of experts: it needs --moe-experts > 0"]),
 ])
 def test_bad_family_flags_are_one_line_errors(flags, needles, capsys):
     assert_main_exits_2(["--n-embd", "16", "--block-size", "16", *flags], needles, capsys, flags)
@@ -59,6 +62,15 @@ def test_flags_argparse_refuses(flags, needle, capsys):
         train.main(flags)
     err = capsys.readouterr().err
     assert e.value.code == 2 and needle in err.splitlines()[-1], err
+
+
+def test_mixtrals_pooled_loss_refuses_a_pipeline_in_one_line(tmp_path):
+    """The counts would have to cross the stages (not built yet): one line on every rank,
+    exit 2, and the Switch form or no loss runs."""
+    flags = [*LLAMA, "--moe-experts", "4", "--dp", "2", "--pp", "2", "--n-layer", "2", "--micro-batches", "2"]
+    p = mpirun(4, *flags)
+    assert p.returncode == 2 and p.stderr.count("minipar.train: error: --moe-router mixtral pools") == 1, p.stderr
+    verified(ok(mpirun(4, *flags, "--moe-router", "switch", "--verify", timeout=240)), flags)
 
 
 def test_tensor_parallelism_refuses_kv_heads_it_cannot_place():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from minipar.model import moe
+from minipar.model.gpt import FAMILY as GPT2
 from minipar.autograd.tensor import Tensor
 
 C, E = 6, 4
@@ -81,7 +82,7 @@ def test_forward_equals_the_token_by_token_reference(name):
     x = rng.standard_normal((4, 5, C))
     s = settings(name, 4)
     s.stats = stats = []
-    y = moe.moe_mlp({k: Tensor(v, requires_grad=True) for k, v in P.items()}, 0, Tensor(x), s)
+    y = moe.moe_mlp({k: Tensor(v, requires_grad=True) for k, v in P.items()}, 0, Tensor(x), s, GPT2)
     want, _ = reference(P, x, s)
     np.testing.assert_allclose(y.data, want, rtol=0, atol=1e-12)
     d = stats[0][1]
@@ -106,7 +107,7 @@ def test_gradients_equal_central_differences(name):
 
     ts = {k: Tensor(v, requires_grad=True) for k, v in P.items()}
     xt = Tensor(x, requires_grad=True)
-    moe.moe_mlp(ts, 0, xt, s).backward(R)
+    moe.moe_mlp(ts, 0, xt, s, GPT2).backward(R)
     for name_, a, grad in [("x", x, xt.grad)] + [(k, P[k], ts[k].grad) for k in P]:
         assert grad is not None, name_
         some = rng.choice(a.size, min(a.size, 12), replace=False)      # 12 elements of each

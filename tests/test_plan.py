@@ -35,6 +35,7 @@ from minipar.plan import activations, comm_bytes, layout, memory, render, table
 from minipar import comm
 from minipar.model import moe
 from minipar.autograd import ops, recompute
+from minipar.model.gpt import FAMILY as GPT2_FAMILY
 from minipar.model.gpt import GPT, GPTConfig, param_specs, train_flops_per_token
 from minipar.comm.protocol import HEADER_BYTES
 from minipar.parallel.expert import expert_parallel
@@ -661,7 +662,7 @@ def balanced_moe_forward(E, K, F, ep_group=None, dtype=np.float64):
     if ep_group is not None:
         s.placement = expert_parallel.ExpertPlacement(ep_group, E)
     leaf = Tensor(x.reshape(2, 12, C), requires_grad=True)
-    y = moe.moe_mlp(P, 0, leaf + 0.0, s)                 # + 0: an activation, as ln_2's output is
+    y = moe.moe_mlp(P, 0, leaf + 0.0, s, GPT2_FAMILY)     # + 0: an activation, as ln_2's output is
     load = s.stats[0][1].load[0]
     assert list(load) == [N * K // E] * E, load
     return y.saved_bytes(), N, C
@@ -900,7 +901,8 @@ def test_defaults_are_the_trainers():
                 "zero", "cp", "ep"):
         assert p.get_default(key) == t.get_default(key), key
     r = run_plan()
-    assert {k: r["model"][k] for k in config.MODEL_DEFAULTS} == config.MODEL_DEFAULTS
+    resolved = GPTConfig(vocab_size=256, **config.MODEL_DEFAULTS)          # as the trainer resolves them
+    assert {k: r["model"][k] for k in config.MODEL_DEFAULTS} == {k: getattr(resolved, k) for k in config.MODEL_DEFAULTS}
     assert all(a.help for a in p._actions), [a.dest for a in p._actions if not a.help]
 
 

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from minipar.optim import mixed_precision
+from minipar.model.config import ROUTERS
 from minipar.model.gpt import GPTConfig
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.context.ring_attention import LAYOUTS
@@ -18,8 +19,8 @@ from minipar.parallel.context.ring_attention import LAYOUTS
 MODEL_DEFAULTS = dict(arch="gpt2", n_layer=4, n_head=4, n_embd=128, block_size=64,
                       moe_experts=0, moe_top_k=2, moe_every=1, moe_capacity_factor=0.0,
                       n_kv_head=0, ffn_hidden=0, ffn_multiplier=1.0, multiple_of=256, norm_eps=1e-5,
-                      rope_theta=10000.0)
-LLAMA_ONLY = ("n_kv_head", "ffn_multiplier", "multiple_of", "rope_theta")   # GPT-2 has none of them
+                      rope_theta=10000.0, moe_router=None, moe_shared_experts=0, moe_ffn_hidden=0)
+LLAMA_ONLY = ("n_kv_head", "ffn_multiplier", "multiple_of", "rope_theta", "moe_shared_experts", "moe_ffn_hidden")
 DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
@@ -350,6 +351,16 @@ def add_moe_arguments(group, capacity_note: str = "later assignments dropped; 0:
     group.add_argument("--moe-capacity-factor", type=float, metavar="F",
                        help=f"slots per expert ceil(F x tokens x K / E) per routing group (a dp rank's "
                             f"micro-batch); {capacity_note} [{d['moe_capacity_factor']}]")
+    group.add_argument("--moe-router", choices=ROUTERS,
+                       help="the load-balancing loss: switch (per MoE layer, Switch Transformer's) or mixtral "
+                            "(pooled over every MoE layer, Mixtral's; its weights always renormalised) "
+                            "[gpt2: switch, llama: mixtral]")
+    group.add_argument("--moe-shared-experts", type=int, metavar="S",
+                       help=f"llama: experts every token goes through besides its K routed ones (DeepSeekMoE) "
+                            f"[{d['moe_shared_experts']}]")
+    group.add_argument("--moe-ffn-hidden", type=int, metavar="F",
+                       help="llama: each expert's width; smaller than the MLP's makes fine-grained experts "
+                            "(DeepSeekMoE) [the MLP's]")
 
 
 def check_context_split(cfg: GPTConfig | None, args) -> str:
@@ -383,7 +394,8 @@ def check_moe(cfg: GPTConfig, args, dp: int):
     if ep > 1 and E == 0:
         raise ConfigError(f"--ep {ep} splits the experts of a mixture of experts: it needs --moe-experts > 0")
     if E == 0:
-        given = [f for f in ("moe_top_k", "moe_every", "moe_capacity_factor") if getattr(args, f) is not None]
+        given = [f for f in ("moe_top_k", "moe_every", "moe_capacity_factor", "moe_router", "moe_shared_experts",
+                             "moe_ffn_hidden") if getattr(args, f, None) is not None]
         if given:
             raise ConfigError(f"--{given[0].replace('_', '-')} is for a mixture of experts: it needs --moe-experts > 0")
         return
@@ -402,6 +414,13 @@ def check_moe(cfg: GPTConfig, args, dp: int):
     if args.cp > 1 or args.sp:
         flag = f"--cp {args.cp}" if args.cp > 1 else "--sp"
         raise ConfigError(f"--moe-experts does not combine with {flag} yet (docs/moe.md)")
+    if cfg.moe_shared_experts < 0 or cfg.moe_ffn_hidden < 0:
+        raise ConfigError(f"--moe-shared-experts {cfg.moe_shared_experts} and --moe-ffn-hidden {cfg.moe_ffn_hidden} "
+                          f"must be >= 0")
+    if cfg.moe_router == "mixtral" and args.moe_aux_coef and getattr(args, "pp", 1) > 1:
+        raise ConfigError(f"--moe-router mixtral pools its load-balancing loss over every MoE layer, and minipar "
+                          f"does not yet pass the counts between pipeline stages: with --pp {args.pp} use "
+                          f"--moe-router switch or --moe-aux-coef 0")
     if dp % ep or E % ep:
         raise ConfigError(f"--ep {ep} must divide both dp = {dp} (its groups are carved out of the dp group) "
                           f"and --moe-experts {E} (E/ep experts per rank)")

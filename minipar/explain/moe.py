@@ -52,6 +52,7 @@ def work_moe(group, path: str, factor: float):
     from minipar import comm, trace                           # noqa: PLC0415
     from minipar.show import tracing                                  # noqa: PLC0415
     from minipar.model import moe
+    from minipar.model.gpt import FAMILY as GPT2                              # noqa: PLC0415
     from minipar.autograd import ops
     from minipar.parallel.expert import expert_parallel                        # noqa: PLC0415
     from minipar.autograd.tensor import Tensor                                   # noqa: PLC0415
@@ -67,7 +68,7 @@ def work_moe(group, path: str, factor: float):
         s = moe.MoESettings(E, K, factor, stats=[], placement=place)
         xt = Tensor(x.copy(), requires_grad=True)
         with trace.layer("moe"):
-            y = moe.moe_mlp(params, 0, xt, s)
+            y = moe.moe_mlp(params, 0, xt, s, GPT2)
         ops.sum(ops.mul(y, Tensor(probe))).backward()
         return y.data, xt.grad, {n: p.grad for n, p in params.items()}, s.stats[0][1]
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 ARCHS = ("gpt2", "llama")
+ROUTERS = ("switch", "mixtral")
 
 
 def is_moe_block(i: int, every: int) -> bool:
@@ -50,10 +51,17 @@ class GPTConfig:
     multiple_of: int = 256       # llama: the rule rounds up to a multiple of this
     norm_eps: float = 1e-5       # LayerNorm's (GPT-2) or RMSNorm's (Llama) epsilon
     rope_theta: float = 10000.0  # llama: the rotary base (Llama 3: 500000)
+    moe_router: str | None = None      # the load-balancing loss: "switch" (per layer) or "mixtral"
+                                       # (pooled over the MoE layers); None: the family's (gpt2
+                                       # switch, llama mixtral)
+    moe_shared_experts: int = 0  # llama: experts every token goes through (DeepSeekMoE)
+    moe_ffn_hidden: int = 0      # each expert's width; 0: the MLP's (fine-grained experts: smaller)
 
     def __post_init__(self):
         if self.tie_embeddings is None:
             self.tie_embeddings = self.arch != "llama"
+        if self.moe_router is None:
+            self.moe_router = "mixtral" if self.arch == "llama" else "switch"
 
     def validate(self):
         if self.arch not in ARCHS:
@@ -79,6 +87,9 @@ class GPTConfig:
                              f"moe_capacity_factor {self.moe_capacity_factor} >= 0")
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
             raise ValueError(f"moe_top_k {self.moe_top_k} must be between 1 and moe_experts {self.moe_experts}")
+        if self.moe_router not in ROUTERS or self.moe_shared_experts < 0 or self.moe_ffn_hidden < 0:
+            raise ValueError(f"moe_router {self.moe_router!r} must be one of {ROUTERS}, moe_shared_experts "
+                             f"{self.moe_shared_experts} and moe_ffn_hidden {self.moe_ffn_hidden} >= 0")
         return self
 
     @property
@@ -100,6 +111,16 @@ class GPTConfig:
     def hidden(self) -> int:
         """The MLP's (each expert's) width: ffn_hidden, or the family's rule."""
         return self.ffn_hidden or self.family.default_hidden(self)
+
+    @property
+    def expert_hidden(self) -> int:
+        """Each expert's width: moe_ffn_hidden, or the MLP's."""
+        return self.moe_ffn_hidden or self.hidden
+
+    @property
+    def moe_layers(self) -> int:
+        """How many blocks are MoE blocks."""
+        return sum(self.is_moe(i) for i in range(self.n_layer))
 
     def is_moe(self, i: int) -> bool:
         """Is block i a mixture-of-experts block?"""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import numpy as np
@@ -191,6 +192,8 @@ class Model:
         """Logits (B, t, V) without targets (a tensor-parallel layout: its vocabulary shard);
         with targets, the scalar loss: the sum of per-position cross-entropies divided by
         loss_denom (default: B*t, the mean), the same on every rank of the layout."""
+        if self.cfg.moe_experts:                                        # Mixtral's pool: this forward's
+            (self.moe or self.default_moe).new_forward()
         with trace.layer("embed"):                                      # --trace: a span each
             x = self.run_embed(idx)
         for i in range(self.cfg.n_layer):
@@ -244,8 +247,13 @@ class Model:
 
     def moe_layer(self, i: int, x):
         """Block i's mixture of experts on x (B, t, C) (moe.py)."""
-        s = self.moe or moe.MoESettings(self.cfg.moe_experts, self.cfg.moe_top_k, self.cfg.moe_capacity_factor)
-        return moe.moe_mlp(self.params, i, x, s)
+        return moe.moe_mlp(self.params, i, x, self.moe or self.default_moe, self.family)
+
+    @cached_property
+    def default_moe(self):
+        """The config's routing settings (no capacity limit unless configured, no auxiliary loss):
+        a model built without Parts.moe."""
+        return moe.settings_of(self.cfg)
 
     # --- parameters -------------------------------------------------------------------------
     def named_parameters(self) -> list:

@@ -28,8 +28,13 @@ class Family:
     final_names: tuple          # the final norm's parameters
     head = "lm_head.weight"     # the untied head (V, C)
 
+    moe_word: str               # a MoE block's names: f"{block}{moe_word}.{router}" and its experts'
+    router_word: str            # "router" (GPT-2), "gate" (Mixtral)
+
     def __init__(self):
         self.block_re = re.compile(rf"{re.escape(self.block_word)}\.(\d+)\.")
+        block, moe = re.escape(self.block_word), re.escape(self.moe_word)
+        self.expert_re = re.compile(rf"{block}\.(\d+)\.{moe}\.experts\.(\d+)\.")
 
     # --- where a name sits --------------------------------------------------------------------
     def block_prefix(self, i: int) -> str:
@@ -53,6 +58,41 @@ class Family:
         if name == self.head:
             return "head"
         raise ValueError(f"{name!r} is not a {self.name} parameter")
+
+    # --- a MoE block's names -----------------------------------------------------------------
+    def router_name(self, i: int) -> str:
+        """Block i's router weight (C, E)."""
+        return f"{self.block_prefix(i)}{self.moe_word}.{self.router_word}.weight"
+
+    def expert_prefix(self, i: int, e: int) -> str:
+        return f"{self.block_prefix(i)}{self.moe_word}.experts.{e}."
+
+    def shared_prefix(self, i: int, s: int) -> str:
+        """Block i's shared expert s (DeepSeekMoE: every token goes through it)."""
+        return f"{self.block_prefix(i)}{self.moe_word}.shared_experts.{s}."
+
+    def expert_of(self, name: str) -> tuple[int, int] | None:
+        """(block, expert) of a routed expert's parameter, None for every other parameter (a
+        shared expert's included: every rank holds those)."""
+        m = self.expert_re.match(name)
+        return (int(m.group(1)), int(m.group(2))) if m else None
+
+    def expert_specs(self, cfg, prefix: str) -> list:
+        """[(name, shape, init)] of one expert's MLP under `prefix`."""
+        raise NotImplementedError
+
+    def expert_mlp(self, P: dict, prefix: str, x):
+        """One expert's MLP on the rows x (M, C) routed to it."""
+        raise NotImplementedError
+
+    def moe_specs(self, cfg, i: int) -> list:
+        """Block i's MoE part: the router, every routed expert, every shared expert."""
+        specs = [(self.router_name(i), (cfg.n_embd, cfg.moe_experts), 0.02)]
+        for e in range(cfg.moe_experts):
+            specs += self.expert_specs(cfg, self.expert_prefix(i, e))
+        for k in range(cfg.moe_shared_experts):
+            specs += self.expert_specs(cfg, self.shared_prefix(i, k))
+        return specs
 
     def describe(self, cfg) -> str:
         """The shape in a few words, for the start-up line: "GPT L=4 H=4 C=128"."""

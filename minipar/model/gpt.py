@@ -29,17 +29,21 @@ class GPT2(Family):
 
     name, embedding, positions, block_word = "gpt2", "wte.weight", "wpe.weight", "h"
     final_names = ("ln_f.weight", "ln_f.bias")
+    moe_word, router_word = "mlp", "router"
 
     def check(self, cfg):
         if cfg.kv_heads != cfg.n_head or cfg.ffn_hidden not in (0, 4 * cfg.n_embd):
             raise ValueError(f"gpt2 has n_head key/value heads and an MLP of 4 x n_embd: n_kv_head "
                              f"{cfg.n_kv_head} and ffn_hidden {cfg.ffn_hidden} are Llama's settings")
+        if cfg.moe_shared_experts or cfg.moe_ffn_hidden not in (0, 4 * cfg.n_embd):
+            raise ValueError(f"gpt2's experts are its MLP: moe_shared_experts {cfg.moe_shared_experts} and "
+                             f"moe_ffn_hidden {cfg.moe_ffn_hidden} are the Llama family's (DeepSeekMoE) settings")
 
     def default_hidden(self, cfg) -> int:
         return 4 * cfg.n_embd
 
     def param_specs(self, cfg):
-        V, T, C, L, F = cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.hidden
+        V, T, C, L = cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.n_layer
         proj_std = 0.02 / math.sqrt(2 * L)                     # GPT-2's scaled residual init
         specs = [("wte.weight", (V, C), 0.02), ("wpe.weight", (T, C), 0.02)]
         for i in range(L):
@@ -50,16 +54,24 @@ class GPT2(Family):
                 (h + "attn.c_proj.weight", (C, C), proj_std), (h + "attn.c_proj.bias", (C,), "zeros"),
                 (h + "ln_2.weight", (C,), "ones"), (h + "ln_2.bias", (C,), "zeros"),
             ]
-            mlps = [h + "mlp."] if not cfg.is_moe(i) else [h + f"mlp.experts.{e}." for e in range(cfg.moe_experts)]
-            if cfg.is_moe(i):
-                specs.append((h + "mlp.router.weight", (C, cfg.moe_experts), 0.02))
-            for m in mlps:
-                specs += [(m + "c_fc.weight", (C, F), 0.02), (m + "c_fc.bias", (F,), "zeros"),
-                          (m + "c_proj.weight", (F, C), proj_std), (m + "c_proj.bias", (C,), "zeros")]
+            specs += self.moe_specs(cfg, i) if cfg.is_moe(i) else self.expert_specs(cfg, h + "mlp.", cfg.hidden)
         specs += [("ln_f.weight", (C,), "ones"), ("ln_f.bias", (C,), "zeros")]
         if not cfg.tie_embeddings:
             specs.append(("lm_head.weight", (V, C), 0.02))
         return specs
+
+    def expert_specs(self, cfg, prefix: str, F: int | None = None) -> list:
+        """An MLP (the dense block's, or an expert's) of width F (default: an expert's): c_fc
+        (C, F), c_proj (F, C), their biases."""
+        C, F = cfg.n_embd, F or cfg.expert_hidden
+        proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+        return [(prefix + "c_fc.weight", (C, F), 0.02), (prefix + "c_fc.bias", (F,), "zeros"),
+                (prefix + "c_proj.weight", (F, C), proj_std), (prefix + "c_proj.bias", (C,), "zeros")]
+
+    def expert_mlp(self, P: dict, prefix: str, x):
+        """c_proj(gelu(c_fc(x))): the dense block's MLP with an expert's own weights."""
+        h = ops.gelu(ops.linear(x, P[prefix + "c_fc.weight"], P[prefix + "c_fc.bias"]))
+        return ops.linear(h, P[prefix + "c_proj.weight"], P[prefix + "c_proj.bias"])
 
     def split_kind(self, name: str) -> str:
         """A MoE block's router and experts are replicated: every tp rank runs the whole MoE

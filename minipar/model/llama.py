@@ -33,13 +33,12 @@ class Llama(Family):
 
     name, embedding, positions, block_word = "llama", "embed_tokens.weight", None, "layers"
     final_names = ("norm.weight",)
+    moe_word, router_word = "block_sparse_moe", "gate"             # Mixtral's names
 
     def check(self, cfg):
         if cfg.head_size % 2:
             raise ValueError(f"the rotary embedding turns pairs of channels: head size n_embd/n_head = "
                              f"{cfg.n_embd}/{cfg.n_head} = {cfg.head_size} must be even")
-        if cfg.moe_experts:
-            raise ValueError(f"moe_experts {cfg.moe_experts}: the Llama family's mixture of experts is not built yet")
 
     def describe(self, cfg) -> str:
         return (f"Llama L={cfg.n_layer} H={cfg.n_head} Hkv={cfg.kv_heads} C={cfg.n_embd} F={cfg.hidden} "
@@ -59,15 +58,30 @@ class Llama(Family):
                 (h + "self_attn.q_proj.weight", (C, q), 0.02), (h + "self_attn.k_proj.weight", (C, kv), 0.02),
                 (h + "self_attn.v_proj.weight", (C, kv), 0.02), (h + "self_attn.o_proj.weight", (q, C), 0.02),
                 (h + "post_attention_layernorm.weight", (C,), "ones"),
-                (h + "mlp.gate_proj.weight", (C, F), 0.02), (h + "mlp.up_proj.weight", (C, F), 0.02),
-                (h + "mlp.down_proj.weight", (F, C), 0.02),
             ]
+            specs += self.moe_specs(cfg, i) if cfg.is_moe(i) else [
+                (h + "mlp.gate_proj.weight", (C, F), 0.02), (h + "mlp.up_proj.weight", (C, F), 0.02),
+                (h + "mlp.down_proj.weight", (F, C), 0.02)]
         specs.append(("norm.weight", (C,), "ones"))
         if not cfg.tie_embeddings:
             specs.append(("lm_head.weight", (V, C), 0.02))
         return specs
 
+    def expert_specs(self, cfg, prefix: str) -> list:
+        """A Mixtral expert: w1 (gate) and w3 (up) (C, F_e), w2 (down) (F_e, C), F_e = expert_hidden."""
+        C, F = cfg.n_embd, cfg.expert_hidden
+        return [(prefix + "w1.weight", (C, F), 0.02), (prefix + "w3.weight", (C, F), 0.02),
+                (prefix + "w2.weight", (F, C), 0.02)]
+
+    def expert_mlp(self, P: dict, prefix: str, x):
+        """(silu(x w1) * (x w3)) w2: SwiGLU, the fused [w1 | w3] one GEMM."""
+        gu = ops.linear(x, ops.concat([P[prefix + "w1.weight"], P[prefix + "w3.weight"]], axis=1))
+        return ops.linear(llama_ops.swiglu(gu), P[prefix + "w2.weight"])
+
     def split_kind(self, name: str) -> str:
+        """A MoE block's router and experts are replicated over tp, as GPT-2's are (docs/moe.md)."""
+        if f".{self.moe_word}." in name:
+            return "replicated"
         if name in ("embed_tokens.weight", "lm_head.weight"):
             return "vocab"
         if name.endswith(("q_proj.weight", "gate_proj.weight", "up_proj.weight")):
@@ -94,6 +108,8 @@ class Llama(Family):
         qkv = llama_ops.rope(qkv, m.position_ids(qkv.shape[1]), H, Hkv, cfg.rope_theta)
         x = x + s.row(m.attend(qkv, H, Hkv), P[h + "self_attn.o_proj.weight"])
         u = llama_ops.rms_norm(x, r(P[h + "post_attention_layernorm.weight"]), eps)
+        if cfg.is_moe(i):
+            return x + m.moe_layer(i, u)
         gu = s.column(u, ops.concat([P[h + "mlp.gate_proj.weight"], P[h + "mlp.up_proj.weight"]], axis=1))
         return x + s.row(llama_ops.swiglu(gu), P[h + "mlp.down_proj.weight"])       # (B, t, F/tp) inside
 
@@ -105,12 +121,15 @@ class Llama(Family):
     def train_flops_per_token(self, cfg, t: int | None = None) -> float:
         """Matmul FLOPs of one training token (3x the forward's): per layer 2 x the weights of
         q, k, v, o (k and v Hkv/H of q's) and of SwiGLU's three matrices, and attention's two
-        (t x t) products over the H query heads; the head 2 C V."""
+        (t x t) products over the H query heads; the head 2 C V. A MoE block: its router, and
+        the token's K routed experts and every shared expert (the active ones), of F_e each."""
         t = cfg.block_size if t is None else t
-        C, L, V, F = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.hidden
+        C, L, V, F, Fe = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.hidden, cfg.expert_hidden
         q, kv = cfg.n_head * cfg.head_size, cfg.kv_heads * cfg.head_size
-        per_layer = 2 * (C * q + 2 * C * kv + q * C + 3 * C * F) + 2 * 2 * t * q
-        return 3.0 * (L * per_layer + 2 * C * V)
+        attention = 2 * (C * q + 2 * C * kv + q * C) + 2 * 2 * t * q
+        mlp = [2 * (C * cfg.moe_experts + (cfg.moe_top_k + cfg.moe_shared_experts) * 3 * C * Fe) if cfg.is_moe(i)
+               else 2 * 3 * C * F for i in range(L)]
+        return 3.0 * (L * attention + sum(mlp) + 2 * C * V)
 
 
 FAMILY = Llama()

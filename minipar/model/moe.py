@@ -60,10 +60,41 @@ class MoESettings:
     loss_scale: float = 1.0          # fp16's loss scale, which the injected gradients carry
     stats: list | None = None        # collects (block, Decisions) of every training forward
     placement: object = None         # --ep: expert_parallel.ExpertPlacement (this rank's experts)
+    router: str = "switch"           # the load-balancing loss: "switch" per layer, "mixtral" pooled
+    layers: int = 1                  # the model's MoE blocks: Mixtral's pool is over all of them
+    pool: object = None              # "mixtral": the Pool of the forward in progress (new_forward)
+    shared: int = 0                  # shared experts per MoE block (DeepSeekMoE)
+    block_word: str = "h"            # the family's blocks' name, for the summary: "h.3", "layers.3"
+
+    def new_forward(self):
+        """A forward of the whole model starts: Mixtral's statistics pool afresh."""
+        self.pool = Pool() if self.router == "mixtral" else None
 
     def per_token(self, coef: float, G: int) -> float:
         """d(objective) / d(a group's mean over its G tokens), times the loss scale."""
         return coef / self.groups_total / G * self.loss_scale
+
+
+def settings_of(cfg, **kw) -> "MoESettings":
+    """A MoE model's routing settings from its config (kw: the run's, e.g. the loss weights)."""
+    return MoESettings(cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor, router=cfg.moe_router,
+                       layers=max(1, cfg.moe_layers), shared=cfg.moe_shared_experts,
+                       block_word=cfg.family.block_word, **kw)
+
+
+@dataclass
+class Pool:
+    """Mixtral's load-balancing statistics of one forward, pooled over its MoE blocks, per
+    routing group: the slots routed to each expert, and the sum of the router's probabilities.
+    A block adds its own once (a full recomputation runs the block's forward again: it does not
+    add twice)."""
+    counts: dict = field(default_factory=dict)       # group -> (E,) slots over the blocks so far
+    psum: dict = field(default_factory=dict)         # group -> (E,) sum of p over blocks and tokens
+    blocks: set = field(default_factory=set)
+
+    def add(self, block: int, group: int, load: np.ndarray, p_sum: np.ndarray):
+        self.counts[group] = self.counts.get(group, 0) + load
+        self.psum[group] = self.psum.get(group, 0) + p_sum
 
 
 def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int | None:
@@ -102,8 +133,9 @@ class Decisions:
 class Router(Function):
     """(x (N, C), w_r (C, E)) -> the combine weights (N, K); the choices in `decisions`."""
 
-    def forward(self, x, w, s: MoESettings, decisions: Decisions, G: int):
-        """G: tokens per routing group (N is a multiple of it)."""
+    def forward(self, x, w, s: MoESettings, decisions: Decisions, G: int, block: int = 0):
+        """G: tokens per routing group (N is a multiple of it); block: the MoE block's index
+        (Mixtral's pool adds each block once)."""
         self.dtype, (x, w) = x.dtype, compute(x, w)
         N, E, K = x.shape[0], s.experts, s.top_k
         z = x @ w                                                     # (N, E)
@@ -112,9 +144,12 @@ class Router(Function):
         choice = np.argsort(-p, axis=1, kind="stable")[:, :K]        # ties: the lower id first
         picked = np.take_along_axis(p, choice, 1)
         total = picked.sum(1, keepdims=True)
-        weights = picked / total if K > 1 else picked                # K = 1: p itself (Switch)
+        self.renormalised = K > 1 or s.router == "mixtral"           # Switch's K = 1 keeps p itself
+        weights = picked / total if self.renormalised else picked
         kept = np.zeros_like(choice, dtype=bool)
-        self.f = np.zeros((N, E))                                    # each token's group's f_e
+        self.f = np.zeros((N, E))                                    # each token's group's f_e (Switch)
+        pool = s.pool if s.router == "mixtral" else None
+        adding = pool is not None and block not in pool.blocks
         for a in range(0, N, G):
             g = slice(a, a + G)
             load = np.bincount(choice[g].ravel(), minlength=E)
@@ -123,27 +158,49 @@ class Router(Function):
             self.f[g] = f
             decisions.load.append(load)
             decisions.dropped.append(int((~kept[g]).sum()))
-            decisions.aux.append(float(E * (f * p[g].mean(0)).sum()))
+            # Switch: E sum f_e P_e (1 when balanced); Mixtral's, this block's share: E sum (load/G) P_e (K)
+            decisions.aux.append(float(E * (f * (K if s.router == "mixtral" else 1) * p[g].mean(0)).sum()))
             decisions.zloss.append(float((lse[g] ** 2).mean()))
+            if adding:
+                pool.add(block, a // G, load, p[g].sum(0))
+        if adding:
+            pool.blocks.add(block)
+        if s.router == "mixtral" and s.aux_coef and pool is None and is_grad_enabled():
+            raise RuntimeError("the Mixtral load-balancing loss pools every MoE block of a forward: start "
+                               "each forward with MoESettings.new_forward() (Model.__call__ does)")
         decisions.choice, decisions.kept = choice, kept
-        self.s, self.G = s, G
+        self.s, self.G, self.pool = s, G, pool
         self.save(x, w, p, lse, choice, weights, total)
         return store(weights, self.dtype)
+
+    def aux_gradient(self, N: int) -> np.ndarray:
+        """d(objective) / d p (N, E) of the load-balancing loss, its f held constant (the choices
+        are not differentiable). Switch, per block and group g: aux_coef E f_e / N_g per p[n, e],
+        f_e the block's own. Mixtral, per group, pooled over the L MoE blocks: aux_g = E sum_e
+        f_e P_e with f_e = slots to e / (L N_g) (summing to K) and P_e = sum of p over the
+        blocks and tokens / (L N_g), so d aux_g / d p[l, n, e] = E f_e / (L N_g)."""
+        s, G, E = self.s, self.G, self.s.experts
+        if s.router != "mixtral":
+            return s.per_token(s.aux_coef, G) * E * self.f
+        L = s.layers
+        f = np.concatenate([np.broadcast_to(self.pool.counts[a // G] / (L * G), (G, E)) for a in range(0, N, G)])
+        return s.per_token(s.aux_coef, G) * E * f / L
 
     def backward(self, g):
         x, w, p, lse, choice, weights, total = self.saved
         s, G = self.s, self.G
         g = compute(g)
-        # w_k = p_k / sum_j p_j:  d p_j = (g_j - sum_k g_k w_k) / sum;  K = 1: w = p, d p = g
-        dpicked = (g - (g * weights).sum(1, keepdims=True)) / total if choice.shape[1] > 1 else g
+        # w_k = p_k / sum_j p_j:  d p_j = (g_j - sum_k g_k w_k) / sum;  Switch's K = 1: w = p, d p = g
+        dpicked = (g - (g * weights).sum(1, keepdims=True)) / total if self.renormalised else g
         dp = np.zeros_like(p)
         np.put_along_axis(dp, choice, dpicked, 1)
-        dp += s.per_token(s.aux_coef, G) * s.experts * self.f         # aux: E f_e / N_g per p[n, e]
+        if s.aux_coef:
+            dp += self.aux_gradient(p.shape[0])                       # the load-balancing loss
         dz = p * (dp - (dp * p).sum(1, keepdims=True))                # softmax backward
         dz += s.per_token(s.z_coef, G) * 2 * lse[:, None] * p         # z-loss: 2 lse p / N_g
         dx = store(dz @ w.T, self.dtype) if self.needs_input_grad[0] else None
         dw = store(x.T @ dz, self.dtype) if self.needs_input_grad[1] else None
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 class ScatterRows(Function):
@@ -172,49 +229,49 @@ def assignments(decisions: Decisions, experts: int):
     return tokens, tokens * K + ks, np.bincount(experts_of, minlength=experts)
 
 
-def expert_mlp(P: dict, prefix: str, x: Tensor) -> Tensor:
-    """One expert: c_proj(gelu(c_fc(x))), the dense block's MLP with its own weights."""
-    h = ops.gelu(ops.linear(x, P[prefix + "c_fc.weight"], P[prefix + "c_fc.bias"]))
-    return ops.linear(h, P[prefix + "c_proj.weight"], P[prefix + "c_proj.bias"])
-
-
-def moe_mlp(P: dict, i: int, x: Tensor, s: MoESettings) -> Tensor:
-    """Block i's MoE layer on x (B, t, C), every expert on this process (docs/moe.md)."""
+def moe_mlp(P: dict, i: int, x: Tensor, s: MoESettings, family) -> Tensor:
+    """Block i's MoE layer on x (B, t, C) (docs/moe.md): the routed experts (on this process, or
+    with --ep on the ranks that hold them) and the shared ones; `family` names the parameters and
+    computes an expert's MLP (model/family.py)."""
     B, t, C = x.shape
     x2 = ops.reshape(x, (B * t, C))
     decisions = Decisions()
     # the routing groups; a forward of rows that do not divide into them (sampling) is one
     G = s.group_rows * t if s.group_rows and B % s.group_rows == 0 else B * t
-    weights = Router.apply(x2, P[f"h.{i}.mlp.router.weight"], s, decisions, G)  # (N, K)
+    weights = Router.apply(x2, P[family.router_name(i)], s, decisions, G, i)     # (N, K)
     if s.stats is not None and is_grad_enabled():        # training: once even with full recompute
         s.stats.append((i, decisions))
     tokens, slots, rows = assignments(decisions, s.experts)
     if s.placement is not None:                      # --ep: the experts on the ranks that hold them
         cap = capacity(G, s.top_k, s.experts, s.capacity_factor)    # slots per expert, all groups
-        out = s.placement.run(P, i, x2, tokens, rows, None if cap is None else cap * (B * t // G), expert_mlp)
+        out = s.placement.run(P, i, x2, tokens, rows, None if cap is None else cap * (B * t // G), family)
     else:
         xs = ops.embedding(tokens, x2)                               # (M, C), expert-major
         parts = ops.split(xs, list(np.cumsum(rows)[:-1]), axis=0) if s.experts > 1 else [xs]
-        out = ops.concat([expert_mlp(P, f"h.{i}.mlp.experts.{e}.", part) for e, part in enumerate(parts)],
+        out = ops.concat([family.expert_mlp(P, family.expert_prefix(i, e), part) for e, part in enumerate(parts)],
                          axis=0)
     gates = ops.embedding(slots, ops.reshape(weights, (B * t * s.top_k, 1)))    # (M, 1)
     y = ScatterRows.apply(ops.mul(out, gates), tokens, B * t)
+    for k in range(s.shared):                        # DeepSeekMoE: every token through each shared expert
+        y = y + family.expert_mlp(P, family.shared_prefix(i, k), x2)
     return ops.reshape(y, (B, t, C))
 
 
-def step_stats(stats: list) -> dict:
+def step_stats(stats: list, s: MoESettings) -> dict:
     """One step's routing on this rank, per MoE block: {"h.i": {"load": assignments per expert
-    before dropping, "dropped", "assignments", "aux": the mean of aux_g, "zloss"}}."""
+    before dropping, "dropped", "assignments", "aux": the mean of the block's aux_g, "zloss",
+    "balanced": what aux is when the load is balanced (Switch 1; Mixtral's share of a block, K)}}."""
     out = {}
     for i, d in stats:
-        r = out.setdefault(f"h.{i}", {"load": 0, "dropped": 0, "aux": [], "zloss": []})
+        r = out.setdefault(f"{s.block_word}.{i}", {"load": 0, "dropped": 0, "aux": [], "zloss": []})
         r["load"] = r["load"] + np.sum(d.load, axis=0)
         r["dropped"] += sum(d.dropped)
         r["aux"] += d.aux
         r["zloss"] += d.zloss
+    balanced = s.top_k if s.router == "mixtral" else 1
     return {k: {"load": [int(n) for n in r["load"]], "dropped": r["dropped"],
                 "assignments": int(np.sum(r["load"])), "aux": float(np.mean(r["aux"])),
-                "zloss": float(np.mean(r["zloss"]))} for k, r in out.items()}
+                "zloss": float(np.mean(r["zloss"])), "balanced": balanced} for k, r in out.items()}
 
 
 def summary_lines(rows: list) -> tuple[dict, list[str]]:
@@ -224,7 +281,7 @@ def summary_lines(rows: list) -> tuple[dict, list[str]]:
     for row in rows:
         for k, r in row.get("moe", {}).items():
             b = blocks.setdefault(k, {"load": np.zeros(len(r["load"]), dtype=np.int64), "dropped": 0,
-                                      "assignments": 0, "aux": []})
+                                      "assignments": 0, "aux": [], "balanced": r.get("balanced", 1)})
             b["load"] += r["load"]
             b["dropped"] += r["dropped"]
             b["assignments"] += r["assignments"]
@@ -236,7 +293,7 @@ def summary_lines(rows: list) -> tuple[dict, list[str]]:
                   "aux": float(np.mean(b["aux"]))}
         lines.append(f"  moe {k}: load per expert {'/'.join(f'{x:.2f}' for x in share)} of "
                      f"{b['assignments']:,} assignments (balanced: {1 / len(share):.2f} each); dropped "
-                     f"{out[k]['dropped_fraction']:.1%}; aux loss {out[k]['aux']:.4f} (1 when balanced)")
+                     f"{out[k]['dropped_fraction']:.1%}; aux loss {out[k]['aux']:.4f} ({b['balanced']} when balanced)")
     return out, lines
 
 
@@ -270,7 +327,7 @@ class collecting:
     def row(self) -> dict:
         if self.settings is None:
             return {}
-        row = {"moe": step_stats(self.stats)}
+        row = {"moe": step_stats(self.stats, self.settings)}
         if self.theory_bytes is not None:               # --ep: what the all-to-alls should have sent
             row["ep_theory_bytes"] = self.theory_bytes
         return row

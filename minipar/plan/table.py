@@ -92,7 +92,8 @@ PRESETS = {   # name: (n_layer, n_head, n_embd, vocab_size, block_size)
     "gpt3-175b": (96, 96, 12288, 50257, 2048),
 }
 SHAPE_FLAGS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
-MOE_FLAGS = ("moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor")
+MOE_FLAGS = ("moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor", "moe_router", "moe_shared_experts",
+             "moe_ffn_hidden")
 FAMILY_FLAGS = ("arch", "n_kv_head", "ffn_hidden", "ffn_multiplier", "multiple_of", "norm_eps", "rope_theta")
 
 

@@ -120,7 +120,9 @@ def mechanisms(session) -> str:
     if grid.cp_size > 1:
         out.append(f"context parallelism over {grid.cp_size} ranks ({args.cp_layout} ring attention)")
     if session.cfg.moe_experts:
-        out.append(f"mixture of experts (E={session.cfg.moe_experts}, top-{session.cfg.moe_top_k})"
+        cfg = session.cfg
+        out.append(f"mixture of experts (E={cfg.moe_experts}, top-{cfg.moe_top_k}, {cfg.moe_router}'s loss"
+                   + (f", {cfg.moe_shared_experts} shared" if cfg.moe_shared_experts else "") + ")"
                    + (f", expert parallelism over {grid.ep_size} ranks" if grid.ep_size > 1 else ""))
     if grid.pp_size > 1:
         out.append(f"pipeline parallelism over {grid.pp_size} stages "

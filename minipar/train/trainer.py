@@ -149,8 +149,8 @@ def moe_settings(spec: RunSpec, args) -> moe.MoESettings | None:
     if not cfg.moe_experts:
         return None
     rows = spec.layout.rows
-    return moe.MoESettings(cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor, args.moe_aux_coef,
-                           args.moe_z_coef, group_rows=rows, groups_total=args.batch_size // rows)
+    return moe.settings_of(cfg, aux_coef=args.moe_aux_coef, z_coef=args.moe_z_coef, group_rows=rows,
+                           groups_total=args.batch_size // rows)
 
 
 # --- one step ----------------------------------------------------------------------------------

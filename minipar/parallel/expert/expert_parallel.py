@@ -33,7 +33,7 @@ gradients into each: the trap tests/test_moe_cli.py plants (the replica check th
 """
 from __future__ import annotations
 
-import re
+import math
 
 import numpy as np
 
@@ -43,15 +43,19 @@ from minipar.comm.algorithms import alltoall, hierarchical_alltoall
 from minipar.optim.adamw import sum_of_squares
 from minipar.parallel import data_parallel
 from minipar.autograd.tensor import Function, Tensor, is_grad_enabled
+from minipar.model.families import FAMILIES
 
 COUNT_BYTES = 8                 # a row count on the wire: the variable all-to-all sends p - 1 of them first
-_EXPERT = re.compile(r"h\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
 def expert_of(name: str) -> int | None:
-    """The expert a canonical parameter belongs to, or None for every other parameter."""
-    m = _EXPERT.match(name)
-    return int(m.group(2)) if m else None
+    """The routed expert a canonical parameter (of either family) belongs to, or None for every
+    other parameter (a shared expert's included: every rank holds those)."""
+    for family in FAMILIES.values():
+        found = family.expert_of(name)
+        if found is not None:
+            return found[1]
+    return None
 
 
 class ExpertPlacement:
@@ -69,17 +73,19 @@ class ExpertPlacement:
         e = expert_of(name)
         return e is None or e in self.local
 
-    def run(self, P: dict, i: int, x2: Tensor, tokens, rows, cap, expert_mlp) -> Tensor:
+    def run(self, P: dict, i: int, x2: Tensor, tokens, rows, cap, family) -> Tensor:
         """moe.moe_mlp's dispatch when experts are spread over ranks (run_experts below): the
         MoE layer calls placement.run, so the model imports no parallel module."""
-        return run_experts(self, P, i, x2, tokens, rows, cap, expert_mlp)
+        return run_experts(self, P, i, x2, tokens, rows, cap, family)
 
 
 def held_elsewhere(cfg, layers, ep: int) -> int:
-    """Parameters of `layers`' MoE blocks that other ep ranks hold: (E - E/ep) experts of
-    8C^2 + 5C each (c_fc, c_proj and their biases) per block."""
-    C, E = cfg.n_embd, cfg.moe_experts
-    return sum((E - E // ep) * (8 * C * C + 5 * C) for i in layers if cfg.is_moe(i))
+    """Parameters of `layers`' MoE blocks that other ep ranks hold: (E - E/ep) experts per
+    block, each of its family's expert size (GPT-2: 8C^2 + 5C, c_fc, c_proj and their biases;
+    Llama: 3 C F_e, w1, w2, w3)."""
+    E, family = cfg.moe_experts, cfg.family
+    per_expert = sum(math.prod(shape) for _, shape, _ in family.expert_specs(cfg, ""))
+    return sum((E - E // ep) * per_expert for i in layers if cfg.is_moe(i))
 
 
 class AllToAll(Function):
@@ -152,7 +158,7 @@ def expert_major(counts: np.ndarray) -> np.ndarray:
                            for e in range(counts.shape[1]) for s in range(counts.shape[0])]).astype(np.int64)
 
 
-def run_experts(placement: ExpertPlacement, P: dict, i: int, x2: Tensor, tokens, rows, cap, expert_mlp) -> Tensor:
+def run_experts(placement: ExpertPlacement, P: dict, i: int, x2: Tensor, tokens, rows, cap, family) -> Tensor:
     """The kept assignments' rows (tokens, expert-major, rows per expert) through their
     experts on the ranks that hold them -> their outputs (M, C), in the same order."""
     E, El, Pn = placement.E, placement.per_rank, placement.P
@@ -181,7 +187,7 @@ def run_experts(placement: ExpertPlacement, P: dict, i: int, x2: Tensor, tokens,
     xe = ops.embedding(order, got)
     per_expert = counts.sum(0)
     parts = ops.split(xe, list(np.cumsum(per_expert)[:-1]), axis=0) if El > 1 else [xe]
-    out = ops.concat([expert_mlp(P, f"h.{i}.mlp.experts.{e}.", part)
+    out = ops.concat([family.expert_mlp(P, family.expert_prefix(i, e), part)
                       for e, part in zip(placement.local, parts)], axis=0)
     back = AllToAll.apply(ops.embedding(np.argsort(order), out), placement.group,
                           None if cap is not None else counts.sum(1))
@@ -244,18 +250,19 @@ def gather_experts(model, local: dict) -> dict:
     placement = None if model.moe is None else model.moe.placement
     if placement is None:
         return local
-    out = dict(local)
-    layers = sorted({int(_EXPERT.match(n).group(1)) for n in local if expert_of(n) is not None})
+    out, family = dict(local), model.family
+    layers = sorted({family.expert_of(n)[0] for n in local if family.expert_of(n) is not None})
     for i in layers:
-        mine = [n for n in local if n.startswith(f"h.{i}.mlp.experts.")]
+        mine = [n for n in local if (family.expert_of(n) or (None,))[0] == i]
         flat = np.concatenate([np.ravel(local[n]) for n in mine])
         every = comm.all_gather(placement.group, flat).reshape(placement.P, -1)
-        kinds = [n.split(".", 5)[5] for n in mine[:len(mine) // placement.per_rank]]
+        first = family.expert_prefix(i, placement.local[0])
+        kinds = [n[len(first):] for n in mine if n.startswith(first)]
         for r in range(placement.P):
             off = 0
             for e in range(r * placement.per_rank, (r + 1) * placement.per_rank):
                 for kind in kinds:
-                    n = f"h.{i}.mlp.experts.{e}.{kind}"
+                    n = family.expert_prefix(i, e) + kind
                     size = int(np.prod(model.full_shapes[n]))
                     out[n] = every[r, off:off + size].reshape(model.full_shapes[n]).copy()
                     off += size
