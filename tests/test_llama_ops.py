@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gradcheck import fd_summary, gradcheck  # noqa: F401 - fd_summary is a fixture
-from test_ops import reference_gradcheck, rnd
+from test_ops import assert_fast_matches_reference, reference_gradcheck, rnd
 from minipar.autograd import attention, llama_ops, ops
 from minipar.autograd.tensor import Tensor
 
@@ -123,17 +123,7 @@ def test_reference_against_finite_differences(case):
 
 @pytest.mark.parametrize("case", list(CASES) + list(BIG))
 def test_tuned_op_equals_reference(case):
-    fast, ref, arrays, args = {**CASES, **BIG}[case]
-    out_ref, cache = ref.forward(*arrays, *args)
-    dout = rnd(*np.shape(out_ref), seed=97)
-    grads_ref = ref.backward(dout, cache)
-    grads_ref = grads_ref if isinstance(grads_ref, tuple) else (grads_ref,)
-    ts = [Tensor(a, requires_grad=True) for a in arrays]
-    out = fast(*ts, *args)
-    out.backward(dout)
-    np.testing.assert_allclose(out.data, out_ref, rtol=1e-12, atol=1e-14, err_msg=f"{case}: forward")
-    for i, t in enumerate(ts):
-        np.testing.assert_allclose(t.grad, grads_ref[i], rtol=1e-12, atol=1e-14, err_msg=f"{case}: input {i}")
+    assert_fast_matches_reference(case, *{**CASES, **BIG}[case])
 
 
 @pytest.mark.parametrize("case", list(CASES))
