@@ -21,8 +21,8 @@ pipelined 1F1B layout in float64 (every ZeRO stage) and in fp16/bf16 (ZeRO 0), i
 with 2 virtual stages, ZB-H1 and ZB-H2. fp32 runs in float64 and must agree to 1e-10 relative,
 losses and every parameter tensor; fp16/bf16 must agree on the losses to 5e-2, as --verify
 judges them. The Llama family (llama): 1, 2 and 4 key/value heads across dp, ZeRO, tp (split and
-shared heads), sp, pp, cp, recomputation, tied embeddings and fp16/bf16. The model is tiny (2 layers, or 4 with pp = 4; C = 16; 3 steps; gradient
-clipping on) so that the matrix runs in minutes. Every run also writes a --trace, which must
+shared heads), sp, pp, cp, recomputation, tied embeddings, fp16/bf16 and its mixture of experts.
+The model is tiny (2 layers, or 4 with pp = 4; C = 16; 3 steps; gradient clipping on) so that the matrix runs in minutes. Every run also writes a --trace, which must
 pass minipar.show.traceview.audit (a valid trace; a process row per rank; comm events equal to
 each rank's ledger; forwards and backwards in the schedule's order). Prints one row per run
 and the count of failures, and the largest relative differences with and without --sp;
@@ -141,9 +141,9 @@ def llama(n, precisions):
     stage; tp 2 and 4 (key/value heads split, or shared by 2 and 4 ranks), with --sp and
     recomputation; pipelines (1F1B, GPipe, interleaved, ZB-H1, ZB-H2) with tp and sp; the ring
     (cp 2 and 4, zig-zag and contiguous) alone and with dp, ZeRO, tp and pp; tied embeddings;
-    fp16/bf16; a Mixtral-style mixture of experts (its pooled loss; ep 1, 2, 4; DeepSeekMoE's shared and
-    fine-grained experts; ZeRO; tp; capacity; top-1; pipelines with the Switch loss). 8 ranks: dp x tp x
-    pp and dp x cp x tp."""
+    fp16/bf16; a Mixtral-style mixture of experts (its pooled loss; ep 1, 2, 4; DeepSeekMoE's
+    shared and fine-grained experts; ZeRO; tp; capacity; top-1; pipelines, the pooled counts
+    crossing the stages). 8 ranks: dp x tp x pp and dp x cp x tp."""
     base = ["--arch", "llama", "--ffn-hidden", "24", "--rope-theta", "500"]
     f64 = ["--dtype", "float64"]
 
@@ -180,9 +180,13 @@ def llama(n, precisions):
         yield n, deepseek + ["--dp", "2", "--ep", "2", "--tp", "2", "--recompute", "full"] + f64
         yield n, mixtral + ["--dp", "4", "--ep", "2", "--moe-capacity-factor", "1.0", "--micro-batches", "2"] + f64
         yield n, mixtral + ["--moe-top-k", "1", "--dp", "4", "--ep", "2"] + f64
-        for schedule in ("1f1b", "zb-h1"):
-            yield n, mixtral + ["--moe-router", "switch", "--dp", "2", "--ep", "2", "--pp", "2", "--n-layer", "2",
-                                "--micro-batches", "2", "--schedule", schedule] + f64
+        for schedule in ("1f1b", "zb-h1", "zb-h2"):
+            yield n, mixtral + ["--dp", "2", "--ep", "2", "--pp", "2", "--n-layer", "2", "--micro-batches", "2",
+                                "--schedule", schedule] + f64
+        yield n, deepseek + ["--moe-router", "switch", "--dp", "2", "--ep", "2", "--pp", "2", "--n-layer", "2",
+                             "--micro-batches", "2"] + f64
+        yield n, mixtral + ["--pp", "2", "--tp", "2", "--n-layer", "4", "--schedule", "interleaved", "--virtual-stages",
+                            "2", "--micro-batches", "2", "--moe-every", "2", "--recompute", "full"] + f64
         for precision in set(precisions) - {"fp32"}:
             yield n, kv(2) + ["--dp", "2", "--tp", "2", "--zero", "1", "--precision", precision]
             yield n, kv(1) + ["--cp", "2", "--tp", "2", "--precision", precision]

@@ -7,6 +7,7 @@ import pytest
 from minipar.config import flags as config
 from minipar.model.config import GPTConfig
 from test_checkpoint_layouts import ok
+from test_failing_cleanly import run_driver
 from minipar.train import trainer as train
 from trainer_runs import assert_main_exits_2, mpirun, run_tiny
 
@@ -64,13 +65,28 @@ def test_flags_argparse_refuses(flags, needle, capsys):
     assert e.value.code == 2 and needle in err.splitlines()[-1], err
 
 
-def test_mixtrals_pooled_loss_refuses_a_pipeline_in_one_line(tmp_path):
-    """The counts would have to cross the stages (not built yet): one line on every rank,
-    exit 2, and the Switch form or no loss runs."""
-    flags = [*LLAMA, "--moe-experts", "4", "--dp", "2", "--pp", "2", "--n-layer", "2", "--micro-batches", "2"]
-    p = mpirun(4, *flags)
-    assert p.returncode == 2 and p.stderr.count("minipar.train: error: --moe-router mixtral pools") == 1, p.stderr
-    verified(ok(mpirun(4, *flags, "--moe-router", "switch", "--verify", timeout=240)), flags)
+FORGET_THE_COUNTS = """
+from minipar.parallel.pipeline import stage
+def take_counts(self, key, mb):
+    if self.pooled:
+        self.model.moe.use_pool(mb)
+        self.counts.pop(key, None)                   # the neighbour's counts, dropped
+stage.PipelineEngine.take_counts = take_counts
+"""
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_mixtrals_pooled_loss_crosses_the_pipeline_stages(schedule, tmp_path):
+    """Mixtral's loss pools every MoE block's counts: on a pipeline they travel beside each
+    activation (the blocks before) and each gradient (the whole model's), and --verify equals
+    one process. Planted: a stage that drops what it receives (each stage pooling only its
+    own blocks) is caught by --verify."""
+    flags = [*LLAMA, "--n-layer", "2", "--moe-experts", "4", "--moe-aux-coef", "0.5", "--dp", "2", "--pp", "2",
+             "--micro-batches", "2", "--schedule", schedule, "--verify"]
+    verified(ok(mpirun(4, *flags, timeout=240)), flags)
+    p = run_driver(tmp_path, 4, FORGET_THE_COUNTS, *flags)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("verify: dp=")]
+    assert p.returncode == 1 and len(lines) == 1 and "-> FAILED" in lines[0], p.stdout[-2000:] + p.stderr[-2000:]
 
 
 def test_tensor_parallelism_refuses_kv_heads_it_cannot_place():

@@ -417,10 +417,6 @@ def check_moe(cfg: GPTConfig, args, dp: int):
     if cfg.moe_shared_experts < 0 or cfg.moe_ffn_hidden < 0:
         raise ConfigError(f"--moe-shared-experts {cfg.moe_shared_experts} and --moe-ffn-hidden {cfg.moe_ffn_hidden} "
                           f"must be >= 0")
-    if cfg.moe_router == "mixtral" and args.moe_aux_coef and getattr(args, "pp", 1) > 1:
-        raise ConfigError(f"--moe-router mixtral pools its load-balancing loss over every MoE layer, and minipar "
-                          f"does not yet pass the counts between pipeline stages: with --pp {args.pp} use "
-                          f"--moe-router switch or --moe-aux-coef 0")
     if dp % ep or E % ep:
         raise ConfigError(f"--ep {ep} must divide both dp = {dp} (its groups are carved out of the dp group) "
                           f"and --moe-experts {E} (E/ep experts per rank)")

@@ -66,9 +66,22 @@ class MoESettings:
     shared: int = 0                  # shared experts per MoE block (DeepSeekMoE)
     block_word: str = "h"            # the family's blocks' name, for the summary: "h.3", "layers.3"
 
+    pools: dict = field(default_factory=dict)    # a pipeline's: micro-batch -> its Pool
+
     def new_forward(self):
         """A forward of the whole model starts: Mixtral's statistics pool afresh."""
         self.pool = Pool() if self.router == "mixtral" else None
+
+    @property
+    def pooled(self) -> bool:
+        """Does the load-balancing loss need every MoE block's counts (Mixtral's, weighted)?
+        On a pipeline they then travel with the activations and gradients (stage.py)."""
+        return self.router == "mixtral" and self.aux_coef > 0
+
+    def use_pool(self, mb: int):
+        """A pipeline runs a forward or backward of micro-batch mb: its Pool is the one in use
+        (forwards and backwards of several micro-batches interleave)."""
+        self.pool = self.pools.setdefault(mb, Pool())
 
     def per_token(self, coef: float, G: int) -> float:
         """d(objective) / d(a group's mean over its G tokens), times the loss scale."""
@@ -95,6 +108,18 @@ class Pool:
     def add(self, block: int, group: int, load: np.ndarray, p_sum: np.ndarray):
         self.counts[group] = self.counts.get(group, 0) + load
         self.psum[group] = self.psum.get(group, 0) + p_sum
+
+    def counts_array(self, experts: int) -> np.ndarray:
+        """The counts so far, (groups, E) int64, by group (none yet: (0, E)): what a pipeline
+        stage passes on."""
+        rows = [np.asarray(self.counts[g], dtype=np.int64) for g in sorted(self.counts)]
+        return np.stack(rows) if rows else np.zeros((0, experts), dtype=np.int64)
+
+    def set_counts(self, counts: np.ndarray):
+        """The counts of every block before (with a forward's activation) or of the whole
+        model (with a backward's gradient) from the neighbouring stage: they replace this
+        stage's, which they include."""
+        self.counts = {g: np.array(row) for g, row in enumerate(counts)}
 
 
 def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int | None:

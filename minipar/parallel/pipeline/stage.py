@@ -289,6 +289,9 @@ class PipelineEngine:
         self.acts, self.grads = {}, {}      # received activations / output gradients
         self.inputs, self.outputs = {}, {}  # the leaf input and the output (or loss) of each graph in flight
         self.pending = {}                   # split backward: what W still has to do (backward_split.PendingW)
+        self.counts = {}                    # Mixtral's pooled counts received beside a message
+        if self.pooled:
+            self.model.moe.pools = {}
         self.sends, self.loss_sum = [], 0.0
         watch = StepObserver(self.split, self.model.n_chunks)
         stage = self.model.stage
@@ -317,11 +320,17 @@ class PipelineEngine:
         model, group, key = self.model, self.model.group, (ins.chunk, ins.mb)
         p, V = model.n_stages, model.n_chunks
         prev, nxt = (neighbour(model.stage, ins.chunk, d, p, V) for d in (-1, +1))
+        pooled = self.pooled                    # Mixtral's counts travel beside each message
         if isinstance(ins, RecvActivation):
             self.acts[key] = comm.recv(group, prev[0])
+            if pooled:
+                self.counts[key] = comm.recv(group, prev[0])
         elif isinstance(ins, RecvGrad):
             self.grads[key] = comm.recv(group, nxt[0], tag=TAG_P2P_GRAD)
+            if pooled:
+                self.counts[key] = comm.recv(group, nxt[0], tag=TAG_P2P_GRAD)
         elif isinstance(ins, Forward):
+            self.take_counts(key, ins.mb)
             x, y = self.batches[ins.mb]
             if prev is not None:                # the previous stage's output, as a leaf of this graph
                 x = self.inputs[key] = Tensor(self.acts.pop(key), requires_grad=True)
@@ -330,6 +339,7 @@ class PipelineEngine:
                 self.loss_sum += out.item()
             return out
         elif isinstance(ins, Backward):
+            self.take_counts(key, ins.mb)
             out = self.outputs.pop(key)
             seed = backward_seed(self.loss_scale) if nxt is None else self.grads.pop(key)
             if self.split:                      # B: the input's gradient now, W later
@@ -343,9 +353,32 @@ class PipelineEngine:
             self.pending.pop(key).run()
         elif isinstance(ins, SendActivation):
             self.sends.append(comm.send_async(group, self.outputs[key].data, nxt[0]))
+            if pooled:
+                self.sends.append(comm.send_async(group, self.counts_of(ins.mb), nxt[0]))
         elif isinstance(ins, SendGrad):
             self.sends.append(comm.send_async(group, self.inputs.pop(key).grad, prev[0], tag=TAG_P2P_GRAD))
+            if pooled:
+                self.sends.append(comm.send_async(group, self.counts_of(ins.mb), prev[0], tag=TAG_P2P_GRAD))
         return None
+
+    @property
+    def pooled(self) -> bool:
+        """Mixtral's load-balancing loss needs every MoE block's counts of a micro-batch: each
+        activation message is followed by the counts of the blocks before (the pool so far),
+        each gradient message by the whole model's (moe.MoESettings.pooled); (groups, E) int64."""
+        return self.model.moe is not None and self.model.moe.pooled
+
+    def counts_of(self, mb: int) -> np.ndarray:
+        """Micro-batch mb's pooled counts so far (the whole model's once its last stage has run)."""
+        return self.model.moe.pools[mb].counts_array(self.model.moe.experts)
+
+    def take_counts(self, key, mb: int):
+        """Before a forward or backward of micro-batch mb: its pool in use, with the counts that
+        came beside the message it starts from (the blocks before, or the whole model's)."""
+        if self.pooled:
+            self.model.moe.use_pool(mb)
+            if key in self.counts:
+                self.model.moe.pool.set_counts(self.counts.pop(key))
 
     def push_sends(self):
         """Push the sends in flight along (MPI progresses only inside calls)."""
