@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=int, default=1, metavar="T",
                    help="tensor-parallel ranks [%(default)s]")
     g.add_argument("--sp", action="store_true",
-                   help="sequence parallelism inside the tp group: LayerNorms, residual stream and "
+                   help="sequence parallelism inside the tp group: the norms, residual stream and "
                         "embeddings split along the sequence, which --tp must divide "
                         "(docs/sequence-parallel.md)")
     g.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline stages [%(default)s]")

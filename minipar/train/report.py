@@ -176,15 +176,18 @@ def describe(session) -> list[str]:
         if warning:
             lines.append(warning)
     if grid.tp_size > 1:
+        tp, Hkv = grid.tp_size, cfg.kv_heads
+        kv = "" if cfg.arch == "gpt2" else (f"{Hkv // tp} of {Hkv} key/value heads, " if Hkv >= tp else
+                                            f"1 of {Hkv} key/value heads (each on {tp // Hkv} ranks), ")
         lines.append(f"  tensor parallel: each tp rank holds {cfg.n_head // grid.tp_size} of "
-                     f"{cfg.n_head} heads, 1/{grid.tp_size} of every MLP, "
+                     f"{cfg.n_head} heads, {kv}1/{grid.tp_size} of every MLP, "
                      f"{model.vocab_per_rank} of {model.vocab_padded} vocabulary rows "
                      f"(V={cfg.vocab_size}"
                      f"{' padded' if model.vocab_padded != cfg.vocab_size else ''}); "
                      f"{model.num_local_params():,} of {model.num_params():,} parameters")
         if args.sp:
             lines.append(f"  sequence parallel: between the tensor-parallel layers each tp rank holds "
-                         f"{T // grid.tp_size} of the {T} positions of every sequence (LayerNorms, "
+                         f"{T // grid.tp_size} of the {T} positions of every sequence (the norms, "
                          f"residual stream, embeddings); f and g all-gather and reduce-scatter "
                          f"along the sequence")
     if grid.cp_size > 1:
