@@ -97,9 +97,9 @@ def from_hf(arch: Architecture, tensors: dict, specs: list, tied: bool, where: s
         ours[name], spelled[name] = a, hf
     want = dict(specs)
     embedding = FAMILIES[arch.family].embedding
-    if tied and HEAD in ours and HEAD not in want:
-        e, h = ours[embedding] if embedding in ours else None, ours.pop(HEAD)
-        if e is None or e.dtype != h.dtype or e.shape != h.shape or not np.array_equal(e, h):
+    if tied and HEAD in ours and HEAD not in want and embedding in ours:     # save_pretrained leaves it out
+        e, h = ours[embedding], ours.pop(HEAD)
+        if e.dtype != h.dtype or e.shape != h.shape or not np.array_equal(e, h):
             raise ConvertError(f"{where}: tie_word_embeddings is true but {HEAD} is not {arch.hf_name(embedding)}: "
                                f"a tied head is the embedding itself")
     missing = [arch.hf_name(n) for n in want if n not in ours]

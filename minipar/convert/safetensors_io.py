@@ -114,10 +114,10 @@ def read_file(path: str) -> dict:
         raise ConvertError(f"{path} cannot be read: {e.strerror}") from None
 
 
-def read(hf_dir: str) -> dict:
-    """Every tensor of a model directory, {name: array}, from its one file or its shards."""
+def read(hf_dir: str, files: dict) -> dict:
+    """Every tensor of a model directory, {name: array}, from its weight_files."""
     tensors, where = {}, {}
-    for path, listed in weight_files(hf_dir).items():
+    for path, listed in files.items():
         got = read_file(path)
         if listed is not None:
             lost = [n for n in listed if n not in got]
