@@ -140,7 +140,8 @@ def compare(family: str, steps: int, source: str | None, work: str, table: Table
         loss = model(x, y)
         loss.backward()
         logits_hf = hf(input_ids=torch.from_numpy(x)).logits
-        loss_hf = torch.nn.functional.cross_entropy(logits_hf.reshape(-1, cfg.vocab_size), torch.from_numpy(y).reshape(-1))
+        loss_hf = torch.nn.functional.cross_entropy(logits_hf.reshape(-1, cfg.vocab_size),
+                                                    torch.from_numpy(y).reshape(-1))
         loss_hf.backward()
         tag = "" if step == 0 else f" after {step} AdamW step(s)"
         if step == 0:

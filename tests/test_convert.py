@@ -463,7 +463,8 @@ def tensor_case(case, d):
         write_hf(d, llama_config(), t)
         return "not parameters of minipar's LlamaForCausalLM: model.layers.0.self_attn.q_proj.bias"
     if case == "mis-shaped":                 # k_proj stored (in, out), minipar's way, not nn.Linear's
-        t["model.layers.0.self_attn.k_proj.weight"] = np.ascontiguousarray(t["model.layers.0.self_attn.k_proj.weight"].T)
+        k = "model.layers.0.self_attn.k_proj.weight"
+        t[k] = np.ascontiguousarray(t[k].T)
         write_hf(d, llama_config(), t)
         return "tensor model.layers.0.self_attn.k_proj.weight has shape (16, 8), the model its config.json describes " \
                "needs (8, 16)"
@@ -504,7 +505,8 @@ def tensor_case(case, d):
     if case == "both":
         write_hf(d, llama_config(), t)
         write_hf(d + "-2", llama_config(), t, shards=2)
-        os.rename(os.path.join(d + "-2", "model.safetensors.index.json"), os.path.join(d, "model.safetensors.index.json"))
+        index = "model.safetensors.index.json"
+        os.rename(os.path.join(d + "-2", index), os.path.join(d, index))
         return "holds both model.safetensors and model.safetensors.index.json"
     if case == "pickle-only":
         write_hf(d, llama_config(), t)
@@ -526,7 +528,7 @@ def tensor_case(case, d):
         return "names model-00002-of-00002.safetensors, which is missing"
     if case == "index-outside":
         edit_index(d, lambda i: i["weight_map"].update({"model.norm.weight": "../model-00002-of-00002.safetensors"}))
-        return "names '../model-00002-of-00002.safetensors' for model.norm.weight: a shard is a .safetensors file beside"
+        return "names '../model-00002-of-00002.safetensors' for model.norm.weight: a shard is a .safetensors file"
     if case == "index-wrong-file":
         edit_index(d, lambda i: i["weight_map"].update({"model.norm.weight": "model-00001-of-00002.safetensors"}))
         return "model.safetensors.index.json puts model.norm.weight in model-00001-of-00002.safetensors, which does not"

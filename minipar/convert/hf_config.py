@@ -22,7 +22,9 @@ and whatever GPTConfig.validate refuses (an odd head size for the rotary embeddi
 
 Written (to_hf): the same fields from GPTConfig, the dropouts 0 (minipar has none), the
 rotary base as rope_theta with rope_scaling null (transformers 4 reads these; 5 also reads
-them, into its rope_parameters), and torch_dtype, the dtype of the weight files.
+them, into its rope_parameters), the special token ids null (minipar's byte tokens have none;
+the class defaults, GPT-2's 50256, may lie outside the vocabulary), and torch_dtype, the dtype
+of the weight files.
 """
 from __future__ import annotations
 
@@ -187,11 +189,12 @@ def to_hf(cfg: GPTConfig, dtype: str) -> dict:
                 "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-                "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": 0.02, "torch_dtype": dtype}
+                "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": 0.02, "bos_token_id": None,
+                "eos_token_id": None, "torch_dtype": dtype}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.n_embd, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
             "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
             "mlp_bias": False, "pretraining_tp": 1, "tie_word_embeddings": cfg.tie_embeddings,
-            "initializer_range": 0.02, "torch_dtype": dtype}
+            "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": None, "torch_dtype": dtype}
