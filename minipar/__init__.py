@@ -14,6 +14,7 @@ which order to read it; docs/design.md §2 lists every module):
     plan/       every figure a layout implies, by formula (python -m minipar.plan)
     show/       a trace written and read back; ASCII and SVG drawings
     train/      set-up, the loop, checkpoints, --verify, the summary (python -m minipar.train)
+    convert/    Hugging Face checkpoints, both ways (python -m minipar.convert)
     explain/    each mechanism drawn from a real run (python -m minipar.explain)
     plot/       curves and timelines of finished runs (python -m minipar.plot)
 

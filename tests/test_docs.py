@@ -4,8 +4,9 @@
   (`python -m minipar.train ...`, under `mpirun` or not) is run with --dry-run appended: a
   renamed flag or a layout that no longer fits fails here. The dry runs of one world size
   share a job (tests/tools/dry_runs.py: minipar.train.trainer.main, one command after the other). `python -m minipar.plan ...` lines
-  run as they are (the planner only computes). Commands that run pytest or a script must name
-  files that exist.
+  run as they are (the planner only computes). `python -m minipar.convert ...` lines run for
+  real, on folders the docs' own commands make first (a --save of the trainer, or another
+  conversion). Commands that run pytest or a script must name files that exist.
 - No file of the repository refers to a document outside it (docs/design.md §10's rule: cite
   docs/design.md, a paper, or the formula itself).
 - The README stays short, and docs/ has its pages.
@@ -67,7 +68,7 @@ def doc_commands() -> list[tuple[str, str]]:
 
 def runnable(cmd: str) -> tuple[dict, list[str], str]:
     """-> (environment additions, argv with this venv's python and mpirun, what it runs:
-    "train", "plan", "plot", "explain", "pytest", "script" or "other")."""
+    "train", "plan", "convert", "plot", "explain", "pytest", "script" or "other")."""
     words = shlex.split(cmd, comments=True)
     env = {}
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
@@ -79,6 +80,8 @@ def runnable(cmd: str) -> tuple[dict, list[str], str]:
         kind = "train"
     elif "minipar.plan" in words:
         kind = "plan"
+    elif "minipar.convert" in words:
+        kind = "convert"
     elif "minipar.plot" in words or "minipar.explain" in words:
         kind = "plot" if "minipar.plot" in words else "explain"
     elif "pytest" in words:
@@ -156,7 +159,8 @@ def test_doc_command_runs(doc, cmd, tmp_path, dry_runs):
         except (SystemExit, Exception) as e:
             pytest.fail(f"{doc}: `{cmd}`: its flags do not parse: {e!r}")
         return
-    assert kind in ("train", "plan"), f"{doc}: `{cmd}` runs none of minipar.train, plan, plot, explain"
+    assert kind in ("train", "plan", "convert"), f"{doc}: `{cmd}` runs none of minipar.train, plan, convert, " \
+                                                 f"plot, explain"
     if cmd in dry_runs:                     # its dry run, in the job of its world size
         code, out = dry_runs[cmd]
         assert code == 0, f"{doc}: `{cmd}` exited {code}:\n{out[-3000:]}"
@@ -167,6 +171,10 @@ def test_doc_command_runs(doc, cmd, tmp_path, dry_runs):
         argv = argv + ["--dry-run"]
         if "--resume" in argv:              # the checkpoint the docs wrote before, made for real
             argv = resume_from_docs(argv, tmp_path, full_env, f"{doc}: `{cmd}`")
+    if kind == "convert":                   # for real, from a folder the docs' commands make
+        src, out = convert_paths(argv)
+        made = made_by_docs(src, tmp_path, full_env, f"{doc}: `{cmd}`")
+        argv = [made if w == src else str(tmp_path / "converted") if w == out else w for w in argv]
     p = subprocess.run(argv, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, f"{doc}: `{cmd}` exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
     if kind == "train":
@@ -174,16 +182,45 @@ def test_doc_command_runs(doc, cmd, tmp_path, dry_runs):
 
 
 def resume_from_docs(argv, tmp_path, env, what) -> list[str]:
-    """A --resume DIR command: run the docs' command that saves DIR (its --save DIR), for
-    real, into tmp_path; -> argv resuming from there."""
+    """A --resume DIR command: DIR made for real as the docs make it (made_by_docs); -> argv
+    resuming from there."""
     d = argv[argv.index("--resume") + 1]
+    made = made_by_docs(d, tmp_path, env, what)
+    return [made if w == d else w for w in argv]
+
+
+def convert_paths(argv) -> tuple[str, str]:
+    """(input, output) folders of a `python -m minipar.convert` command line."""
+    from minipar.convert import cli                                 # noqa: PLC0415
+    args = cli.build_parser().parse_args(argv[argv.index("minipar.convert") + 1:])
+    return args.source, args.output
+
+
+_MADE: dict = {}                            # a folder of the docs -> where this session made it
+
+
+def made_by_docs(d: str, tmp_path, env, what) -> str:
+    """The folder d that a docs command writes, made for real (once per session) in tmp_path:
+    by the train command that saves it (--save d, cut to 2 steps), or by the convert command
+    whose output it is (its own input made first, the same way). -> its path."""
+    if d in _MADE:
+        return _MADE[d]
+    out = str(tmp_path / f"made-{len(_MADE)}")
     savers = [c for _, c in COMMANDS if runnable(c)[2] == "train" and f"--save {d}" in c and "--resume" not in c]
-    assert savers, f"{what}: no command in the docs saves the checkpoint {d}"
-    saver_env, saver, _ = runnable(savers[0])
-    saver = [str(tmp_path / "ckpt") if w == d else w for w in saver] + ["--steps", "2"]   # (last wins)
-    p = subprocess.run(saver, cwd=REPO, env={**env, **saver_env}, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"{what}: making its checkpoint with `{savers[0]}` failed:\n{p.stderr[-2000:]}"
-    return [str(tmp_path / "ckpt") if w == d else w for w in argv]
+    makers = [c for _, c in COMMANDS if runnable(c)[2] == "convert" and convert_paths(runnable(c)[1])[1] == d]
+    assert savers or makers, f"{what}: no command in the docs writes {d}"
+    if savers:
+        maker_env, argv, _ = runnable(savers[0])
+        argv = [out if w == d else w for w in argv] + ["--steps", "2"]      # (last wins)
+    else:
+        maker_env, argv, _ = runnable(makers[0])
+        src = convert_paths(argv)[0]
+        made = made_by_docs(src, tmp_path, env, what)
+        argv = [made if w == src else out if w == d else w for w in argv]
+    p = subprocess.run(argv, cwd=REPO, env={**env, **maker_env}, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"{what}: making {d} with `{(savers or makers)[0]}` failed:\n{p.stderr[-2000:]}"
+    _MADE[d] = out
+    return out
 
 
 def test_a_stale_command_fails_the_dry_run():

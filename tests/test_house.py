@@ -19,7 +19,7 @@ from minipar.parallel.parallelize import parallelize, parts  # noqa: E402
 
 # bottom to top, as docs/design.md lists them: a package imports only itself and those before it
 LAYERS = ["trace", "autograd", "comm", "optim", "model", "parallel", "config", "plan", "show", "train",
-          "explain", "plot"]
+          "convert", "explain", "plot"]
 
 
 def upward_imports(root: str) -> list[tuple[str, str]]:

@@ -209,7 +209,8 @@ def resolve_model(args, meta: dict | None) -> GPTConfig:
             raise ConfigError(f"--{'tied' if tied else 'untied'} does not match the checkpoint {args.resume} "
                               f"({'tied' if was else 'untied'} embeddings)")
         tied = was
-    return GPTConfig(vocab_size=256, tie_embeddings=tied, **values)
+    # the byte tokenizer's 256, or a checkpoint's own vocabulary (a converted model's: minipar.convert)
+    return GPTConfig(vocab_size=int(saved.get("vocab_size", 256)), tie_embeddings=tied, **values)
 
 
 def check_family(args, cfg: GPTConfig):

@@ -130,6 +130,9 @@ def prepare(args, world: int) -> RunSpec:
         tokens = data.load_tokens(args.data, cfg.block_size)
     except data.DataError as e:
         raise ConfigError(str(e)) from None
+    if tokens.max() >= cfg.vocab_size:
+        raise ConfigError(f"the checkpoint {args.resume}'s vocabulary of {cfg.vocab_size} tokens does not hold "
+                          f"the data's byte tokens (up to {tokens.max()}): the trainer's tokens are bytes")
     if meta is not None:
         want = meta.get("data", {})
         if want.get("sha256_16") not in (None, data.tokens_digest(tokens)):

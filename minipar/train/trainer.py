@@ -495,7 +495,8 @@ def sample(session: Session):
     if session.rank == 0:
         out = model.generate(data.encode("The pipeline")[None].astype(np.int64), args.sample,
                              rng=np.random.default_rng(args.seed))
-        session.say("sample:\n  " + data.decode(out[0]).replace("\n", "\n  "))
+        ids = np.where(out[0] < 256, out[0], 0xFF)      # a converted model's ids past the bytes: U+FFFD
+        session.say("sample:\n  " + data.decode(ids).replace("\n", "\n  "))
 
 
 def run(args, requests: stop.Requests | None = None) -> dict:
