@@ -3,11 +3,11 @@ AdamW steps, on a directory written by `python -m minipar.convert to-hf`.
 
     pip install torch --index-url https://download.pytorch.org/whl/cpu    # the CPU build (small)
     pip install -e '.[hf]'                                                # transformers, torch
-    python scripts/compare_hf.py [--arch gpt2 llama] [--steps 3] [--checkpoint DIR]
+    python scripts/compare_hf.py [--arch gpt2 llama mixtral] [--steps 3] [--checkpoint DIR]
 
 For each family: a minipar model (random weights, norms and biases drawn too, or --checkpoint
 DIR's, any layout's) is saved as a checkpoint and converted with to-hf; transformers'
-GPT2LMHeadModel or LlamaForCausalLM loads that directory with from_pretrained (float64, eager
+GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM loads that directory with from_pretrained (float64, eager
 attention), and both compute, on the same batch of the built-in corpus:
 
     logits (B, T, V); the loss, the mean cross-entropy over all B*T next-token targets;
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -48,8 +49,10 @@ SHAPES = {
     "gpt2": dict(arch="gpt2", vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64),
     "llama": dict(arch="llama", vocab_size=256, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
                   ffn_hidden=160, rope_theta=10000.0, norm_eps=1e-5),
+    "mixtral": dict(arch="llama", vocab_size=256, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+                    ffn_hidden=96, rope_theta=10000.0, norm_eps=1e-5, moe_experts=4, moe_top_k=2),
 }
-TOLERANCE = {"gpt2": 1e-10, "llama": 1e-5}           # of the largest value, per quantity
+TOLERANCE = {"gpt2": 1e-10, "llama": 1e-5, "mixtral": 1e-5}   # of the largest value, per quantity
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
 
@@ -71,8 +74,11 @@ def write_checkpoint(d: str, cfg: GPTConfig, state: dict):
 
 
 def load_hf(d: str, dtype):
+    """from_pretrained with eager attention (and, in transformers 5, eager experts: its grouped
+    matrix products take no float64)."""
     try:                                              # transformers 5 says dtype, 4 torch_dtype
-        return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="eager")
+        return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="eager",
+                                                                 experts_implementation="eager")
     except TypeError:
         return transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=dtype, attn_implementation="eager")
 
@@ -95,14 +101,36 @@ class Table:
             print(f"{arch:6} {what:58} {diff:11.2e} {size:12.3e}{'' if ok else '  <- over tolerance'}")
 
 
+MOE = re.compile(r"layers\.(\d+)\.block_sparse_moe\.(gate|experts\.(\d+)\.(w[123]))\.weight")
+
+
+def hf_tensor(params: dict, arch: hf_names.Architecture, name: str, grad: bool) -> np.ndarray:
+    """Hugging Face's parameter (or its gradient) for minipar's `name`, in minipar's layout.
+    transformers 5 holds a Mixtral block's experts fused in memory (it converts the files'
+    w1/w2/w3 on loading): mlp.gate (E, C), mlp.experts.gate_up_proj (E, 2F, C) = [w1; w3] and
+    mlp.experts.down_proj (E, C, F) = w2."""
+    def read(hf_name):
+        t = (params[hf_name].grad if grad else params[hf_name]).detach()
+        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+    if arch.hf_name(name) in params:
+        a = read(arch.hf_name(name))
+        return a.T if arch.is_transposed(name) else a
+    i, what, e, w = MOE.fullmatch(name).groups()
+    pre = f"model.layers.{i}.mlp."
+    if what == "gate":
+        return read(pre + "gate.weight").T
+    e = int(e)
+    if w == "w2":
+        return read(pre + "experts.down_proj")[e].T
+    gate_up = read(pre + "experts.gate_up_proj")[e]                 # (2F, C)
+    F = gate_up.shape[0] // 2
+    return (gate_up[:F] if w == "w1" else gate_up[F:]).T
+
+
 def hf_grads(hf, arch: hf_names.Architecture, names) -> dict:
     """Hugging Face's gradients in minipar's names and layouts."""
     params = dict(hf.named_parameters())
-    out = {}
-    for n in names:
-        g = params[arch.hf_name(n)].grad.numpy()
-        out[n] = g.T if arch.is_transposed(n) else g
-    return out
+    return {n: hf_tensor(params, arch, n, grad=True) for n in names}
 
 
 def compare(family: str, steps: int, source: str | None, work: str, table: Table):
@@ -113,7 +141,8 @@ def compare(family: str, steps: int, source: str | None, work: str, table: Table
     else:
         cfg = GPTConfig(**SHAPES[family]).validate()
         state = random_state(cfg)
-    ck, hf_dir = os.path.join(work, f"{cfg.arch}-ck"), os.path.join(work, f"{cfg.arch}-hf")
+    name = family or cfg.arch
+    ck, hf_dir = os.path.join(work, f"{name}-ck"), os.path.join(work, f"{name}-hf")
     write_checkpoint(ck, cfg, state)
     cli.main(["to-hf", ck, hf_dir])
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -145,29 +174,28 @@ def compare(family: str, steps: int, source: str | None, work: str, table: Table
         loss_hf.backward()
         tag = "" if step == 0 else f" after {step} AdamW step(s)"
         if step == 0:
-            table.add(cfg.arch, f"logits {tuple(logits_hf.shape)}", model(x).data, logits_hf.detach().numpy())
-        table.add(cfg.arch, "loss (mean over B*T targets)" + tag, loss.data, loss_hf.item())
+            table.add(name, f"logits {tuple(logits_hf.shape)}", model(x).data, logits_hf.detach().numpy())
+        table.add(name, "loss (mean over B*T targets)" + tag, loss.data, loss_hf.item())
         grads = hf_grads(hf, arch, names)
         if step == 0:
             for n, p in model.named_parameters():
-                table.add(cfg.arch, f"grad {n}", p.grad, grads[n])
+                table.add(name, f"grad {n}", p.grad, grads[n])
         else:
             worst = max(names, key=lambda n: np.max(np.abs(model.params[n].grad - grads[n])))
-            table.add(cfg.arch, f"grads, worst: {worst}" + tag, model.params[worst].grad, grads[worst])
+            table.add(name, f"grads, worst: {worst}" + tag, model.params[worst].grad, grads[worst])
         if step == steps:
             break
         opt.step()
         opt_hf.step()
         ours = np.concatenate([model.params[n].data.ravel() for n in names])
-        theirs = np.concatenate([(torch_params[arch.hf_name(n)].detach().numpy().T if arch.is_transposed(n)
-                                  else torch_params[arch.hf_name(n)].detach().numpy()).ravel() for n in names])
-        table.add(cfg.arch, f"parameters after AdamW step {step + 1}", ours, theirs)
-    bf16_dir = os.path.join(work, f"{cfg.arch}-hf-bf16")
+        theirs = np.concatenate([hf_tensor(torch_params, arch, n, grad=False).ravel() for n in names])
+        table.add(name, f"parameters after AdamW step {step + 1}", ours, theirs)
+    bf16_dir = os.path.join(work, f"{name}-hf-bf16")
     cli.main(["to-hf", ck, bf16_dir, "--dtype", "bfloat16"])
     low = load_hf(bf16_dir, "auto")
     low_params = dict(low.named_parameters())
-    same = all(np.array_equal((state[n].T if arch.is_transposed(n) else state[n]).astype(ml_dtypes.bfloat16)
-                              .astype(np.float32), low_params[arch.hf_name(n)].detach().float().numpy()) for n in names)
+    same = all(np.array_equal(state[n].astype(ml_dtypes.bfloat16).astype(np.float32),   # minipar's layout both
+                              hf_tensor(low_params, arch, n, grad=False)) for n in names)
     print(f"{cfg.arch}: from_pretrained({os.path.basename(bf16_dir)}): {type(low).__name__} in {low.dtype}, every "
           f"tensor minipar's rounded to bfloat16: {same}")
     if not same or low.dtype != torch.bfloat16:

@@ -74,6 +74,23 @@ def llama_tensors(V=260, C=16, H=4, Hkv=2, F=24, L=2, tied=False):
     return t
 
 
+def mixtral_tensors(V=260, C=16, H=4, Hkv=2, F=24, L=2, E=4, tied=False):
+    """MixtralForCausalLM's state dict: Llama's with each MLP a block_sparse_moe of E experts."""
+    t = {n: s for n, s in llama_tensors(V, C, H, Hkv, F, L, tied).items() if ".mlp." not in n}
+    for i in range(L):
+        h = f"model.layers.{i}.block_sparse_moe."
+        t[h + "gate.weight"] = (E, C)
+        for e in range(E):
+            t.update({h + f"experts.{e}.w1.weight": (F, C), h + f"experts.{e}.w2.weight": (C, F),
+                      h + f"experts.{e}.w3.weight": (F, C)})
+    return t
+
+
+def mixtral_config(E=4, K=2, **kw):
+    return {**llama_config(**kw), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_local_experts": E, "num_experts_per_tok": K, "router_jitter_noise": 0.0, "sliding_window": None}
+
+
 def llama_config(V=260, C=16, H=4, Hkv=2, F=24, L=2, T=16, tied=False, **extra):
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": C,
             "intermediate_size": F, "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": Hkv,
@@ -173,6 +190,8 @@ CASES = {                                   # (config, tensors, dtype, shards)
     "llama-gqa-untied-bfloat16": (llama_config(), llama_tensors(), BF16, 1),
     "llama-mqa-tied-float32": (llama_config(Hkv=1, tied=True), llama_tensors(Hkv=1, tied=True), np.float32, 1),
     "llama-float16-sharded": (llama_config(), llama_tensors(), np.float16, 2),
+    "mixtral-float32-sharded": (mixtral_config(), mixtral_tensors(), np.float32, 3),
+    "mixtral-top1-bfloat16": (mixtral_config(E=3, K=1), mixtral_tensors(E=3), BF16, 1),
 }
 
 
@@ -204,7 +223,10 @@ def test_hf_to_minipar_to_hf_is_bit_exact(case, tmp_path, capsys):
                 "intermediate_size", "rope_theta", "rms_norm_eps", "n_positions", "max_position_embeddings"):
         assert written.get(key) == config.get(key), (key, written.get(key), config.get(key))
     assert written["torch_dtype"] == np.dtype(dtype).name
-    assert "LlamaForCausalLM" in out or "GPT2LMHeadModel" in out, out
+    assert config["architectures"][0] in out, out
+    if "num_local_experts" in config:
+        assert (written["num_local_experts"], written["num_experts_per_tok"]) == \
+            (config["num_local_experts"], config["num_experts_per_tok"])
 
 
 def test_hub_gpt2_names_without_prefix_and_its_mask_buffers_are_read(tmp_path, capsys):
@@ -353,10 +375,53 @@ def hf_llama_logits(t: dict, cfg: dict, idx: np.ndarray) -> np.ndarray:
         y = (w / w.sum(-1, keepdims=True)) @ v                                         # (B, H, T, hs)
         x = x + linear(y.transpose(0, 2, 1, 3).reshape(B, T, C), t[p + "self_attn.o_proj.weight"])
         m = rmsnorm(x, t[p + "post_attention_layernorm.weight"])
+        if p + "block_sparse_moe.gate.weight" in t:
+            x = x + hf_mixtral_moe(t, p + "block_sparse_moe.", cfg, m)
+            continue
         g = linear(m, t[p + "mlp.gate_proj.weight"])
         x = x + linear(g / (1 + np.exp(-g)) * linear(m, t[p + "mlp.up_proj.weight"]), t[p + "mlp.down_proj.weight"])
     head = t["model.embed_tokens.weight"] if cfg["tie_word_embeddings"] else t["lm_head.weight"]
     return linear(rmsnorm(x, t["model.norm.weight"]), head)
+
+
+def hf_mixtral_moe(t: dict, pre: str, cfg: dict, m: np.ndarray) -> np.ndarray:
+    """MixtralSparseMoeBlock as its modeling code computes it: router logits x W_g^T, softmax over
+    all experts, the top k renormalised, each expert w2(silu(w1 x) * w3 x), weights (out, in)."""
+    B, T, C = m.shape
+    x = m.reshape(-1, C)
+    z = x @ t[pre + "gate.weight"].T
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    K = cfg["num_experts_per_tok"]
+    top = np.argsort(-p, axis=-1, kind="stable")[:, :K]
+    w = np.take_along_axis(p, top, -1)
+    w /= w.sum(-1, keepdims=True)
+    y = np.zeros_like(x)
+    for n in range(x.shape[0]):
+        for k, e in enumerate(top[n]):
+            q = f"{pre}experts.{e}."
+            g = x[n] @ t[q + "w1.weight"].T
+            y[n] += w[n, k] * ((g / (1 + np.exp(-g)) * (x[n] @ t[q + "w3.weight"].T)) @ t[q + "w2.weight"].T)
+    return y.reshape(B, T, C)
+
+
+def test_a_converted_mixtral_computes_the_logits_of_its_hugging_face_tensors(tmp_path, capsys):
+    """The router and the experts' w1, w2, w3 come over transposed (w2 and the router are not
+    square: a missed transpose fails on a shape; w1 and w3 are, here, so one is planted)."""
+    config = mixtral_config(V=50, C=24, H=4, Hkv=2, F=24, L=2, T=12, E=3, K=2)
+    t = values(mixtral_tensors(V=50, C=24, H=4, Hkv=2, F=24, L=2, E=3), np.float64, seed=4)
+    convert(capsys, "from-hf", write_hf(tmp_path / "hf", config, t), tmp_path / "ck")
+    meta = read_json(tmp_path / "ck" / "meta.json")
+    cfg = GPTConfig(**meta["config"])
+    assert (cfg.moe_experts, cfg.moe_top_k, cfg.moe_every, cfg.moe_router) == (3, 2, 1, "mixtral")
+    model = GPT(cfg, dtype=np.float64)
+    model.load_state_dict(model_npz(tmp_path / "ck"))
+    idx = np.random.default_rng(2).integers(0, 50, (2, 12))
+    got = model(idx).data
+    np.testing.assert_allclose(got, hf_llama_logits(t, config, idx), rtol=1e-12, atol=1e-12)
+    wrong = dict(t)
+    wrong["model.layers.1.block_sparse_moe.experts.2.w1.weight"] = t["model.layers.1.block_sparse_moe.experts.2.w1.weight"].T.copy()
+    assert not np.allclose(hf_llama_logits(wrong, config, idx), got, rtol=1e-6)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -409,8 +474,8 @@ CONFIG_REFUSALS = {
     "llama-lacks-a-size": ({"num_hidden_layers": ...}, 'lacks "num_hidden_layers": minipar needs the model\'s sizes'),
     "odd-head": ({"hidden_size": 12, "num_attention_heads": 4, "num_key_value_heads": 4},
                  "head size n_embd/n_head = 12/4 = 3 must be even"),
-    "mixtral": ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
-                 "num_experts_per_tok": 2}, "moe_experts 4: the Llama family's mixture of experts is not built yet"),
+    "mixtral-window": ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+                        "num_experts_per_tok": 2, "sliding_window": 4096}, "sliding_window 4096"),
     "mixtral-jitter": ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
                         "num_experts_per_tok": 2, "router_jitter_noise": 0.1}, "router_jitter_noise 0.1"),
 }
@@ -652,8 +717,15 @@ def test_to_hf_refusals(tmp_path, capsys, ready):
                     {k: v for k, v in meta.items() if k not in ("format", "optimizer")})
     moe = tmp_path / "moe"
     run_tiny("--steps", "1", "--moe-experts", "2", "--save", str(moe))
+    llama = ["--arch", "llama", "--n-head", "4", "--moe-experts", "2", "--steps", "1"]
+    shared, every2, switch1 = tmp_path / "shared", tmp_path / "every2", tmp_path / "switch1"
+    run_tiny(*llama, "--moe-shared-experts", "1", "--save", str(shared))
+    run_tiny(*llama, "--n-layer", "2", "--moe-every", "2", "--save", str(every2))
+    run_tiny(*llama, "--moe-top-k", "1", "--moe-router", "switch", "--save", str(switch1))
     capsys.readouterr()
-    cases = [((tmp_path / "nothing",), "checkpoint directory"),
+    cases = [((shared,), "moe_shared_experts 1: Mixtral has no shared experts"),
+             ((every2,), "moe_every 2: Mixtral has experts in every block"),
+             ((switch1,), "moe_router switch with moe_top_k 1"),((tmp_path / "nothing",), "checkpoint directory"),
              ((big, "--dtype", "float16"), "model.norm.weight holds values beyond float16's range (|x| up to 1e+06)"),
              ((ck, "--max-shard-size", "lots"), "--max-shard-size 'lots' is not a size"),
              ((moe,), "moe_experts 2: minipar's GPT-2 with a mixture of experts has no Hugging Face architecture")]

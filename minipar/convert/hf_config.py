@@ -15,8 +15,9 @@ and its value, is any setting minipar's model does not compute:
                        scaling other than "default" (Llama 3.1's "llama3"); head_dim other than
                        hidden_size / num_attention_heads; num_key_value_heads not dividing
                        num_attention_heads; pretraining_tp other than 1
-    MixtralForCausalLM the above, router_jitter_noise other than 0, a sliding_window; then
-                       GPTConfig refuses it: the Llama family's mixture of experts is not built
+    MixtralForCausalLM the above, router_jitter_noise other than 0, a sliding_window; every
+                       block a MoE block of num_local_experts SwiGLU experts of
+                       intermediate_size, top num_experts_per_tok, Mixtral's router and loss
 
 and whatever GPTConfig.validate refuses (an odd head size for the rotary embedding).
 
@@ -156,7 +157,8 @@ def _llama(f: Fields, arch: Architecture) -> dict:
             f.refuse("router_jitter_noise", f.raw["router_jitter_noise"], "minipar's router adds no noise")
         if f.raw.get("sliding_window") is not None:
             f.refuse("sliding_window", f.raw["sliding_window"], "minipar's attention sees the whole context")
-        out.update(moe_experts=f.get("num_local_experts"), moe_top_k=f.get("num_experts_per_tok"))
+        out.update(moe_experts=f.get("num_local_experts"), moe_top_k=f.get("num_experts_per_tok"), moe_every=1,
+                   moe_router="mixtral")
     return out
 
 
@@ -180,9 +182,10 @@ def from_hf(raw: dict, path: str, block_size: int | None = None) -> tuple[Archit
 def to_hf(cfg: GPTConfig, dtype: str) -> dict:
     """The config.json of cfg's model (GPTConfig.validate has passed), weights in `dtype`."""
     if cfg.moe_experts:
-        raise ConvertError(f"moe_experts {cfg.moe_experts}: " + (
-            "minipar's GPT-2 with a mixture of experts has no Hugging Face architecture" if cfg.arch == "gpt2"
-            else "the Llama family's mixture of experts (MixtralForCausalLM) is not built yet"))
+        if cfg.arch == "gpt2":
+            raise ConvertError(f"moe_experts {cfg.moe_experts}: minipar's GPT-2 with a mixture of experts has no "
+                               f"Hugging Face architecture")
+        mixtral_can(cfg)
     if cfg.arch == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
                 "n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
@@ -191,10 +194,30 @@ def to_hf(cfg: GPTConfig, dtype: str) -> dict:
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
                 "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": 0.02, "bos_token_id": None,
                 "eos_token_id": None, "torch_dtype": dtype}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.n_embd, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
             "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
             "mlp_bias": False, "pretraining_tp": 1, "tie_word_embeddings": cfg.tie_embeddings,
             "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": None, "torch_dtype": dtype}
+    if not cfg.moe_experts:
+        return llama
+    for key in ("mlp_bias", "pretraining_tp", "head_dim"):
+        del llama[key]
+    return {**llama, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "intermediate_size": cfg.expert_hidden, "num_local_experts": cfg.moe_experts,
+            "num_experts_per_tok": cfg.moe_top_k, "router_jitter_noise": 0.0, "sliding_window": None,
+            "output_router_logits": False, "router_aux_loss_coef": 0.02}
+
+
+def mixtral_can(cfg: GPTConfig):
+    """A Llama mixture of experts that MixtralForCausalLM computes: every block a MoE block, no
+    shared experts, and a router whose weights are renormalised (Mixtral's; Switch's top-1 is not)."""
+    if cfg.moe_every != 1:
+        raise ConvertError(f"moe_every {cfg.moe_every}: Mixtral has experts in every block")
+    if cfg.moe_shared_experts:
+        raise ConvertError(f"moe_shared_experts {cfg.moe_shared_experts}: Mixtral has no shared experts (DeepSeekMoE's)")
+    if cfg.moe_router == "switch" and cfg.moe_top_k == 1:
+        raise ConvertError("moe_router switch with moe_top_k 1: its one weight is the router's probability, "
+                           "Mixtral renormalises it to 1")

@@ -61,8 +61,7 @@ ARCHITECTURES = {a.name: a for a in (
                  transposed=(_LAYER + r"self_attn\.[qkvo]_proj\.weight", _LAYER + r"mlp\.(gate|up|down)_proj\.weight"),
                  buffers=(_LAYER + r"self_attn\.rotary_emb\.inv_freq",)),
     # Mixtral's router (E, C) and experts w1 (gate), w3 (up): (F, C), w2 (down): (C, F), all
-    # nn.Linear; minipar's names are these without `model.`, stored (in, out). Its config is read
-    # (hf_config.py) and refused by GPTConfig until the Llama family's mixture of experts is built.
+    # nn.Linear; minipar's names are these without `model.`, stored (in, out).
     Architecture("MixtralForCausalLM", "mixtral", "llama", "model.",
                  transposed=(_LAYER + r"self_attn\.[qkvo]_proj\.weight",
                              _LAYER + r"block_sparse_moe\.gate\.weight",
