@@ -217,7 +217,8 @@ def mixtral_can(cfg: GPTConfig):
     if cfg.moe_every != 1:
         raise ConvertError(f"moe_every {cfg.moe_every}: Mixtral has experts in every block")
     if cfg.moe_shared_experts:
-        raise ConvertError(f"moe_shared_experts {cfg.moe_shared_experts}: Mixtral has no shared experts (DeepSeekMoE's)")
+        raise ConvertError(f"moe_shared_experts {cfg.moe_shared_experts}: Mixtral has no shared experts "
+                           f"(DeepSeekMoE's)")
     if cfg.moe_router == "switch" and cfg.moe_top_k == 1:
         raise ConvertError("moe_router switch with moe_top_k 1: its one weight is the router's probability, "
                            "Mixtral renormalises it to 1")
