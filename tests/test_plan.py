@@ -70,9 +70,18 @@ def cli(capsys, *flags):
 
 # ---------------------------------------------------------------- parameters
 
-@pytest.mark.parametrize("model", list(table.PRESETS))
+GPT2_PRESETS = [name for name, p in table.PRESETS.items() if p["arch"] == "gpt2"]   # Llama: test_plan_llama.py
+
+
+def preset_shape(model):
+    """(L, H, C, V, T) of a GPT-2 preset."""
+    p = table.PRESETS[model]
+    return p["n_layer"], p["n_head"], p["n_embd"], p["vocab_size"], p["block_size"]
+
+
+@pytest.mark.parametrize("model", GPT2_PRESETS)
 def test_params_is_the_exact_count_of_each_preset(model):
-    L, H, C, V, T = table.PRESETS[model]
+    L, H, C, V, T = preset_shape(model)
     want = sum(math.prod(s) for _, s, _ in param_specs(GPTConfig(V, T, L, H, C)))
     assert run_plan("--model", model)["params"] == want
     # per layer 12C^2 + 13C, embeddings VC + TC, ln_f 2C: biases, LayerNorms, wpe included
@@ -348,7 +357,7 @@ def test_flops_follow_chinchilla_component_by_component():
 @pytest.mark.parametrize("model", ["gpt2", "gpt3-175b"])
 def test_matmul_flops_are_the_trainers_mfu_numerator(model):
     r = run_plan("--model", model)
-    L, H, C, V, T = table.PRESETS[model]
+    L, H, C, V, T = preset_shape(model)
     per_token = train_flops_per_token(GPTConfig(V, T, L, H, C))
     assert 3 * r["flops"]["matmul_forward"] == per_token * 16 * T
     assert 0.9 < r["flops"]["total"] / r["flops"]["six_nd"] < 1.5       # 6ND is the approximation

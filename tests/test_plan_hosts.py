@@ -47,6 +47,8 @@ LAYOUTS = [
     (4, 1, ["--dp", "2", "--cp", "2"], None),                             # every ring message across
     (4, 2, ["--dp", "4", "--ep", "4", *MOE], "ep"),                       # small all-to-alls: hierarchical
     (4, 1, ["--dp", "2", "--tp", "2", "--ep", "2", *MOE], None),          # the ep pair on two hosts: pairwise
+    (4, 2, ["--arch", "llama", "--ffn-hidden", "24", "--n-head", "4", "--n-kv-head", "2", "--tp", "4"],
+     None),                                                               # a shared KV head's sums inside a host
 ]
 
 

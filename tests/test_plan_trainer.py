@@ -21,8 +21,15 @@ rank that writes the log) must equal what the run measured:
   MoE layer's bytes depend on the routing where it drops (a capacity) or sends rows to
   other ranks (--ep without a capacity); the layouts with --pp here have neither, or a
   capacity of 2.0 (N slots per expert: nothing dropped), so they are equal too.
---sp, --recompute, --schedule, --virtual-stages, --cp, --cp-layout, --ep and the --moe-* shape
-flags go to the planner as they go to the trainer.
+--sp, --recompute, --schedule, --virtual-stages, --cp, --cp-layout, --ep, the --moe-* shape
+flags and the family's (--arch llama, --n-kv-head, --ffn-hidden, --tied) go to the planner as
+they go to the trainer. The Llama layouts cross every split of the family: a key/value head
+shared by the tp ranks (--n-kv-head 1 with --tp 2 or 4), --sp with its RMSNorm sums, the ring
+with grouped-query heads beside --tp, ZeRO's units and the tied embed_tokens between pipeline
+ends in bf16.
+Every run's summary must also say that what it measured equals its own formula, line by line
+(summary_formulas): each rank's memory, ZeRO's bytes, tp's all-reduces and elements
+(megatron_count), sp's collectives by kind (sp_count), the ring's bytes (step_traffic).
 Adding a layout is one line in LAYOUTS: (ranks, trainer flags). `make test` runs LAYOUTS;
 scripts/plan_matrix.py also the MORE below (each a variant that LAYOUTS covers in kind).
 """
@@ -36,6 +43,7 @@ from minipar.train import data
 from trainer_runs import TINY_MPI, mpirun, read_log
 
 MOE = ["--moe-experts", "4", "--moe-top-k", "2", "--n-layer", "2"]
+LLAMA = ["--arch", "llama", "--ffn-hidden", "24"]                 # H = 2 heads of 8 (TINY_MPI), F = 24
 LAYOUTS = [
     (1, ["--dtype", "float64", "--micro-batches", "2"]),
     (2, ["--dtype", "float64", "--micro-batches", "2"]),                                   # dp2
@@ -56,6 +64,13 @@ LAYOUTS = [
     # experts split over ep 2 x pp 2; capacity 2.0 = N slots: every message padded, nothing dropped
     (4, ["--dtype", "float64", *MOE, "--dp", "2", "--ep", "2", "--pp", "2", "--micro-batches", "2",
          "--moe-capacity-factor", "2.0"]),
+    # Llama: one key/value head on both tp ranks, --sp, 2 stages (peak activations, given the owned ids)
+    (4, ["--dtype", "float64", *LLAMA, "--n-kv-head", "1", "--tp", "2", "--sp", "--pp", "2", "--n-layer", "2",
+         "--micro-batches", "2"]),
+    (4, ["--dtype", "float64", *LLAMA, "--n-head", "4", "--n-kv-head", "1", "--tp", "4"]),   # its sums over 4
+    (4, ["--dtype", "float64", *LLAMA, "--n-kv-head", "1", "--cp", "2", "--tp", "2"]),        # the ring's KV head
+    (4, ["--precision", "bf16", *LLAMA, "--tied", "--dp", "2", "--zero", "1", "--pp", "2", "--n-layer", "2",
+         "--micro-batches", "2"]),                          # Llama's ZeRO units; embed_tokens between the ends
 ]
 # The rest of the matrix: `python scripts/plan_matrix.py` (MINIPAR_PLAN_MATRIX=all) runs them too.
 MORE = [
@@ -88,6 +103,15 @@ MORE = [
     (2, ["--precision", "bf16", *MOE, "--moe-every", "2", "--pp", "2", "--micro-batches", "2"]),   # experts unplaced
     (4, ["--dtype", "float64", *MOE, "--dp", "2", "--ep", "2", "--pp", "2", "--micro-batches", "2",
          "--recompute", "full", "--moe-capacity-factor", "2.0"]),     # 6 all-to-alls per layer and micro-batch
+    (2, ["--dtype", "float64", *LLAMA, "--tp", "2", "--sp"]),
+    (4, ["--dtype", "float64", *LLAMA, "--n-kv-head", "1", "--cp", "2", "--pp", "2", "--n-layer", "2",
+         "--micro-batches", "2", "--recompute", "selective"]),          # peak activations with the ring
+    (4, ["--dtype", "float64", *LLAMA, "--n-kv-head", "1", "--tp", "2", "--pp", "2", "--n-layer", "2",
+         "--micro-batches", "2", "--recompute", "full"]),
+    (4, ["--precision", "fp16", *LLAMA, "--n-head", "4", "--n-kv-head", "2", "--tp", "2", "--dp", "2", "--zero", "3",
+         "--micro-batches", "2"]),
+    (4, ["--dtype", "float64", *LLAMA, "--pp", "2", "--n-layer", "4", "--micro-batches", "4", "--dp", "2",
+         "--schedule", "interleaved", "--virtual-stages", "2"]),
 ]
 if os.environ.get("MINIPAR_PLAN_MATRIX") == "all":
     LAYOUTS = LAYOUTS + MORE
@@ -135,6 +159,7 @@ def test_planner_equals_what_the_trainer_measures(n, flags, tmp_path):
             assert got == {**{k: c[k] for k in got}, "bytes_per_step": c["bytes_per_step"] - c["ep"]}, (got, c)
         else:
             assert got == {k: c[k] for k in got}, (row["step"], got, c)
+    assert summary_formulas(summary, cfg) == [], summary_formulas(summary, cfg)
     if lay.pp > 1:
         measured = summary["pipeline"]["peak_activation_bytes"]
         est = [m["activations"] for m in r["memory_per_stage"]]
@@ -145,6 +170,28 @@ def test_planner_equals_what_the_trainer_measures(n, flags, tmp_path):
             print(f"est/measured peak activations by stage: {ratios} ({est} vs {measured} bytes)")
             assert all(abs(r - 1) < 0.05 for r in ratios), (ratios, est, measured)
             assert owned_peaks(cfg, lay, r) == measured, (est, measured)
+
+
+def summary_formulas(summary, cfg) -> list:
+    """[(what, measured, formula)] of every line of the summary whose measured figure is not
+    its own formula's (the rest, ratios and times, are not claims of equality). Not tp's with
+    MoE blocks: the summary's megatron_count gives every block Megatron's 4 all-reduces, where
+    a MoE block (its MLP whole on every tp rank) has 2, as the planner's tp bytes count them."""
+    pairs = [(f"rank {m['rank']} {k}", m[k], m["formula"][k]) for m in summary["memory_per_rank"]
+             for k in ("params", "grads", "optimizer")]
+    if summary.get("zero"):
+        pairs.append(("zero bytes", summary["zero"]["bytes_per_step"], summary["zero"]["theory_bytes_per_step"]))
+    tp = summary.get("tensor_parallel")
+    if tp and not tp["sequence_parallel"] and not cfg.moe_experts:
+        pairs += [("tp calls", tp["all_reduces_per_step"], tp["megatron_all_reduces_per_step"]),
+                  ("tp elements", tp["elements_per_step"], tp["megatron_elements_per_step"])]
+    if tp and tp["sequence_parallel"]:
+        pairs += [(f"sp {k} {w}", v[w], v["formula_" + w]) for k, v in tp["by_kind"].items()
+                  for w in ("calls", "elements")]
+    if summary.get("context_parallel"):
+        cp = summary["context_parallel"]
+        pairs.append(("cp bytes", cp["bytes_per_step"], cp["theory_bytes_per_step"]))
+    return [p for p in pairs if p[1] != p[2]]
 
 
 def owned_peaks(cfg, lay, r) -> list:

@@ -59,6 +59,39 @@ s/c positions (int64) instead of s. (One trap: with a/t = 1 head, or s/c = 1, an
 fp16/bf16, c_proj's input is a reshaped view of o, not a copy, and is counted once with it.)
 tests/mpi/test_cp_activations.py holds it to Tensor.saved_bytes, with tp and without.
 
+A Llama block (--arch llama, model/llama.py) has k key/value heads (n_kv_head) and an MLP f
+wide (cfg.hidden), no biases, no positions to keep (RoPE's cos and sin are a cache, not saved):
+
+    kept by                          elements             split by t under
+    2 RMSNorms  xhat, 1/rms          2 (sbh + sb)         sp
+    [q|k|v], [gate|up]  their input  2 sbh                sp (the shard)
+    attention   q                    sbh                  tp
+                k, v                 2 sbhk/a             tp (k/t heads; one when t > k)
+                softmax P            a s^2 b              tp   (selective: not kept)
+    o_proj      its input            sbh                  tp
+    SwiGLU      [gate|up], sigmoid   3 sbf                tp
+    down_proj   its input            sbf                  tp
+    the fused weights                W = h (h + 2hk/a + 2f), per micro-batch; / t under tp
+
+The last row is what fusing in the forward costs: the block concatenates the rank's q, k, v
+shards (and gate, up) into one matrix at every call (ops.concat), and the linear layer that
+multiplies by it keeps it for its weight gradient. It is an activation, not a parameter, so
+Tensor.saved_bytes counts it, once per micro-batch held. Per layer:
+
+    setting            minipar (llama_layer_bytes)
+    none               d sbh (6 + 2/h + 2k/a + 4f/h + as/h) + d W
+    tp                 d sbh (4 + 2/h + (2 + 2k/a + 4f/h)/t + as/ht) + d W/t
+    tp + sp            d sbh/t (6 + 2/h + 2k/a + 4f/h + as/h) + d W/t
+    tp + selective     d sbh (4 + 2/h + (2 + 2k/a + 4f/h)/t) + d W/t
+    tp + sp + selective  d sbh/t (6 + 2/h + 2k/a + 4f/h) + d W/t
+    full               d sbh (the block input; /t with sp)
+    cp c               d sbh/c (4 + 2/h + (3 + 2k/a + 4f/h)/t + a/ht) + d W/t   (ring attention)
+
+With t > k each rank computes one shared key/value head: read k/t as 1 there (in the k, v
+row and in W). The ring (cp) keeps q, k, v, its output o and the log-sum-exp, as for GPT-2,
+with only the rank's k/t key/value heads in k and v. fp16/bf16: as for GPT-2, the ops keep
+their fp32 arrays (the norms' xhat, 1/rms and weight, attention's, SwiGLU's) in 4 bytes.
+
 A mixture-of-experts layer (--moe-experts E --moe-top-k K, moe.py; not with sp or cp) keeps,
 in place of the MLP's last three rows (c_fc's input, GELU, mlp c_proj's input), what its
 router, its dispatch, its experts and its combine save. For the N = sb tokens of one
@@ -99,6 +132,7 @@ from dataclasses import dataclass
 
 from minipar.model import moe
 from minipar.model.gpt import GPTConfig
+from minipar.parallel.context import context_parallel
 from minipar.parallel.pipeline import schedules
 
 INT64 = 8
@@ -177,6 +211,42 @@ def layer_bytes(rows: int, T: int, C: int, H: int, tp: int = 1, store: int = 4, 
             + mlp)                                            # c_fc's input, GELU, mlp c_proj's input
 
 
+def llama_layer_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, comp: int | None = None,
+                      sp: bool = False, recompute: str = "none", cp: int = 1) -> int:
+    """Bytes one Llama block of cfg keeps for backward (the module's fourth table), exactly as
+    Tensor.saved_bytes counts them; the arguments are layer_bytes's. A tp rank computes H/t
+    query heads and kv_width's key/value channels (Hkv/t heads, one shared when t > Hkv)."""
+    comp = store if comp is None else comp
+    T, C, H = cfg.block_size, cfg.n_embd, cfg.n_head
+    Tc = T // cp
+    N = rows * Tc
+    Ns = N // tp if sp else N                                 # tokens in the norms' regions
+    Ht, Ft = H // tp, cfg.hidden // tp
+    q, kv = Ht * cfg.head_size, context_parallel.kv_width(cfg, tp)    # this rank's q and k (v) channels
+    if recompute == "full":
+        return Ns * C * store                                 # the block's input alone
+    low = 4 * C if comp != store else 0                       # fp16/bf16: RMSNorm keeps w in fp32
+    norm = Ns * C * comp + Ns * comp + low                    # xhat (Ns, C), 1/rms (Ns, 1)
+    weights = C * (q + 2 * kv + 2 * Ft) * store               # the fused [q|k|v] and [gate|up]
+    proj_in = N * q * store                                   # o_proj's input (N, H/t hs)
+    if cp > 1:                                                # the ring: q, o; k, v; lse (b, H/t, T/cp)
+        attention = 2 * N * q * comp + 2 * N * kv * comp + rows * Ht * Tc * comp
+        if comp == store and (Ht == 1 or Tc == 1):            # o_proj's input is a view of o
+            proj_in = 0
+    else:                                                     # q; k, v; the softmax P (b, H/t, T, T)
+        attention = N * q * comp + 2 * N * kv * comp + (0 if recompute == "selective" else rows * Ht * T * T * comp)
+    mlp = 3 * N * Ft * comp + N * Ft * store                  # SwiGLU's [gate|up] and sigmoid; down's input
+    return 2 * norm + 2 * Ns * C * store + weights + attention + proj_in + mlp
+
+
+def block_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, comp: int | None = None, sp: bool = False,
+                recompute: str = "none", cp: int = 1, moe_layer: MoELayer | None = None) -> int:
+    """Bytes one block of cfg's family keeps: layer_bytes (GPT-2) or llama_layer_bytes."""
+    if cfg.arch == "llama":
+        return llama_layer_bytes(cfg, rows, tp, store, comp, sp, recompute, cp)
+    return layer_bytes(rows, cfg.block_size, cfg.n_embd, cfg.n_head, tp, store, comp, sp, recompute, cp, moe_layer)
+
+
 def moe_layers(cfg: GPTConfig, N: int, ep: int = 1, routed: dict | None = None) -> dict:
     """{block i: MoELayer} for the MoE blocks of cfg, N tokens a micro-batch on one rank (one
     routing group: moe.capacity's slots per expert); routed {i: (kept, received)}: a run's counts."""
@@ -191,7 +261,7 @@ def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsiz
                 cp: int = 1, ep: int = 1, routed: dict | None = None) -> int:
     """Bytes one micro-batch of `rows` sequences leaves saved for backward on a device of
     `stage` (Tensor.saved_bytes: parameters and the stage's received input excluded, views
-    once): its layers (layer_bytes) and its ends. A virtual stage v of p*V (interleaved.py)
+    once): its layers (block_bytes: GPT-2's or Llama's) and its ends. A virtual stage v of p*V (interleaved.py)
     is a stage here: stage_bytes(cfg, v, p*V, ...) is one chunk's. itemsize: storage bytes per element,
     compute_itemsize the compute's (4 for fp16/bf16, else itemsize).
 
@@ -216,13 +286,13 @@ def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsiz
     if recompute == "full" and stage > 0:
         layers = layers[1:]
     routing = moe_layers(cfg, N, ep, routed)
-    total = sum(layer_bytes(rows, T, C, cfg.n_head, tp, store, comp, sp, recompute, cp, routing.get(i))
-                for i in layers)
+    total = sum(block_bytes(cfg, rows, tp, store, comp, sp, recompute, cp, routing.get(i)) for i in layers)
     ids, targets = (-(-N // tp),) * 2 if owned is None else owned
     if stage == 0:                                            # token ids (N,), positions (Tc,)
         total += N * INT64 if tp == 1 else ids * INT64 + N    # the masked lookup: owned ids, the mask
-        total += 0 if sp else Tc * INT64                      # sp: each rank slices wpe, keeps nothing
-    if stage == pp - 1:                                       # ln_f, the head's input, the loss
+        if cfg.family.positions and not sp:                   # sp: each rank slices wpe, keeps nothing
+            total += Tc * INT64                               # (rotary positions: nothing kept)
+    if stage == pp - 1:                                       # the final norm, the head's input, the loss
         low = 4 * C if comp != store else 0
         Vl = V if tp == 1 else -(-V // tp)
         total += (Ns * C * comp + Ns * comp + low) + Ns * C * store + N * Vl * comp
@@ -291,9 +361,22 @@ FORMULAS = {   # setting: (minipar's, the paper's), as the docstring writes them
 }
 
 
-def cp_formula(recompute: str) -> str:
+LLAMA_FORMULAS = {   # setting: llama_layer_bytes', as the docstring's fourth table writes it
+    "none": "d sbh (6 + 2/h + 2k/a + 4f/h + as/h) + d W",
+    "tp": "d sbh (4 + 2/h + (2 + 2k/a + 4f/h)/t + as/ht) + d W/t",
+    "tp+sp": "d sbh/t (6 + 2/h + 2k/a + 4f/h + as/h) + d W/t",
+    "tp+selective": "d sbh (4 + 2/h + (2 + 2k/a + 4f/h)/t) + d W/t",
+    "tp+sp+selective": "d sbh/t (6 + 2/h + 2k/a + 4f/h) + d W/t",
+    "full": "d sbh",
+}
+
+
+def cp_formula(recompute: str, arch: str = "gpt2") -> str:
     """The per-layer formula with --cp c (tp t, no sp), as the docstring derives it."""
-    return "d sbh/c" if recompute == "full" else "d sbh/c (4 + 2/h + 17/t + a/ht)"
+    if recompute == "full":
+        return "d sbh/c"
+    return "d sbh/c (4 + 2/h + (3 + 2k/a + 4f/h)/t + a/ht) + d W/t" if arch == "llama" \
+        else "d sbh/c (4 + 2/h + 17/t + a/ht)"
 
 
 def setting_of(tp: int, sp: bool, recompute: str) -> str | None:
@@ -305,6 +388,16 @@ def setting_of(tp: int, sp: bool, recompute: str) -> str | None:
     key = "none" if tp == 1 and recompute == "none" else "tp" + ("+sp" if sp else "") \
         + ("+selective" if recompute == "selective" else "")
     return key if key in SETTINGS else None
+
+
+def family_table(cfg: GPTConfig, b: int, t: int, d: int, comp: int | None = None) -> list[dict]:
+    """The six settings for one block of cfg's family: table() for GPT-2; for Llama its own
+    bytes and formulas, and no paper's column (Table 2 is a GPT layer's: 4h MLP, multi-head)."""
+    if cfg.arch != "llama":
+        return table(cfg.block_size, b, cfg.n_embd, cfg.n_head, t, d, comp)
+    return [{"setting": k, "minipar": llama_layer_bytes(cfg, b, store=d, comp=comp, **setting_args(k, t)),
+             "korthikanti": None, "minipar_formula": LLAMA_FORMULAS[k], "korthikanti_formula": None}
+            for k in SETTINGS]
 
 
 def table(s: int, b: int, h: int, a: int, t: int, d: int, comp: int | None = None) -> list[dict]:

@@ -10,11 +10,13 @@ minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm
     tp     per micro-batch Megatron's 4 all-reduces per layer of b*T*C, the embedding's g,
            the head's f and the vocab-parallel cross-entropy's 3 of b*T (4L + 5 in all,
            tensor_parallel.megatron_calls), and the 8-byte gradient-norm all-reduce once
-           per step
+           per step; Llama with tp > Hkv: 2 per layer of a (C, hs) key/value gradient over
+           the tp/Hkv ranks sharing the head (tensor_parallel.kv_grad_count); --sp: sp_count's
+           gathers and scatters, the replicated parameters' sums (replicated_sums)
     pp     one message per SendActivation and SendGrad of the stage's instruction list
            (b*T*C*s, /tp with --sp, + a 128-byte header each): M down and M up per
            boundary, V times as many with --virtual-stages V (rank pp-1's chunks send to
-           rank 0's next, round the ring); the tied wte gradient between the two ends
+           rank 0's next, round the ring); the tied embedding's gradient between the two ends
            (with ZeRO: the rank's shard of it), the loss broadcast
     other  8-byte all-reduces: the loss over dp, the gradient norm over pp and over dp
            (ZeRO: each rank squares its shard; bucketed dp: its piece of each bucket;
@@ -126,6 +128,10 @@ class Flat:
     def send(self, nbytes: int, peer: int) -> int:       # comm.send / send_async: header, payload
         return HEADER_BYTES + nbytes
 
+    def first(self, n: int) -> Flat:
+        """The group of this group's first n ranks (tp rank 0's key/value head group)."""
+        return Flat(n, self.rank)
+
 
 def flat_groups(lay, stage: int) -> dict:
     """The groups of dp, cp and tp rank 0 of `stage`, all on one host; "dp" is the gradient
@@ -153,17 +159,21 @@ def dp_bytes(tensors: list, units: list, lay, itemsize: int, g=None):
     return sum(g.all_reduce(n, itemsize) for n in buckets)
 
 
-def grad_sync_bytes(tensors: list, lay, itemsize: int, g=None):
+def grad_sync_bytes(tensors: list, lay, itemsize: int, g=None, family=None):
     """The dp axis: dp_bytes of each of sync_groups' sets, the non-expert tensors on the dp
     group g, the experts' (with --ep) on their dp/ep replicas: ExpertParallelSync's two
-    bucketed synchronisers, or ZeRO's expert units sharded over the replicas."""
-    return sum(dp_bytes(ts, zero_units(ts, gl.grad_ranks), gl, itemsize, g if gl is lay else Flat(gl.grad_ranks))
+    bucketed synchronisers, or ZeRO's expert units sharded over the replicas. family: the
+    model family whose names the tensors carry (ZeRO's units; default GPT-2's)."""
+    return sum(dp_bytes(ts, zero_units(ts, gl.grad_ranks, family), gl, itemsize,
+                        g if gl is lay else Flat(gl.grad_ranks))
                for ts, gl in sync_groups(tensors, lay))
 
 
 def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: int, g=None):
     """Megatron's all-reduces of one step on tp rank 0 of the tp group g
-    (tensor_parallel.megatron_calls), over the blocks of all the rank's chunks."""
+    (tensor_parallel.megatron_calls), over the blocks of all the rank's chunks; with key/value
+    heads shared by tp/Hkv ranks (tp > Hkv), their gradient sums over those ranks, the first of
+    g's (tensor_parallel.kv_grad_count)."""
     tp, pp, M = lay.tp, lay.pp, lay.micro_batches
     if tp == 1:
         return 0
@@ -172,22 +182,28 @@ def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: i
     n_layers = rank_layer_count(cfg, stage, pp, chunks(lay))
     n_moe = rank_moe_count(cfg, stage, pp, chunks(lay))
     first, last = stage == 0, stage == pp - 1
+    kv, (kv_calls, kv_elems) = 0, tensor_parallel.kv_grad_count(cfg, tp, n_layers)
+    if kv_calls:                                          # k_proj's and v_proj's (C, hs) copies, per block
+        kv = kv_calls * g.first(tensor_parallel.kv_share(cfg, tp)).all_reduce(kv_elems // kv_calls, itemsize)
     if lay.sp:                                            # sequence_parallel.sp_count, by kind
         count = sequence_parallel.sp_count(cfg, rows, T, tp, n_layers, first, last, lay.recompute)
+        (block_calls, block_elems), (final_calls, final_elems), pos = sequence_parallel.replicated_sums(cfg)
         n = rows * T * C
         gathers = sum(count[k][0] for k in ("f_gather", "g_gather", "regather"))
         scatters = count["f_scatter"][0] + count["g_scatter"][0]
         per_mb = (gathers * g.all_gather(n // tp, itemsize) + scatters * g.reduce_scatter(n, itemsize)
-                  + 6 * n_layers * g.all_reduce(C, itemsize)                 # replicated parameters' sums
-                  + (2 * g.all_reduce(C, itemsize) + 3 * g.all_reduce(rows * T, compute_itemsize) if last else 0)
-                  + (g.all_gather(T // tp * C, itemsize) if first else 0))   # wpe's rows
-        return M * per_mb + g.all_reduce(1, INT64)
+                  # the replicated parameters' gradient sums, each a (C,) vector: norms (and GPT-2's biases)
+                  + block_calls * n_layers * g.all_reduce(block_elems // block_calls, itemsize)
+                  + (final_calls * g.all_reduce(final_elems // final_calls, itemsize)
+                     + 3 * g.all_reduce(rows * T, compute_itemsize) if last else 0)
+                  + (g.all_gather(T // tp * pos, itemsize) if first and pos else 0))   # wpe's rows
+        return M * (per_mb + kv) + g.all_reduce(1, INT64)
     act_calls, row_calls = tensor_parallel.megatron_calls(n_layers - n_moe, first, last, lay.recompute)
     # a MoE block runs its MLP whole on every tp rank: attention's f and g alone, half a block's calls
     act_calls += tensor_parallel.megatron_calls(n_moe, False, False, lay.recompute)[0] // 2
     per_mb = (act_calls * g.all_reduce(rows * T * C, itemsize)           # (b, T, C) activations, gradients
               + row_calls * g.all_reduce(rows * T, compute_itemsize))    # the cross-entropy's (b*T,)
-    return M * per_mb + g.all_reduce(1, INT64)            # + the gradient norm
+    return M * (per_mb + kv) + g.all_reduce(1, INT64)     # + the gradient norm
 
 
 def pp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, g=None):
@@ -202,8 +218,8 @@ def pp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, g=None):
     act //= lay.tp if lay.sp else 1                                        # --sp: (b, T/tp, C)
     sent = sum(g.send(act, schedules.neighbour(stage, ins.chunk, ins.peer, pp, V)[0])
                for ins in schedules.schedule(lay.schedule, stage, pp, M, V) if isinstance(ins, schedules.SENDS))
-    if cfg.tie_embeddings and stage in (0, pp - 1):       # wte's gradient to the other end (ZeRO: its shard)
-        n = tensor_parallel.local_size("wte.weight", (cfg.vocab_size, cfg.n_embd), lay.tp)
+    if cfg.tie_embeddings and stage in (0, pp - 1):       # the embedding's gradient to the other end (ZeRO: its shard)
+        n = tensor_parallel.local_size(cfg.family.embedding, (cfg.vocab_size, cfg.n_embd), lay.tp, cfg)
         N = lay.grad_ranks
         sent += g.send((padded(n, N) // N if lay.zero else n) * itemsize, pp - 1 - stage)
     return sent + g.broadcast(1, INT64, pp - 1)

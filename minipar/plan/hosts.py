@@ -249,6 +249,7 @@ class Placed:
 
     def __init__(self, world_ranks: list, rank: int, per_host: int):
         self.world_ranks, self.rank, self.size = list(world_ranks), rank, len(world_ranks)
+        self.per_host = per_host
         first = {}
         self.nodes = tuple(first.setdefault(w // per_host, len(first)) for w in self.world_ranks)
         self.n_nodes = len(first)
@@ -309,6 +310,10 @@ class Placed:
     def send(self, nbytes: int, peer: int) -> Traffic:
         """comm.send / send_async: the header, then the payload."""
         return self._traffic([(peer, HEADER_BYTES), (peer, nbytes)])
+
+    def first(self, n: int) -> Placed:
+        """The group of this group's first n ranks (tp rank 0's key/value head group)."""
+        return Placed(self.world_ranks[:n], self.rank, self.per_host)
 
     def all_to_all(self, x) -> Traffic:
         """comm.all_to_all of x in p equal pieces (the dispatcher's algorithm for x here)."""

@@ -64,10 +64,11 @@ def sync_groups(tensors: list, lay) -> list:
     return [(others, lay), (experts, lay.but(dp=lay.dp // lay.ep))]
 
 
-def zero_units(tensors: list, N: int) -> list:
-    """Element count of each ZeRO unit (zero.unit_names) of the device, padded for N ranks."""
+def zero_units(tensors: list, N: int, family=None) -> list:
+    """Element count of each ZeRO unit (zero.unit_names: the names of `family`, default GPT-2's)
+    of the device, padded for N ranks."""
     size = dict(tensors)
-    return [zero.padded(sum(size[n] for n in unit), N) for unit in zero.unit_names([n for n, _ in tensors])]
+    return [zero.padded(sum(size[n] for n in unit), N) for unit in zero.unit_names([n for n, _ in tensors], family)]
 
 
 def chunks(lay) -> int:

@@ -73,7 +73,7 @@ def device_memory(cfg: GPTConfig, lay, stage: int) -> dict:
     tensors = device_tensors(cfg, lay, stage)
     states, P_pad = {}, 0
     for ts, g in sync_groups(tensors, lay):          # with --ep, ZeRO's expert units over their replicas
-        units = zero_units(ts, g.grad_ranks)
+        units = zero_units(ts, g.grad_ranks, cfg.family)
         part = model_states(sum(n for _, n in ts), sum(units), itemsize, K, lay.zero, g.grad_ranks)
         states = {k: states.get(k, 0) + v for k, v in part.items()}
         P_pad += sum(units)

@@ -29,8 +29,7 @@ def table(r: dict, name: str | None = None) -> str:
     else:
         shape = r["model"]
         active = f" ({r['params_active']:,} active per token)" if r["moe"] else ""
-        out.append(f"minipar.plan: {what}GPT L={shape['n_layer']} H={shape['n_head']} C={shape['n_embd']} "
-                   f"T={shape['block_size']} V={shape['vocab_size']} "
+        out.append(f"minipar.plan: {what}{r['shape']['description']} T={shape['block_size']} V={shape['vocab_size']} "
                    f"({'tied' if shape['tie_embeddings'] else 'untied'}), {r['params']:,} parameters{active}")
     prec = lay["precision"] if lay["precision"] != "fp32" else lay["dtype"]
     devices = f"{lay['world']} device{'s' if lay['world'] > 1 else ''}"
@@ -133,17 +132,25 @@ def activation_lines(r: dict) -> list[str]:
     """Saved activations per layer, one micro-batch: minipar's formula in the six settings of
     Korthikanti et al. 2022 (Table 2) beside the paper's, this run's setting marked."""
     lay, a, shape = r["layout"], r["activations_per_layer"], r["model"]
+    llama = shape["arch"] == "llama"                      # Table 2 is a GPT layer's: no paper's column
+    letters = f" k={r['shape']['kv_heads']} f={r['shape']['hidden']}" if llama else ""
+    width = max(32, *(len(row["minipar_formula"]) + 2 for row in a["table"]))
+    paper = "" if llama else f"{'Korthikanti':>12}  Table 2 (2-byte values)"
     out = ["", f"  activations per layer, one micro-batch (s={shape['block_size']} b={lay['micro_batch_rows']} "
-               f"h={shape['n_embd']} a={shape['n_head']} t={lay['tp']}, d={lay['bytes_per_param']}): "
+               f"h={shape['n_embd']} a={shape['n_head']}{letters} t={lay['tp']}, d={lay['bytes_per_param']}): "
                f"this run {human_bytes(a['this_run'])}",
-           f"    {'setting':<17}{'minipar':>12}  {'formula':<32}{'Korthikanti':>12}  Table 2 (2-byte values)"]
+           f"    {'setting':<17}{'minipar':>12}  {'formula':<{width}}{paper}".rstrip()]
     for row in a["table"]:
         mark = " <" if row["setting"] == a["setting"] else ""
-        out.append(f"    {row['setting']:<17}{human_bytes(row['minipar']):>12}  {row['minipar_formula']:<32}"
-                   f"{human_bytes(row['korthikanti']):>12}  {row['korthikanti_formula']}{mark}")
+        theirs = "" if llama else f"{human_bytes(row['korthikanti']):>12}  {row['korthikanti_formula']}"
+        out.append(f"    {row['setting']:<17}{human_bytes(row['minipar']):>12}  "
+                   f"{row['minipar_formula']:<{width if theirs else 0}}{theirs}{mark}")
+    if llama:
+        out.append(f"    (W = h (h + 2hk/a + 2f), the fused [q|k|v] and [gate|up] weights each forward makes; "
+                   f"k/t is 1 when t > k)")
     if a["cp"] > 1:                                       # no row of Table 2: the ring's own
-        out.append(f"    {'cp=' + str(a['cp']):<17}{human_bytes(a['this_run']):>12}  {a['cp_formula']:<32}"
-                   f"{'':>12}  (c = {a['cp']}: s/c tokens a rank, ring attention, no softmax) <")
+        out.append(f"    {'cp=' + str(a['cp']):<17}{human_bytes(a['this_run']):>12}  {a['cp_formula']:<{width}}"
+                   f"{'' if llama else ' ' * 12}  (c = {a['cp']}: s/c tokens a rank, ring attention, no softmax) <")
     m = r["moe"]
     if m:                                                 # no row of Table 2 either: activations.py's third table
         label = f"moe E={m['experts']} K={m['top_k']}"

@@ -5,6 +5,7 @@
     python -m minipar.plan --params 7.5e9 --dp 64 --zero 3 --precision fp16   # model states only
     python -m minipar.plan --model gpt2 --cp 4 --memory-budget 16GiB          # the longest T that fits
     python -m minipar.plan --model gpt2 --moe-experts 8 --moe-every 2 --dp 8 --ep 4   # mixture of experts
+    python -m minipar.plan --model llama3-8b --world 64 --tp 8 --pp 2 --precision bf16 # the Llama family
 
 Layout flags are the trainer's (same names, same defaults), so one set of flags describes
 one run; tests/test_plan*.py hold every figure to what minipar measures on such runs.
@@ -29,6 +30,18 @@ tokens of every sequence (zig-zag or contiguous, the same bytes either way), so
                  forwards 2 with --recompute full (the forward runs again in backward)
     FLOPs        T/cp of the T rows of every product (the ring computes all cp key blocks of
                  a query block, masked afterwards: T/cp x T, as minipar's T x T products are)
+
+The Llama family (--arch llama, or a --model llama* preset: every GPTConfig field it sets, so
+a family's preset carries its own fields; model/llama.py): its parameters are param_specs',
+and each formula asks the family where GPT-2 and Llama differ:
+    activations  activations.block_bytes: llama_layer_bytes (RMSNorm, q with k and v of Hkv
+                 heads, SwiGLU's [gate|up], the fused weights each forward makes), no positions
+    FLOPs        K and V of Hkv heads, SwiGLU's three matrices (flops.py)
+    tp           Megatron's 4 all-reduces per block as GPT-2's, + the shared key/value heads'
+                 gradient sums when tp > Hkv (tensor_parallel.kv_grad_count); --sp sums the two
+                 RMSNorm weights of a block (sequence_parallel.replicated_sums), no wpe rows
+    cp           the ring carries the Hkv key/value heads (context_parallel.kv_width)
+    dp, ZeRO, pp its tensors by name (ZeRO's units: embed_tokens, each layer, the rest)
 
 bubble: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/p for the naive schedule, (p-1)/(Vm+p-1)
 interleaved, (p-1)/(3m+p-1) for zb-h1 and zb-h2 (schedules.bubble_theory, every op of one length).
@@ -84,12 +97,26 @@ from minipar.plan.memory import ceilings, device_memory, model_states, parse_siz
 from minipar.comm.ledger import human_bytes
 from minipar.plan.render import table
 
-PRESETS = {   # name: (n_layer, n_head, n_embd, vocab_size, block_size)
-    "gpt2": (12, 12, 768, 50257, 1024),
-    "gpt2-medium": (24, 16, 1024, 50257, 1024),
-    "gpt2-large": (36, 20, 1280, 50257, 1024),
-    "gpt2-xl": (48, 25, 1600, 50257, 1024),
-    "gpt3-175b": (96, 96, 12288, 50257, 2048),
+GPT2 = dict(arch="gpt2", vocab_size=50257, block_size=1024)
+LLAMA3 = dict(arch="llama", vocab_size=128256, n_kv_head=8, rope_theta=500000.0, tie_embeddings=False)
+PRESETS = {   # name: the GPTConfig fields it sets (the others: the trainer's defaults, MODEL_DEFAULTS)
+    "gpt2": dict(GPT2, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(GPT2, n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(GPT2, n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(GPT2, n_layer=48, n_head=25, n_embd=1600),
+    "gpt3-175b": dict(GPT2, n_layer=96, n_head=96, n_embd=12288, block_size=2048),
+    # Meta's params.json (dim, n_layers, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of,
+    # rope_theta) and Hugging Face's config.json (vocab_size, max_position_embeddings): F by
+    # Llama's rule, 11008, 14336, 28672, 53248. 405B is Llama 3.1's (128K positions; its
+    # rope_scaling changes the angles, not a figure here).
+    "llama2-7b": dict(arch="llama", vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096,
+                      multiple_of=256, tie_embeddings=False),
+    "llama3-8b": dict(LLAMA3, block_size=8192, n_layer=32, n_head=32, n_embd=4096, ffn_multiplier=1.3,
+                      multiple_of=1024),
+    "llama3-70b": dict(LLAMA3, block_size=8192, n_layer=80, n_head=64, n_embd=8192, ffn_multiplier=1.3,
+                       multiple_of=4096),
+    "llama3-405b": dict(LLAMA3, block_size=131072, n_layer=126, n_head=128, n_embd=16384, ffn_multiplier=1.2,
+                        multiple_of=4096),
 }
 SHAPE_FLAGS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
 MOE_FLAGS = ("moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor", "moe_router", "moe_shared_experts",
@@ -177,7 +204,9 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
         out["notes"].append("--params alone: model states only, spread evenly over tp*pp "
                             "(no shapes: FLOPs, activations and communication unavailable)")
         return out
-    out["model"] = {k: getattr(cfg, k) for k in (*SHAPE_FLAGS, "tie_embeddings", *MOE_FLAGS, *FAMILY_FLAGS)}
+    out["model"] = cfg.to_dict()                          # every GPTConfig field: GPTConfig(**r["model"])
+    out["shape"] = {"description": cfg.family.describe(cfg), "hidden": cfg.hidden, "kv_heads": cfg.kv_heads,
+                    "head_size": cfg.head_size}
     out["params"] = sum(math.prod(shape) for _, shape, _ in param_specs(cfg))
     out["params_active"] = active_params(cfg)
     mem_st, flops_st, comm_st = [], [], []
@@ -187,7 +216,7 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
         stage_flops = flops(flop_components(cfg, lay.tp, stage, pp, V, lay.cp), lay.batch_size // lay.dp)
         flops_st.append({"stage": stage, **stage_flops})
         groups = plan_hosts.device_groups(placed(lay), hosts, stage) if spread else flat_groups(lay, stage)
-        axes = {"dp": grad_sync_bytes(tensors, lay, itemsize, groups["dp"]),
+        axes = {"dp": grad_sync_bytes(tensors, lay, itemsize, groups["dp"], cfg.family),
                 "tp": tp_bytes(cfg, stage, lay, itemsize, compute_itemsize, groups["tp"]),
                 "pp": pp_bytes(cfg, stage, lay, itemsize, groups["pp"])}
         groups.update(plan_hosts.ring_and_expert_groups(lay, hosts, stage) if spread else {})
@@ -202,12 +231,11 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
                     "recompute_added": recompute_flops(cfg, lay)}
     out["moe"] = moe_summary(cfg, lay, itemsize, compute_itemsize)
     out["activations_per_layer"] = {
-        "this_run": activations.layer_bytes(lay.rows, cfg.block_size, cfg.n_embd, cfg.n_head, lay.tp, itemsize,
-                                            compute_itemsize, lay.sp and lay.tp > 1, lay.recompute, lay.cp),
+        "this_run": activations.block_bytes(cfg, lay.rows, lay.tp, itemsize, compute_itemsize, lay.sp and lay.tp > 1,
+                                            lay.recompute, lay.cp),
         "setting": activations.setting_of(lay.tp, lay.sp, lay.recompute) if lay.cp == 1 else None,
-        "cp": lay.cp, "cp_formula": activations.cp_formula(lay.recompute) if lay.cp > 1 else None,
-        "table": activations.table(cfg.block_size, lay.rows, cfg.n_embd, cfg.n_head, lay.tp, itemsize,
-                                   compute_itemsize)}
+        "cp": lay.cp, "cp_formula": activations.cp_formula(lay.recompute, cfg.arch) if lay.cp > 1 else None,
+        "table": activations.family_table(cfg, lay.rows, lay.tp, itemsize, compute_itemsize)}
     out.update(memory=max(mem_st, key=lambda r: r["total"]), memory_per_stage=mem_st,
                flops_per_stage=flops_st, comm=max(comm_st, key=lambda r: r["bytes_per_step"]),
                comm_per_stage=comm_st, bubble=bubble, step_time_s=None)
@@ -245,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     default = {k: trainer.get_default(k) for k in ("batch_size", "micro_batches", "schedule", "virtual_stages",
                                                     "dtype", "precision", "tp", "pp", "zero", "cp", "ep")}
     parser = Parser(prog="python -m minipar.plan",
-                    description="Memory, FLOPs and communication per device of training a GPT-2 shaped "
+                    description="Memory, FLOPs and communication per device of training a GPT-2 or Llama "
                                 "model on a dp x cp x tp x pp layout, as minipar would run it.")
     model = parser.add_argument_group("model: --model, or the trainer's shape flags, or --params alone")
     model.add_argument("--model", choices=tuple(PRESETS), help="a standard shape (shape flags override it)")
@@ -350,21 +378,20 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
         lay = lay.but(cp_layout=config.check_context_split(None, lay))
         config.check_moe(GPTConfig(), moe_args(args), lay.dp)     # --ep needs experts: the trainer's line
         return None, lay, int(round(args.params))
-    base = dict(zip(("n_layer", "n_head", "n_embd", "vocab_size", "block_size"), PRESETS[args.model])) \
-        if args.model else {"vocab_size": 256, **config.MODEL_DEFAULTS}
-    shape = {k: getattr(args, k) if getattr(args, k) is not None else base[k] for k in SHAPE_FLAGS}
+    preset = PRESETS.get(args.model, {})
+    if args.arch is not None and args.arch != preset.get("arch", args.arch):
+        raise PlanError(f"--model {args.model} is a {preset['arch']} model: drop --arch {args.arch} (or --model)")
+    base = {"vocab_size": 256, **config.MODEL_DEFAULTS, **preset}
+    fields = {k: getattr(args, k) if getattr(args, k) is not None else base[k]
+              for k in (*SHAPE_FLAGS, *MOE_FLAGS, *FAMILY_FLAGS)}
     for k in SHAPE_FLAGS:
-        if shape[k] <= 0:
-            raise PlanError(f"--{k.replace('_', '-')} must be positive, got {shape[k]}")
-    experts = {k: getattr(args, k) if getattr(args, k) is not None else config.MODEL_DEFAULTS[k]
-               for k in (*MOE_FLAGS, *FAMILY_FLAGS)}
-    tied = True if args.tied else False if args.untied else None
-    cfg = GPTConfig(tie_embeddings=tied, **shape, **experts)
+        if fields[k] <= 0:
+            raise PlanError(f"--{k.replace('_', '-')} must be positive, got {fields[k]}")
+    tied = True if args.tied else False if args.untied else preset.get("tie_embeddings")   # None: the family's
+    cfg = GPTConfig(tie_embeddings=tied, **fields)
     if cfg.n_embd % cfg.n_head:
         raise PlanError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     config.check_family(args, cfg)
-    if cfg.arch != "gpt2":
-        raise PlanError(f"--arch {cfg.arch}: the planner's formulas for this family are not built yet")
     config.check_split(cfg, lay.dp, lay.tp, lay.pp, lay.batch_size, lay.micro_batches)
     config.check_sequence_split(cfg, lay.tp, lay.sp)
     lay = lay.but(cp_layout=config.check_context_split(cfg, lay))

@@ -468,7 +468,7 @@ def local_tensors(cfg: GPTConfig, stage: int, n_stages: int, tp: int = 1, n_chun
     tensor parallelism cuts it (tensor_parallel.local_size: split ones / tp, vocabulary
     ones padded to Vp = tp * ceil(V / tp) rows first). n_chunks: interleaved, the rank's chunks."""
     names = set(schedules.stage_param_names(cfg, stage, n_stages, n_chunks))
-    return [(name, local_size(name, shape, tp)) for name, shape, _ in param_specs(cfg) if name in names]
+    return [(name, local_size(name, shape, tp, cfg)) for name, shape, _ in param_specs(cfg) if name in names]
 
 
 def local_param_count(cfg: GPTConfig, stage: int, n_stages: int, tp: int = 1, n_chunks: int = 1) -> int:

@@ -536,12 +536,12 @@ def measured(tp_ledger: dict, rows_log: list) -> tuple[dict, float, float, float
 
 
 def summary(tp_ledger: dict, rows_log: list, cfg: GPTConfig, *, tp: int, rows: int, micro_batches: int,
-            layers: int, pp_rank: int, pp: int, recompute: str) -> tuple[dict, list[str]]:
+            layers: int, pp_rank: int, pp: int, recompute: str, cp: int = 1) -> tuple[dict, list[str]]:
     """What tensor parallelism sent on this rank, per step, beside the formula: Megatron's
     4L + 5 all-reduces (megatron_count), of this rank's pipeline stage (`layers` blocks, the
-    ends it holds). rows: sequences per micro-batch of this dp rank. (--sp:
-    sequence_parallel.summary.)"""
-    M, T = micro_batches, cfg.block_size
+    ends it holds), and the shared key/value heads' sums. rows: sequences per micro-batch of
+    this dp rank, of T/cp tokens each with --cp. (--sp: sequence_parallel.summary.)"""
+    M, T = micro_batches, cfg.block_size // cp
     _, calls, elements, tp_bytes = measured(tp_ledger, rows_log)
     out = {"tp": tp, "sequence_parallel": False, "all_reduces_per_step": calls,
            "elements_per_step": elements, "bytes_per_step": tp_bytes}
@@ -549,6 +549,7 @@ def summary(tp_ledger: dict, rows_log: list, cfg: GPTConfig, *, tp: int, rows: i
     out.update(megatron_all_reduces_per_step=want_calls * M, megatron_elements_per_step=want_elems * M)
     return out, [f"  tensor parallel: {calls:.0f} all-reduces/step of {elements:,.0f} elements (Megatron: "
                  f"{'(4L+5)' if pp == 1 else 'stage ' + str(pp_rank) + ', 4 x its layers + ends'}"
-                 f"{' + 2L again (full recompute)' if recompute == 'full' else ''} x {M} "
+                 f"{' + 2L again (full recompute)' if recompute == 'full' else ''}"
+                 f"{' + 2L key/value head sums' if kv_grad_count(cfg, tp)[0] else ''} x {M} "
                  f"micro-batch(es) = {want_calls * M}, {want_elems * M:,} elements), "
                  f"{human_bytes(tp_bytes)}/step sent per rank, + 1 for the global grad norm"]
