@@ -89,12 +89,18 @@ def test_mixtrals_pooled_loss_crosses_the_pipeline_stages(schedule, tmp_path):
     assert p.returncode == 1 and len(lines) == 1 and "-> FAILED" in lines[0], p.stdout[-2000:] + p.stderr[-2000:]
 
 
+def test_tensor_parallelism_refuses_an_mlp_width_it_cannot_split():
+    """An MLP of F columns on tp ranks: F/tp each, or one line (else columns would be dropped)."""
+    with pytest.raises(config.ConfigError, match="the MLP's width 40 .* is not divisible by --tp 3"):
+        config.check_split(GPTConfig(arch="llama", n_head=6, n_embd=24, ffn_hidden=40), 1, 3, 1, 6, 1)
+
+
 def test_tensor_parallelism_refuses_kv_heads_it_cannot_place():
-    cfg = GPTConfig(arch="llama", n_head=6, n_kv_head=3, n_embd=24)
+    cfg = GPTConfig(arch="llama", n_head=6, n_kv_head=3, n_embd=24, ffn_hidden=48)
     with pytest.raises(config.ConfigError, match="--n-kv-head 3 and --tp 2"):
         config.check_split(cfg, 1, 2, 1, 4, 1)
     for tp in (1, 3, 6):                                          # 3 divides tp, or tp divides 3
-        config.check_split(GPTConfig(arch="llama", n_head=6, n_kv_head=3, n_embd=24), 1, tp, 1, 4, 1)
+        config.check_split(GPTConfig(arch="llama", n_head=6, n_kv_head=3, n_embd=24, ffn_hidden=48), 1, tp, 1, 4, 1)
 
 
 def test_a_checkpoint_refuses_the_other_family(tmp_path, capsys):

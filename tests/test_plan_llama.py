@@ -50,7 +50,7 @@ SMALL = ["--arch", "llama", "--n-layer", "3", "--n-head", "4", "--n-kv-head", "2
          "--ffn-hidden", "48", "--block-size", "16", "--batch-size", "8", "--vocab-size", "97"]
 
 
-def llama(n_kv_head=2, n_head=6, n_layer=3, T=12, C=24, F=40, V=97, **kw):
+def llama(n_kv_head=2, n_head=6, n_layer=3, T=12, C=24, F=36, V=97, **kw):
     return GPTConfig(vocab_size=V, block_size=T, n_layer=n_layer, n_head=n_head, n_embd=C, arch="llama",
                      n_kv_head=n_kv_head, ffn_hidden=F, **kw)
 
@@ -419,7 +419,7 @@ def test_the_table_names_the_family(capsys):
     (["--arch", "llama", "--n-head", "6", "--n-embd", "48", "--n-kv-head", "3", "--tp", "2"],
      "--n-kv-head 3 and --tp 2: tensor parallelism needs --tp to divide --n-kv-head"),
     (["--arch", "llama", "--n-embd", "18", "--n-head", "2"], "must be even"),
-    (["--arch", "llama", "--moe-experts", "4"], "the Llama family's mixture of experts is not built yet"),
+    (["--arch", "llama", "--moe-experts", "4"], "the Llama family's mixture of experts are not built yet"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, flags, message):
     code, out, err = cli(capsys, *flags)

@@ -174,15 +174,14 @@ def test_planner_equals_what_the_trainer_measures(n, flags, tmp_path):
 
 def summary_formulas(summary, cfg) -> list:
     """[(what, measured, formula)] of every line of the summary whose measured figure is not
-    its own formula's (the rest, ratios and times, are not claims of equality). Not tp's with
-    MoE blocks: the summary's megatron_count gives every block Megatron's 4 all-reduces, where
-    a MoE block (its MLP whole on every tp rank) has 2, as the planner's tp bytes count them."""
+    its own formula's (the rest, ratios and times, are not claims of equality); tp's counts a
+    MoE block's 2 all-reduces (its MLP whole on every tp rank), as the planner's tp bytes do."""
     pairs = [(f"rank {m['rank']} {k}", m[k], m["formula"][k]) for m in summary["memory_per_rank"]
              for k in ("params", "grads", "optimizer")]
     if summary.get("zero"):
         pairs.append(("zero bytes", summary["zero"]["bytes_per_step"], summary["zero"]["theory_bytes_per_step"]))
     tp = summary.get("tensor_parallel")
-    if tp and not tp["sequence_parallel"] and not cfg.moe_experts:
+    if tp and not tp["sequence_parallel"]:
         pairs += [("tp calls", tp["all_reduces_per_step"], tp["megatron_all_reduces_per_step"]),
                   ("tp elements", tp["elements_per_step"], tp["megatron_elements_per_step"])]
     if tp and tp["sequence_parallel"]:

@@ -306,6 +306,9 @@ def check_split(cfg: GPTConfig | None, dp: int, tp: int, pp: int, batch_size: in
         raise ConfigError(f"--n-head {cfg.n_head} is not divisible by --tp {tp}: "
                           f"each tensor-parallel "
                           f"rank needs whole heads")
+    if cfg is not None and cfg.hidden % tp:
+        raise ConfigError(f"the MLP's width {cfg.hidden} (--ffn-hidden, or the family's rule) is not divisible by "
+                          f"--tp {tp}: each tensor-parallel rank needs an equal share of its columns")
     if cfg is not None and cfg.kv_heads % tp and tp % cfg.kv_heads:
         raise ConfigError(f"--n-kv-head {cfg.kv_heads} and --tp {tp}: tensor parallelism needs --tp to divide "
                           f"--n-kv-head (each rank its own key/value heads) or --n-kv-head to divide --tp (each "

@@ -392,6 +392,9 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     if cfg.n_embd % cfg.n_head:
         raise PlanError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     config.check_family(args, cfg)
+    if cfg.arch == "llama" and cfg.moe_experts:
+        raise PlanError(f"--moe-experts {cfg.moe_experts} with --arch llama: the planner's formulas for the Llama "
+                        f"family's mixture of experts are not built yet")
     config.check_split(cfg, lay.dp, lay.tp, lay.pp, lay.batch_size, lay.micro_batches)
     config.check_sequence_split(cfg, lay.tp, lay.sp)
     lay = lay.but(cp_layout=config.check_context_split(cfg, lay))

@@ -333,7 +333,8 @@ def in_use(session, rows_log, mem, digest, stages, tp_ledger):
         tp = sequence_parallel if args.sp else tensor_parallel
         yield "tensor_parallel", tp.summary(tp_ledger, rows_log, cfg, tp=g.tp_size, rows=rows, micro_batches=M,
                                             layers=len(layers), pp_rank=g.pp_rank, pp=g.pp_size,
-                                            recompute=args.recompute, cp=g.cp_size)
+                                            recompute=args.recompute, cp=g.cp_size,
+                                            moe_blocks=sum(cfg.is_moe(i) for i in layers))
     if g.cp_size > 1:
         itemsize = 4 if args.precision != "fp32" else np.dtype(session.spec.dtype).itemsize   # fp16/bf16 attend in fp32
         yield "context_parallel", context_parallel.summary(

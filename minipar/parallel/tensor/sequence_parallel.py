@@ -239,10 +239,11 @@ def sp_count(cfg, rows: int, t: int, tp: int, n_layers: int | None = None, first
 
 
 def summary(tp_ledger: dict, rows_log: list, cfg, *, tp: int, rows: int, micro_batches: int,
-            layers: int, pp_rank: int, pp: int, recompute: str, cp: int = 1) -> tuple[dict, list[str]]:
+            layers: int, pp_rank: int, pp: int, recompute: str, cp: int = 1,
+            moe_blocks: int = 0) -> tuple[dict, list[str]]:
     """What sequence (and tensor) parallelism sent on this rank, per step, beside sp_count's
     gathers, scatters and sums by kind, of this rank's pipeline stage; the arguments are
-    tensor_parallel.summary's."""
+    tensor_parallel.summary's (moe_blocks is always 0: a mixture of experts does not run with --sp)."""
     M, T = micro_batches, cfg.block_size // cp
     steps_run = len(rows_log)
     kinds, calls, elements, tp_bytes = tensor_parallel.measured(tp_ledger, rows_log)

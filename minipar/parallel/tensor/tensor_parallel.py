@@ -266,6 +266,9 @@ def kv_share(cfg, tp: int) -> int:
     if H % tp:
         raise ValueError(f"n_head {H} is not divisible by tp {tp}: tensor parallelism gives each rank "
                          f"n_head/tp whole heads")
+    if cfg.hidden % tp:
+        raise ValueError(f"the MLP's width {cfg.hidden} is not divisible by tp {tp}: each rank holds an equal "
+                         f"share of its columns")
     if Hkv % tp == 0:
         return 1
     if tp % Hkv == 0:
@@ -510,13 +513,18 @@ def kv_grad_count(cfg: GPTConfig, tp: int, n_layers: int | None = None) -> tuple
 
 
 def megatron_count(cfg: GPTConfig, rows: int, t: int, n_layers: int | None = None,
-                   first: bool = True, last: bool = True, recompute: str = "none", tp: int = 1) -> tuple[int, int]:
+                   first: bool = True, last: bool = True, recompute: str = "none", tp: int = 1,
+                   moe_blocks: int | None = None) -> tuple[int, int]:
     """(all-reduces, elements) of one micro-batch of `rows` sequences of t tokens: for the
     whole model 4L + 5 calls and (4L + 2) * rows * t * C + 3 * rows * t elements (module
     docstring); for a pipeline stage, its n_layers blocks and ends (megatron_calls); with
-    key/value heads shared by tp ranks, their gradient sums (kv_grad_count) besides."""
+    key/value heads shared by tp ranks, their gradient sums (kv_grad_count) besides. A MoE
+    block (moe_blocks of them; default: the whole model's) has attention's f and g only: its
+    experts are replicated over tp, so its MLP sends nothing."""
     L = cfg.n_layer if n_layers is None else n_layers
-    act, per_row = megatron_calls(L, first, last, recompute)
+    n_moe = cfg.moe_layers if moe_blocks is None else moe_blocks
+    act, per_row = megatron_calls(L - n_moe, first, last, recompute)
+    act += megatron_calls(n_moe, False, False, recompute)[0] // 2
     kv_calls, kv_elems = kv_grad_count(cfg, tp, L)
     return act + per_row + kv_calls, act * rows * t * cfg.n_embd + per_row * rows * t + kv_elems
 
@@ -536,7 +544,8 @@ def measured(tp_ledger: dict, rows_log: list) -> tuple[dict, float, float, float
 
 
 def summary(tp_ledger: dict, rows_log: list, cfg: GPTConfig, *, tp: int, rows: int, micro_batches: int,
-            layers: int, pp_rank: int, pp: int, recompute: str, cp: int = 1) -> tuple[dict, list[str]]:
+            layers: int, pp_rank: int, pp: int, recompute: str, cp: int = 1,
+            moe_blocks: int = 0) -> tuple[dict, list[str]]:
     """What tensor parallelism sent on this rank, per step, beside the formula: Megatron's
     4L + 5 all-reduces (megatron_count), of this rank's pipeline stage (`layers` blocks, the
     ends it holds), and the shared key/value heads' sums. rows: sequences per micro-batch of
@@ -545,11 +554,13 @@ def summary(tp_ledger: dict, rows_log: list, cfg: GPTConfig, *, tp: int, rows: i
     _, calls, elements, tp_bytes = measured(tp_ledger, rows_log)
     out = {"tp": tp, "sequence_parallel": False, "all_reduces_per_step": calls,
            "elements_per_step": elements, "bytes_per_step": tp_bytes}
-    want_calls, want_elems = megatron_count(cfg, rows, T, layers, pp_rank == 0, pp_rank == pp - 1, recompute, tp)
+    want_calls, want_elems = megatron_count(cfg, rows, T, layers, pp_rank == 0, pp_rank == pp - 1, recompute, tp,
+                                            moe_blocks)
     out.update(megatron_all_reduces_per_step=want_calls * M, megatron_elements_per_step=want_elems * M)
     return out, [f"  tensor parallel: {calls:.0f} all-reduces/step of {elements:,.0f} elements (Megatron: "
                  f"{'(4L+5)' if pp == 1 else 'stage ' + str(pp_rank) + ', 4 x its layers + ends'}"
                  f"{' + 2L again (full recompute)' if recompute == 'full' else ''}"
-                 f"{' + 2L key/value head sums' if kv_grad_count(cfg, tp)[0] else ''} x {M} "
+                 f"{' + 2L key/value head sums' if kv_grad_count(cfg, tp)[0] else ''}"
+                 f"{f', MoE blocks 2 (their experts replicated)' if moe_blocks else ''} x {M} "
                  f"micro-batch(es) = {want_calls * M}, {want_elems * M:,} elements), "
                  f"{human_bytes(tp_bytes)}/step sent per rank, + 1 for the global grad norm"]
