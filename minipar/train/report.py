@@ -203,8 +203,10 @@ def describe(session) -> list[str]:
         lines.append(f"  pipeline: {pp} stages" + (f" of {V} chunks each (interleaved)" if V > 1 else "")
                      + ", layers " + ", ".join(" + ".join(f"{c.start}..{c.stop - 1}" for c in chunks)
                                                for chunks in held)
-                     + f" (stage 0 + wte/wpe, stage {pp - 1} + ln_f/head"
-                     + (", tied wte copied to the last stage" if cfg.tie_embeddings else "")
+                     + (f" (stage 0 + wte/wpe, stage {pp - 1} + ln_f/head" if cfg.arch == "gpt2" else
+                        f" (stage 0 + embed_tokens, stage {pp - 1} + norm/head")
+                     + (f", tied {'wte' if cfg.arch == 'gpt2' else 'embed_tokens'} copied to the last stage"
+                        if cfg.tie_embeddings else "")
                      + f"); {args.schedule} schedule over {M} micro-batch(es), bubble in theory "
                        f"{session.pipe.bubble_theory:.3f}")
     if args.zero:
