@@ -238,3 +238,12 @@ class SaveLock:
             pass
         os.close(self.fd)
         self.fd = None
+
+
+def fsync_path(path: str):
+    """Flush a file or a folder (its entries: a rename into it), opened by name, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -53,14 +53,6 @@ def check(out: str, inp: str):
         raise ConvertError(f"output {out}: folder {parent} is not writable")
 
 
-def _fsync(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def written_whole(out: str):
     """with written_whole(out) as tmp: write files into tmp; they become `out` in one rename."""
@@ -73,8 +65,8 @@ def written_whole(out: str):
         yield tmp
         for f in os.listdir(tmp):                    # on disk before the rename makes them the output
             os.chmod(os.path.join(tmp, f), 0o666 & ~mask)            # as open() would have made them
-            _fsync(os.path.join(tmp, f))
-        _fsync(tmp)
+            outputs.fsync_path(os.path.join(tmp, f))
+        outputs.fsync_path(tmp)
         os.rename(tmp, out)                          # replaces an empty folder, never a full one
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)

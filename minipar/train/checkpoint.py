@@ -116,14 +116,6 @@ def _write_npz(path: str, arrays: dict):
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(directory: str, model_state: dict | None, shard: dict | None, meta: dict | None, group=None):
     """Write checkpoint `directory` atomically. Collective over `group` (a minipar.comm
     Group: every rank calls; None or one rank: this process alone).
@@ -190,8 +182,8 @@ def save(directory: str, model_state: dict | None, shard: dict | None, meta: dic
             f.write(_dumps({**meta, "format": FORMAT_VERSION, "optimizer": optimizer}))
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(os.path.join(tmp, SHARD_DIR))
-        _fsync_dir(tmp)
+        outputs.fsync_path(os.path.join(tmp, SHARD_DIR))
+        outputs.fsync_path(tmp)
         _swap(directory)
         return 0
 
@@ -220,7 +212,7 @@ def _swap(directory: str):
         _remove(old)
         os.rename(directory, old)
     os.rename(tmp, directory)
-    _fsync_dir(os.path.dirname(directory))
+    outputs.fsync_path(os.path.dirname(directory))
     _remove(old)
 
 
