@@ -125,6 +125,26 @@ the data. With balanced routing and no capacity the experts keep K times the den
 13 N h d, plus the router. Not counted, as Tensor.saved_bytes does not see them: what the
 router keeps outside save() (f (N, E), each token's group's load) and the drop decisions.
 tp ranks each run the whole MoE layer (the experts are replicated over tp): the same bytes.
+
+A Llama MoE block (--arch llama --moe-experts, model/llama.py's expert_mlp; MoELayer.swiglu)
+keeps the same router, dispatch, combine and row indices, and in place of the GELU experts
+(and of the dense block's [gate|up] input, fused [gate|up] and SwiGLU rows) SwiGLU experts
+F_e wide (moe_ffn_hidden, default the MLP's F), E_r = E/ep of them on the rank, S shared ones
+(moe_shared_experts) run on all N tokens:
+
+    kept by                           bytes
+    experts  their rows (R, h)        R h d           (the gathered rows, one array)
+             the fused [w1|w3]        E_r h 2F_e d    every one of the rank's experts, even on
+                                                      0 rows: ops.concat makes it at every call
+             SwiGLU [w1|w3]'s output, 3 R F_e d'
+             sigmoid
+             w2's input               R F_e d
+    shared   the fused [w1|w3]        S h 2F_e d
+             SwiGLU, w2's input       S N (3 F_e d' + F_e d)
+             the input x (N, h)       N h d           fp16/bf16 only (else the router's x)
+
+With balanced routing and no capacity (R = N K) the routed experts keep N K F_e (3d' + d) +
+E_r h 2F_e d, against the dense block's N F (3d' + d) + h 2F d and N h d of its input.
 """
 from __future__ import annotations
 
@@ -171,7 +191,8 @@ def mlp_bytes(N: int, Ns: int, C: int, tp: int, store: int, comp: int) -> int:
 
 
 def moe_mlp_bytes(N: int, C: int, m: MoELayer, store: int, comp: int) -> int:
-    """A MoE layer's part, in place of mlp_bytes (the module's third table), on N tokens."""
+    """A MoE layer's part, in place of mlp_bytes (the module's third table; with m.swiglu a
+    Llama block's, the fifth, in place of its SwiGLU MLP and the MLP's input), on N tokens."""
     E, K = m.experts, m.top_k
     M, R = m.rows(N)
     router = N * C * comp + N * E * comp + 2 * N * comp + N * K * comp + INT64 * N * E

@@ -16,7 +16,8 @@ minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm
     pp     one message per SendActivation and SendGrad of the stage's instruction list
            (b*T*C*s, /tp with --sp, + a 128-byte header each): M down and M up per
            boundary, V times as many with --virtual-stages V (rank pp-1's chunks send to
-           rank 0's next, round the ring); the tied embedding's gradient between the two ends
+           rank 0's next, round the ring); with Mixtral's router each followed by the
+           micro-batch's pooled counts (pooled_counts); the tied embedding's gradient between the two ends
            (with ZeRO: the rank's shard of it), the loss broadcast
     other  8-byte all-reduces: the loss over dp, the gradient norm over pp and over dp
            (ZeRO: each rank squares its shard; bucketed dp: its piece of each bucket;

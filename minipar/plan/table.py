@@ -6,6 +6,7 @@
     python -m minipar.plan --model gpt2 --cp 4 --memory-budget 16GiB          # the longest T that fits
     python -m minipar.plan --model gpt2 --moe-experts 8 --moe-every 2 --dp 8 --ep 4   # mixture of experts
     python -m minipar.plan --model llama3-8b --world 64 --tp 8 --pp 2 --precision bf16 # the Llama family
+    python -m minipar.plan --model mixtral-8x7b --world 64 --ep 8 --pp 2 --precision bf16   # Mixtral
 
 Layout flags are the trainer's (same names, same defaults), so one set of flags describes
 one run; tests/test_plan*.py hold every figure to what minipar measures on such runs.
@@ -71,6 +72,14 @@ tokens is one routing group, cap = ceil(F n K / E) slots per expert (moe.capacit
                  trainer's summary prints it beside ep_bytes of the rows it routed)
     other        the gradient norm without ZeRO: the experts' sum of squares all-reduced
                  over ep, not over dp (the other gradients are the same on every dp rank)
+The Llama family's (--arch llama --moe-experts, --model mixtral-8x7b) is the same, with its
+experts SwiGLU MLPs F_e wide (--moe-ffn-hidden; default the MLP's) and --moe-shared-experts S
+on every token: activations.py's fifth table (every expert's fused [w1|w3] included), FLOPs
+of K + S experts (flops.expert_weights), and with Mixtral's router (the family's default)
+    pp           each pipeline message followed by its micro-batch's pooled counts (int64
+                 (1, E); (0, E) before the first MoE block): comm_bytes.pooled_counts. The
+                 planner has no --moe-aux-coef: it assumes the trainer's default 0.01 > 0
+                 (with 0 the trainer sends no counts)
 """
 from __future__ import annotations
 
@@ -150,7 +159,9 @@ def moe_summary(cfg: GPTConfig, lay, itemsize: int, compute_itemsize: int) -> di
     layer = activations.moe_layers(cfg, n, lay.ep)[blocks[0]]
     kept, received = layer.rows(n)
     return {"experts": E, "top_k": K, "every": cfg.moe_every, "capacity_factor": cfg.moe_capacity_factor,
-            "blocks": blocks, "tokens_per_group": n, "capacity": cap, "balanced_per_expert": n * K / E,
+            "blocks": blocks, "block_word": cfg.family.block_word, "shared_experts": cfg.moe_shared_experts,
+            "expert_hidden": cfg.expert_hidden, "router": cfg.moe_router, "tokens_per_group": n, "capacity": cap,
+            "balanced_per_expert": n * K / E,
             "kept": kept, "received": received, "ep": lay.ep, "experts_per_rank": E // lay.ep,
             "expert_replicas": lay.grad_ranks // lay.ep,
             "layer_activation_bytes": activations.block_bytes(cfg, lay.rows, lay.tp, itemsize, compute_itemsize,
