@@ -30,9 +30,13 @@ import numpy as np
 import pytest
 
 from minipar import comm
+from minipar.autograd.tensor import Tensor
 from minipar.comm.protocol import HEADER_BYTES
+from minipar.model import moe
+from minipar.model.llama import FAMILY as LLAMA
 from minipar.model.gpt import GPT, GPTConfig, param_specs, train_flops_per_token
 from minipar.parallel.context import context_parallel, ring_attention
+from minipar.parallel.expert import expert_parallel
 from minipar.parallel.context.context_parallel import ContextSplit
 from minipar.parallel.parallelize import parts
 from minipar.parallel.pipeline.stage import PipelineStage
@@ -265,6 +269,134 @@ def test_layer_bytes_follow_the_fourth_table(s, b, h, a, k, f, t, d):
     assert activations.llama_layer_bytes(cfg, b, t, d, cp=c, recompute="selective") == ring
 
 
+# ---------------------------------------------------------------- mixture of experts (Mixtral's, shared experts)
+
+def llama_moe(F=0.0, S=0, every=1, E=4, K=2, **kw):
+    """E = 4 SwiGLU experts of F_e = 20 (the dense MLP: 36), top-2, Mixtral's router."""
+    return llama(moe_experts=E, moe_top_k=K, moe_every=every, moe_capacity_factor=F, moe_ffn_hidden=20,
+                 moe_shared_experts=S, **kw)
+
+
+def moe_stage_of(cfg, tp, pp, stage, dtype, recompute):
+    """stage_of with the routing recording its decisions (MoESettings.stats)."""
+    settings = moe.settings_of(cfg, stats=[])
+    p = parts(recompute, moe=settings)
+    inner = tensor_parallel.TensorParallelGPT(cfg, FakeGroup(tp), dtype=dtype, parts=p) if tp > 1 \
+        else GPT(cfg, dtype=dtype, parts=p)
+    return PipelineStage(inner, stage, pp, FakeGroup(pp, stage), 1), settings
+
+
+@pytest.mark.parametrize("dtype,s,c", DTYPES)
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_activation_bytes_equal_saved_bytes(no_tp_comm, dtype, s, c, mode, tp):
+    """Blocks 1 and 2 of 3 MoE (every = 2: block 1; with a shared expert every block), each
+    stage of pp 1 and 2, tp rank 0 (the experts whole on it): exact given the assignments each
+    MoE layer kept; without a capacity that is N K, the formula's default."""
+    rng = np.random.default_rng(4)
+    for F, S in ((0.0, 0), (0.5, 1)):
+        cfg = llama_moe(F, S, every=1 if S else 2)
+        for pp in (1, 2):
+            for st in range(pp):
+                m, settings = moe_stage_of(cfg, tp, pp, st, dtype, mode)
+                x, y = stage_input(cfg, st, 2, dtype, rng), rng.integers(0, 97, (2, 12))
+                out = m.forward(x, y if st == pp - 1 else None, 24)
+                kept = {i: int(d.kept.sum()) for i, d in settings.stats}
+                own = owned(x, y, tp, st) if tp > 1 else None
+                want = activations.stage_bytes(cfg, st, pp, tp, 2, s, c, recompute=mode, owned=own,
+                                               routed={i: (k, k) for i, k in kept.items()})
+                assert out.saved_bytes() == want, (F, S, pp, st)
+                if F == 0.0:
+                    assert want == activations.stage_bytes(cfg, st, pp, tp, 2, s, c, recompute=mode, owned=own)
+
+
+@pytest.mark.parametrize("dtype,s,c", DTYPES)
+@pytest.mark.parametrize("E,K,F,S", [(4, 2, 0.0, 0), (4, 2, 0.5, 1), (4, 2, 1.25, 2), (3, 1, 0.0, 1)])
+@pytest.mark.parametrize("placed", [False, True])
+def test_moe_layer_bytes_with_balanced_routing(dtype, s, c, E, K, F, S, placed):
+    """One Llama MoE layer on N = 24 tokens routed exactly evenly (test_plan.balanced_moe_forward's
+    router): moe_mlp_bytes' fifth table with no counts given. placed: the expert-parallel code
+    path on a group of one rank (ep = 2's index arrays; its E experts all local, local = E)."""
+    from mpi4py import MPI
+    N, C, Fe = 24, 24, 20
+    cfg = llama_moe(F, S, E=E, K=K, n_layer=1, C=C)
+    P = GPT(cfg, dtype=dtype).params
+    w = np.zeros((C, E), dtype)
+    w[:E, :E] = np.eye(E)
+    P[LLAMA.router_name(0)] = Tensor(w, requires_grad=True)
+    x = np.zeros((N, C), dtype)
+    for n in range(N):
+        for j in range(K):
+            x[n, (n + j) % E] = 5 - j
+    settings = moe.settings_of(cfg, stats=[])
+    if placed:
+        settings.placement = expert_parallel.ExpertPlacement(comm.Group(MPI.COMM_SELF, axis="ep"), E)
+    y = moe.moe_mlp(P, 0, Tensor(x.reshape(2, 12, C), requires_grad=True) + 0.0, settings, LLAMA)
+    assert list(settings.stats[0][1].load[0]) == [N * K // E] * E
+    layer = activations.MoELayer(E, K, 2 if placed else 1, moe.capacity(N, K, E, F), swiglu=Fe, shared=S, local=E)
+    assert y.saved_bytes() == activations.moe_mlp_bytes(N, C, layer, s, c)
+
+
+def test_moe_layer_bytes_by_hand():
+    """The fifth table in float64, N = 24, C = 24, E = 4, K = 2, F_e = 20, no capacity: M = R =
+    N K = 48; the E fused [w1|w3] (C, 2 F_e) whatever their rows; a shared expert adds its own
+    on all N; --ep 2 (E/2 experts on the rank) the 2R ids of the received rows' order."""
+    N, C, E, K, Fe, M, d = 24, 24, 4, 2, 20, 48, 8
+    router = d * (N * C + N * E + 2 * N + N * K) + 8 * N * E
+    rows = d * M * C + d * M * (3 * Fe + Fe)                   # gathered rows; [w1|w3]'s output, sigmoid, w2's input
+    combine = d * (M * C + M)
+    fused = d * C * 2 * Fe
+    one = activations.MoELayer(E, K, swiglu=Fe)
+    assert activations.moe_mlp_bytes(N, C, one, d, d) == router + rows + E * fused + combine + 8 * 2 * M
+    shared = activations.MoELayer(E, K, swiglu=Fe, shared=1)
+    assert activations.moe_mlp_bytes(N, C, shared, d, d) - activations.moe_mlp_bytes(N, C, one, d, d) == \
+        fused + d * N * 4 * Fe
+    ep = activations.MoELayer(E, K, ep=2, swiglu=Fe)
+    assert activations.moe_mlp_bytes(N, C, ep, d, d) == router + rows + E // 2 * fused + combine + 8 * 4 * M
+
+
+def test_mixtral_8x7b_is_the_published_count():
+    """Mixtral 8x7B: 46,702,792,704 parameters (Hugging Face's MixtralForCausalLM), by hand:
+    per layer two RMSNorms, q and o C^2, k and v C Hkv hs, the router C E, 8 experts 3 C F;
+    active per token 2 of the 8 experts (12,879,925,248: "12.9B active")."""
+    r = run_plan("--model", "mixtral-8x7b")
+    m = r["model"]
+    C, L, V, F, E = m["n_embd"], m["n_layer"], m["vocab_size"], m["ffn_hidden"], m["moe_experts"]
+    assert (C, L, V, F, E, m["moe_top_k"], m["n_kv_head"], m["block_size"]) == (4096, 32, 32000, 14336, 8, 2, 8, 32768)
+    attention = 2 * C * C + 2 * C * (C // 4)
+    by_hand = L * (2 * C + attention + C * E + E * 3 * C * F) + 2 * V * C + C
+    assert r["params"] == by_hand == 46_702_792_704
+    assert r["params_active"] == by_hand - L * 6 * 3 * C * F == 12_879_925_248
+    assert m["moe_router"] == "mixtral" and m["rope_theta"] == 1e6 and not m["tie_embeddings"]
+
+
+@pytest.mark.parametrize("flags", [["--model", "mixtral-8x7b"],
+                                   [*SMALL, "--moe-experts", "4", "--moe-every", "2", "--moe-shared-experts", "2",
+                                    "--moe-ffn-hidden", "20"]])
+def test_moe_flops_are_the_trainers_mfu_numerator(flags):
+    """The components' matmuls (K routed and the shared experts, F_e wide, and the router) are
+    Family.train_flops_per_token, per token of the batch."""
+    r = run_plan(*flags)
+    cfg = GPTConfig(**r["model"])
+    assert 3 * r["flops"]["matmul_forward"] == train_flops_per_token(cfg) * r["layout"]["batch_size"] * cfg.block_size
+
+
+def test_mixtral_counts_follow_every_pipeline_message():
+    """--moe-router mixtral over pp 2, blocks 1 and 3 of 4 MoE, M = 2: stage 0 sends 2
+    activations, each followed by (1, E) counts (block 1 is on it), stage 1 2 gradients, each
+    followed by the whole model's; with block 0 alone dense on stage 0 (every 4: block 3)
+    stage 0's counts are (0, E), a header alone. Switch's loss sends none."""
+    flags = [*SMALL, "--n-layer", "4", "--moe-experts", "4", "--pp", "2", "--micro-batches", "2"]
+    E, header = 4, HEADER_BYTES
+
+    def pp(*more):
+        cfg, lay, _ = table.resolve(table.build_parser().parse_args([*flags, *more]))
+        return [comm_bytes.pp_bytes(cfg, st, lay, 4) for st in range(2)]
+    switch = pp("--moe-every", "2", "--moe-router", "switch")
+    assert [a - b for a, b in zip(pp("--moe-every", "2"), switch)] == [2 * (header + 8 * E)] * 2
+    assert [a - b for a, b in zip(pp("--moe-every", "4"), switch)] == [2 * header, 2 * (header + 8 * E)]
+
+
 # ---------------------------------------------------------------- FLOPs
 
 def test_flops_by_hand():
@@ -419,7 +551,6 @@ def test_the_table_names_the_family(capsys):
     (["--arch", "llama", "--n-head", "6", "--n-embd", "48", "--n-kv-head", "3", "--tp", "2"],
      "--n-kv-head 3 and --tp 2: tensor parallelism needs --tp to divide --n-kv-head"),
     (["--arch", "llama", "--n-embd", "18", "--n-head", "2"], "must be even"),
-    (["--arch", "llama", "--moe-experts", "4"], "the Llama family's mixture of experts are not built yet"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, flags, message):
     code, out, err = cli(capsys, *flags)

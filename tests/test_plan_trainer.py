@@ -71,6 +71,11 @@ LAYOUTS = [
     (4, ["--dtype", "float64", *LLAMA, "--n-kv-head", "1", "--cp", "2", "--tp", "2"]),        # the ring's KV head
     (4, ["--precision", "bf16", *LLAMA, "--tied", "--dp", "2", "--zero", "1", "--pp", "2", "--n-layer", "2",
          "--micro-batches", "2"]),                          # Llama's ZeRO units; embed_tokens between the ends
+    # Llama's MoE: SwiGLU experts 16 wide and a shared one over ep 2 (capacity: every message padded);
+    # Mixtral's pooled loss over 2 stages: each message followed by its (1, E) counts ((0, E) before a MoE block)
+    (4, ["--dtype", "float64", *LLAMA, *MOE, "--moe-ffn-hidden", "16", "--moe-shared-experts", "1", "--dp", "4",
+         "--ep", "2", "--moe-capacity-factor", "1.0"]),
+    (4, ["--dtype", "float64", *LLAMA, *MOE, "--moe-every", "2", "--dp", "2", "--pp", "2", "--micro-batches", "2"]),
 ]
 # The rest of the matrix: `python scripts/plan_matrix.py` (MINIPAR_PLAN_MATRIX=all) runs them too.
 MORE = [

@@ -125,6 +125,26 @@ the data. With balanced routing and no capacity the experts keep K times the den
 13 N h d, plus the router. Not counted, as Tensor.saved_bytes does not see them: what the
 router keeps outside save() (f (N, E), each token's group's load) and the drop decisions.
 tp ranks each run the whole MoE layer (the experts are replicated over tp): the same bytes.
+
+A Llama MoE block (--arch llama --moe-experts, model/llama.py's expert_mlp; MoELayer.swiglu)
+keeps the same router, dispatch, combine and row indices, and in place of the GELU experts
+(and of the dense block's [gate|up] input, fused [gate|up] and SwiGLU rows) SwiGLU experts
+F_e wide (moe_ffn_hidden, default the MLP's F), E_r = E/ep of them on the rank, S shared ones
+(moe_shared_experts) run on all N tokens:
+
+    kept by                           bytes
+    experts  their rows (R, h)        R h d           (the gathered rows, one array)
+             the fused [w1|w3]        E_r h 2F_e d    every one of the rank's experts, even on
+                                                      0 rows: ops.concat makes it at every call
+             SwiGLU [w1|w3]'s output, 3 R F_e d'
+             sigmoid
+             w2's input               R F_e d
+    shared   the fused [w1|w3]        S h 2F_e d
+             SwiGLU, w2's input       S N (3 F_e d' + F_e d)
+             the input x (N, h)       N h d           fp16/bf16 only (else the router's x)
+
+With balanced routing and no capacity (R = N K) the routed experts keep N K F_e (3d' + d) +
+E_r h 2F_e d, against the dense block's N F (3d' + d) + h 2F d and N h d of its input.
 """
 from __future__ import annotations
 
@@ -150,6 +170,9 @@ class MoELayer:
     cap: int | None = None
     kept: int | None = None
     received: int | None = None
+    swiglu: int = 0                  # Llama's experts: SwiGLU F_e wide (the fifth table); 0: GPT-2's 4C GELU
+    shared: int = 0                  # Llama's shared experts, on all N tokens
+    local: int | None = None         # experts run on this rank (E/ep); a test's stand-in ep group: E
 
     def rows(self, N: int) -> tuple[int, int]:
         """(M, R) for N tokens: the given counts, or every expert chosen N K / E times:
@@ -168,12 +191,21 @@ def mlp_bytes(N: int, Ns: int, C: int, tp: int, store: int, comp: int) -> int:
 
 
 def moe_mlp_bytes(N: int, C: int, m: MoELayer, store: int, comp: int) -> int:
-    """A MoE layer's part, in place of mlp_bytes (the module's third table), on N tokens."""
+    """A MoE layer's part, in place of mlp_bytes (the module's third table; with m.swiglu a
+    Llama block's, the fifth, in place of its SwiGLU MLP and the MLP's input), on N tokens."""
     E, K = m.experts, m.top_k
     M, R = m.rows(N)
     router = N * C * comp + N * E * comp + 2 * N * comp + N * K * comp + INT64 * N * E
     router += C * E * comp if comp != store else 0             # fp16/bf16: w_r computed on in fp32
-    experts = R * C * store + 2 * R * 4 * C * comp + R * 4 * C * store
+    if m.swiglu:                                               # Llama's experts (the fifth table)
+        F = m.swiglu
+        local = E // m.ep if m.local is None else m.local       # every one runs, even on 0 rows
+        fused = C * 2 * F * store                              # its [w1 | w3], made at every call
+        swiglu = 3 * F * comp + F * store                      # per row: [w1|w3]'s output, sigmoid; w2's input
+        experts = R * C * store + local * fused + R * swiglu
+        experts += m.shared * (fused + N * swiglu) + (N * C * store if m.shared and comp != store else 0)
+    else:
+        experts = R * C * store + 2 * R * 4 * C * comp + R * 4 * C * store
     combine = M * C * store + M * store
     ids = 2 * M + (0 if m.ep == 1 else 2 * R + (R if m.cap is not None else 0))
     return router + experts + combine + INT64 * ids
@@ -212,10 +244,13 @@ def layer_bytes(rows: int, T: int, C: int, H: int, tp: int = 1, store: int = 4, 
 
 
 def llama_layer_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, comp: int | None = None,
-                      sp: bool = False, recompute: str = "none", cp: int = 1) -> int:
+                      sp: bool = False, recompute: str = "none", cp: int = 1,
+                      moe_layer: MoELayer | None = None) -> int:
     """Bytes one Llama block of cfg keeps for backward (the module's fourth table), exactly as
     Tensor.saved_bytes counts them; the arguments are layer_bytes's. A tp rank computes H/t
-    query heads and kv_width's key/value channels (Hkv/t heads, one shared when t > Hkv)."""
+    query heads and kv_width's key/value channels (Hkv/t heads, one shared when t > Hkv).
+    moe_layer: a MoE block's routing (the fifth table), its MLP replaced by the router and
+    the experts (whole on every tp rank)."""
     comp = store if comp is None else comp
     T, C, H = cfg.block_size, cfg.n_embd, cfg.n_head
     Tc = T // cp
@@ -227,7 +262,7 @@ def llama_layer_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, co
         return Ns * C * store                                 # the block's input alone
     low = 4 * C if comp != store else 0                       # fp16/bf16: RMSNorm keeps w in fp32
     norm = Ns * C * comp + Ns * comp + low                    # xhat (Ns, C), 1/rms (Ns, 1)
-    weights = C * (q + 2 * kv + 2 * Ft) * store               # the fused [q|k|v] and [gate|up]
+    weights = C * (q + 2 * kv) * store                        # the fused [q|k|v]
     proj_in = N * q * store                                   # o_proj's input (N, H/t hs)
     if cp > 1:                                                # the ring: q, o; k, v; lse (b, H/t, T/cp)
         attention = 2 * N * q * comp + 2 * N * kv * comp + rows * Ht * Tc * comp
@@ -236,14 +271,17 @@ def llama_layer_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, co
     else:                                                     # q; k, v; the softmax P (b, H/t, T, T)
         attention = N * q * comp + 2 * N * kv * comp + (0 if recompute == "selective" else rows * Ht * T * T * comp)
     mlp = 3 * N * Ft * comp + N * Ft * store                  # SwiGLU's [gate|up] and sigmoid; down's input
-    return 2 * norm + 2 * Ns * C * store + weights + attention + proj_in + mlp
+    mlp += Ns * C * store + C * 2 * Ft * store                # [gate|up]'s input, the fused [gate|up]
+    if moe_layer is not None:                                 # the router and the experts instead
+        mlp = moe_mlp_bytes(N, C, moe_layer, store, comp)
+    return 2 * norm + Ns * C * store + weights + attention + proj_in + mlp
 
 
 def block_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, comp: int | None = None, sp: bool = False,
                 recompute: str = "none", cp: int = 1, moe_layer: MoELayer | None = None) -> int:
     """Bytes one block of cfg's family keeps: layer_bytes (GPT-2) or llama_layer_bytes."""
     if cfg.arch == "llama":
-        return llama_layer_bytes(cfg, rows, tp, store, comp, sp, recompute, cp)
+        return llama_layer_bytes(cfg, rows, tp, store, comp, sp, recompute, cp, moe_layer)
     return layer_bytes(rows, cfg.block_size, cfg.n_embd, cfg.n_head, tp, store, comp, sp, recompute, cp, moe_layer)
 
 
@@ -253,7 +291,9 @@ def moe_layers(cfg: GPTConfig, N: int, ep: int = 1, routed: dict | None = None) 
     E, K = cfg.moe_experts, cfg.moe_top_k
     cap = moe.capacity(N, K, E, cfg.moe_capacity_factor) if E else None
     routed = routed or {}
-    return {i: MoELayer(E, K, ep, cap, *routed.get(i, (None, None))) for i in range(cfg.n_layer) if cfg.is_moe(i)}
+    F, S = (cfg.expert_hidden, cfg.moe_shared_experts) if cfg.arch == "llama" else (0, 0)
+    return {i: MoELayer(E, K, ep, cap, *routed.get(i, (None, None)), swiglu=F, shared=S)
+            for i in range(cfg.n_layer) if cfg.is_moe(i)}
 
 
 def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsize: int,

@@ -16,7 +16,8 @@ minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm
     pp     one message per SendActivation and SendGrad of the stage's instruction list
            (b*T*C*s, /tp with --sp, + a 128-byte header each): M down and M up per
            boundary, V times as many with --virtual-stages V (rank pp-1's chunks send to
-           rank 0's next, round the ring); the tied embedding's gradient between the two ends
+           rank 0's next, round the ring); with Mixtral's router each followed by the
+           micro-batch's pooled counts (pooled_counts); the tied embedding's gradient between the two ends
            (with ZeRO: the rank's shard of it), the loss broadcast
     other  8-byte all-reduces: the loss over dp, the gradient norm over pp and over dp
            (ZeRO: each rank squares its shard; bucketed dp: its piece of each bucket;
@@ -206,18 +207,43 @@ def tp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, compute_itemsize: i
     return M * (per_mb + kv) + g.all_reduce(1, INT64)     # + the gradient norm
 
 
+def pooled_counts(cfg: GPTConfig, n_virtual: int):
+    """Mixtral's pooled load-balancing loss on a pipeline (stage.py, moe.MoESettings.pooled):
+    every activation and gradient message is followed by the micro-batch's counts, an int64
+    (groups, E) array, groups = 1 (a micro-batch of one dp rank is one routing group): after an
+    activation, the counts of the MoE blocks before ((0, E), no payload, while there are
+    none); after a gradient, the whole model's. -> f(send instruction, stage, pp): its
+    payload bytes; None when no counts travel (no MoE, or Switch's per-layer loss). The
+    planner has no --moe-aux-coef: it assumes the trainer's default 0.01, > 0 (with 0 the
+    trainer sends no counts, 2 x (128 + 8E) bytes a micro-batch and boundary fewer)."""
+    if not cfg.moe_experts or cfg.moe_router != "mixtral":
+        return None
+    parts = schedules.partition(cfg.n_layer, n_virtual)
+    first_moe = min(v for v, r in enumerate(parts) if any(cfg.is_moe(i) for i in r))
+    row = INT64 * cfg.moe_experts
+
+    def payload(ins, stage: int, pp: int) -> int:
+        if isinstance(ins, schedules.SendGrad):
+            return row
+        return row if ins.chunk * pp + stage >= first_moe else 0     # the sender's virtual stage
+    return payload
+
+
 def pp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, g=None):
     """Point-to-point messages and the loss broadcast of one step on the pp group g
     (pipeline.py): one message per SendActivation and SendGrad in the stage's instruction
-    list, to the rank of the neighbouring virtual stage (schedules.neighbour)."""
+    list, to the rank of the neighbouring virtual stage (schedules.neighbour); with Mixtral's
+    pooled loss each followed by its counts (pooled_counts)."""
     pp, M, V = lay.pp, lay.micro_batches, chunks(lay)
     if pp == 1:
         return 0
     g = Flat(pp, stage) if g is None else g
     act = lay.rows * cfg.block_size // lay.cp * cfg.n_embd * itemsize     # (b, T/cp, C), + a header
     act //= lay.tp if lay.sp else 1                                        # --sp: (b, T/tp, C)
-    sent = sum(g.send(act, schedules.neighbour(stage, ins.chunk, ins.peer, pp, V)[0])
-               for ins in schedules.schedule(lay.schedule, stage, pp, M, V) if isinstance(ins, schedules.SENDS))
+    counts = pooled_counts(cfg, pp * V)
+    sent = sum(g.send(act, peer) + (g.send(counts(ins, stage, pp), peer) if counts else 0)
+               for ins in schedules.schedule(lay.schedule, stage, pp, M, V) if isinstance(ins, schedules.SENDS)
+               for peer in [schedules.neighbour(stage, ins.chunk, ins.peer, pp, V)[0]])
     if cfg.tie_embeddings and stage in (0, pp - 1):       # the embedding's gradient to the other end (ZeRO: its shard)
         n = tensor_parallel.local_size(cfg.family.embedding, (cfg.vocab_size, cfg.n_embd), lay.tp, cfg)
         N = lay.grad_ranks

@@ -34,12 +34,19 @@ def mlp_weights(cfg: GPTConfig) -> int:
     return sum(math.prod(shape) for name, shape, _ in param_specs(one) if name.startswith(block) and len(shape) == 2)
 
 
+def expert_weights(cfg: GPTConfig) -> int:
+    """Elements of one expert's matrices (its family's expert_specs): GPT-2's MLP, 8C^2;
+    Llama's w1, w3, w2, 3 C F_e (F_e = expert_hidden)."""
+    return sum(math.prod(shape) for _, shape, _ in cfg.family.expert_specs(cfg, "") if len(shape) == 2)
+
+
 def flop_components(cfg: GPTConfig, tp: int = 1, stage: int = 0, pp: int = 1, n_chunks: int = 1,
                     cp: int = 1) -> dict:
     """The Chinchilla appendix F forward FLOPs of one sequence, by component, on one device of
     `stage` (with n_chunks: its chunks' blocks; rank 0 holds virtual stage 0, rank pp-1 pV-1).
     cp: the device's Tq = T/cp query rows of each product, against all T keys.
-    A MoE block's dense block is its K active experts' (each token through K expert MLPs)
+    A MoE block's dense block is its K active experts' (each token through K expert MLPs;
+    Llama's also through its moe_shared_experts, every expert F_e wide: expert_weights)
     plus the router's logits, 2 T C E: replicated over tp, so not divided by it; with --ep a
     device runs K experts' rows per token on average (balanced routing), the same count."""
     T, C, H, V = cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size
@@ -59,8 +66,9 @@ def flop_components(cfg: GPTConfig, tp: int = 1, stage: int = 0, pp: int = 1, n_
         "final_linear": L * 2 * Tq * q * C,
         "dense": (L - n_moe) * mlp // tp,
     }
-    if cfg.moe_experts:
-        out.update(experts=n_moe * cfg.moe_top_k * mlp, router=n_moe * 2 * Tq * C * cfg.moe_experts)
+    if cfg.moe_experts:                                   # K routed + the shared experts, each expert_weights
+        active = cfg.moe_top_k + cfg.moe_shared_experts
+        out.update(experts=n_moe * active * 2 * Tq * expert_weights(cfg), router=n_moe * 2 * Tq * C * cfg.moe_experts)
     out["logits"] = 2 * Tq * C * Vl if last else 0
     return out
 

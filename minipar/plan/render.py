@@ -103,7 +103,8 @@ def table(r: dict, name: str | None = None) -> str:
 
 def moe_lines(m: dict, n_layer: int) -> list[str]:
     """The mixture of experts: its blocks and ep; the capacity of a micro-batch."""
-    blocks = ", ".join(f"h.{i}" for i in m["blocks"][:4]) + (", ..." if len(m["blocks"]) > 4 else "")
+    word = m.get("block_word", "h")
+    blocks = ", ".join(f"{word}.{i}" for i in m["blocks"][:4]) + (", ..." if len(m["blocks"]) > 4 else "")
     ep = (f"; ep={m['ep']}: {m['experts_per_rank']} experts per rank, each summed over {m['expert_replicas']} "
           f"replica(s)" if m["ep"] > 1 else "")
     cap = (f"capacity factor {m['capacity_factor']:g}: {m['capacity']} slots per expert of a micro-batch's "

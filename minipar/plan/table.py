@@ -6,6 +6,7 @@
     python -m minipar.plan --model gpt2 --cp 4 --memory-budget 16GiB          # the longest T that fits
     python -m minipar.plan --model gpt2 --moe-experts 8 --moe-every 2 --dp 8 --ep 4   # mixture of experts
     python -m minipar.plan --model llama3-8b --world 64 --tp 8 --pp 2 --precision bf16 # the Llama family
+    python -m minipar.plan --model mixtral-8x7b --world 64 --ep 8 --pp 2 --precision bf16   # Mixtral
 
 Layout flags are the trainer's (same names, same defaults), so one set of flags describes
 one run; tests/test_plan*.py hold every figure to what minipar measures on such runs.
@@ -71,6 +72,14 @@ tokens is one routing group, cap = ceil(F n K / E) slots per expert (moe.capacit
                  trainer's summary prints it beside ep_bytes of the rows it routed)
     other        the gradient norm without ZeRO: the experts' sum of squares all-reduced
                  over ep, not over dp (the other gradients are the same on every dp rank)
+The Llama family's (--arch llama --moe-experts, --model mixtral-8x7b) is the same, with its
+experts SwiGLU MLPs F_e wide (--moe-ffn-hidden; default the MLP's) and --moe-shared-experts S
+on every token: activations.py's fifth table (every expert's fused [w1|w3] included), FLOPs
+of K + S experts (flops.expert_weights), and with Mixtral's router (the family's default)
+    pp           each pipeline message followed by its micro-batch's pooled counts (int64
+                 (1, E); (0, E) before the first MoE block): comm_bytes.pooled_counts. The
+                 planner has no --moe-aux-coef: it assumes the trainer's default 0.01 > 0
+                 (with 0 the trainer sends no counts)
 """
 from __future__ import annotations
 
@@ -117,6 +126,11 @@ PRESETS = {   # name: the GPTConfig fields it sets (the others: the trainer's de
                        multiple_of=4096),
     "llama3-405b": dict(LLAMA3, block_size=131072, n_layer=126, n_head=128, n_embd=16384, ffn_multiplier=1.2,
                         multiple_of=4096),
+    # Mixtral 8x7B's config.json (Mistral AI, arXiv:2401.04088): every block MoE, 8 SwiGLU
+    # experts of intermediate_size 14336, top-2, Mixtral's router; 46,702,792,704 parameters.
+    "mixtral-8x7b": dict(arch="llama", vocab_size=32000, block_size=32768, n_layer=32, n_head=32, n_embd=4096,
+                         n_kv_head=8, ffn_hidden=14336, rope_theta=1e6, norm_eps=1e-5, tie_embeddings=False,
+                         moe_experts=8, moe_top_k=2, moe_every=1, moe_router="mixtral"),
 }
 SHAPE_FLAGS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
 MOE_FLAGS = ("moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor", "moe_router", "moe_shared_experts",
@@ -145,11 +159,12 @@ def moe_summary(cfg: GPTConfig, lay, itemsize: int, compute_itemsize: int) -> di
     layer = activations.moe_layers(cfg, n, lay.ep)[blocks[0]]
     kept, received = layer.rows(n)
     return {"experts": E, "top_k": K, "every": cfg.moe_every, "capacity_factor": cfg.moe_capacity_factor,
-            "blocks": blocks, "tokens_per_group": n, "capacity": cap, "balanced_per_expert": n * K / E,
+            "blocks": blocks, "block_word": cfg.family.block_word, "shared_experts": cfg.moe_shared_experts,
+            "expert_hidden": cfg.expert_hidden, "router": cfg.moe_router, "tokens_per_group": n, "capacity": cap,
+            "balanced_per_expert": n * K / E,
             "kept": kept, "received": received, "ep": lay.ep, "experts_per_rank": E // lay.ep,
             "expert_replicas": lay.grad_ranks // lay.ep,
-            "layer_activation_bytes": activations.layer_bytes(lay.rows, cfg.block_size, cfg.n_embd, cfg.n_head,
-                                                              lay.tp, itemsize, compute_itemsize,
+            "layer_activation_bytes": activations.block_bytes(cfg, lay.rows, lay.tp, itemsize, compute_itemsize,
                                                               recompute=lay.recompute, moe_layer=layer),
             "all_to_all_bytes_per_layer": (round(ep_layer_bytes(cfg, lay, itemsize, 2)) if lay.ep > 1 else 0),
             "all_to_all_exact": lay.ep > 1 and cap is not None}
@@ -392,9 +407,6 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     if cfg.n_embd % cfg.n_head:
         raise PlanError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     config.check_family(args, cfg)
-    if cfg.arch == "llama" and cfg.moe_experts:
-        raise PlanError(f"--moe-experts {cfg.moe_experts} with --arch llama: the planner's formulas for the Llama "
-                        f"family's mixture of experts are not built yet")
     config.check_split(cfg, lay.dp, lay.tp, lay.pp, lay.batch_size, lay.micro_batches)
     config.check_sequence_split(cfg, lay.tp, lay.sp)
     lay = lay.but(cp_layout=config.check_context_split(cfg, lay))
