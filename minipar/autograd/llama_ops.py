@@ -105,14 +105,22 @@ def rope_angles(positions, hs: int, theta: float) -> np.ndarray:
 _TABLES: dict = {}
 
 
-def _tables(positions, hs: int, theta: float, dtype):
-    """(cos, sin), each (t, 1, hs/2) in the compute dtype, cached per positions and shape."""
-    key = (np.asarray(positions).tobytes(), len(positions), hs, float(theta), np.dtype(dtype))
+def _tables(positions, hs: int, n: int, theta: float, dtype):
+    """RoPE's tables for n heads side by side, each (t, n hs) in the compute dtype, and the
+    swap of each head's halves, cached per positions and shape: cos repeated on both halves,
+    sin with the first half negated (so that x cos + swap(x) sin is the turn), and the index
+    that swaps a head's halves (rotate_half without its sign)."""
+    key = (np.asarray(positions).tobytes(), len(positions), hs, n, float(theta), np.dtype(dtype))
     if key not in _TABLES:
         if len(_TABLES) > 64:                              # a few layouts per process at most
             _TABLES.clear()
         a = rope_angles(positions, hs, theta)
-        _TABLES[key] = (np.cos(a).astype(dtype)[:, None, :], np.sin(a).astype(dtype)[:, None, :])
+        cos, sin = np.cos(a), np.sin(a)
+        cos_full = np.tile(np.concatenate([cos, cos], -1), n).astype(dtype)            # (t, n hs)
+        sin_signed = np.tile(np.concatenate([-sin, sin], -1), n).astype(dtype)
+        h = hs // 2
+        swap = np.concatenate([np.arange(h, hs), np.arange(h)])
+        _TABLES[key] = (cos_full, sin_signed, (np.arange(n)[:, None] * hs + swap).ravel())
     return _TABLES[key]
 
 
@@ -150,41 +158,37 @@ class RoPEReference:
 
 
 class RoPE(Function):
-    """The rotary embedding on the packed projection, by halves: y1 = x1 cos - x2 sin,
-    y2 = x2 cos + x1 sin, with (t, hs/2) tables cached per positions. Backward is the turn
-    by minus the angle: dx1 = g1 cos + g2 sin, dx2 = g2 cos - g1 sin. Plain: RoPEReference."""
+    """The rotary embedding on the packed projection, all q and k heads at once on contiguous
+    rows: y = x cos + swap(x) sin, with per-head tables (t, n hs) cached per positions (sin's
+    first half negated, swap the halves of each head). It is linear, y = A x with A = cos +
+    sin_signed swap, and swap is its own transpose, so backward is dx = g cos + swap(g sin_signed):
+    dx1 = g1 cos + g2 sin, dx2 = g2 cos - g1 sin, the turn by minus the angle. Plain: RoPEReference."""
 
     def forward(self, qkv, positions, n_head, n_kv_head=None, theta=10000.0):
         self.dtype, qkv = qkv.dtype, compute(qkv)
         B, t, width = qkv.shape
         H, Hkv, hs = head_counts(width, n_head, n_kv_head)
-        cos, sin = _tables(positions, hs, theta, qkv.dtype)
-        self.tables, self.n, self.hs = (cos, sin), H + Hkv, hs
+        if hs % 2:
+            raise ValueError(f"the rotary embedding turns pairs of channels: head size {hs} is odd")
+        self.tables, self.m = _tables(positions, hs, H + Hkv, theta, qkv.dtype), (H + Hkv) * hs
+        cos, sin, swap = self.tables
         out = np.empty_like(qkv)
-        out[..., self.n * hs:] = qkv[..., self.n * hs:]                   # v passes through
-        self._turn(qkv, out, cos, sin)
+        out[..., self.m:] = qkv[..., self.m:]                             # v passes through
+        x, y = qkv[..., :self.m], out[..., :self.m]
+        np.multiply(x, cos, out=y)
+        turned = np.take(x, swap, axis=-1)
+        turned *= sin
+        y += turned
         return store(out, self.dtype)
-
-    def _turn(self, src, dst, cos, sin):
-        """dst's q, k halves = src's turned by the angle whose (cos, sin) are given, with one
-        temporary of a half's size (the products land in `out=` buffers)."""
-        B, t, _ = src.shape
-        n, h = self.n, self.hs // 2
-        x = src[..., :n * 2 * h].reshape(B, t, n, 2, h)
-        y = dst[..., :n * 2 * h].reshape(B, t, n, 2, h)
-        x1, x2, y1, y2 = x[..., 0, :], x[..., 1, :], y[..., 0, :], y[..., 1, :]
-        tmp = np.empty(x1.shape, dtype=x1.dtype)
-        np.multiply(x1, cos, out=y1)
-        y1 -= np.multiply(x2, sin, out=tmp)
-        np.multiply(x2, cos, out=y2)
-        y2 += np.multiply(x1, sin, out=tmp)
 
     def backward(self, g):
         g = compute(g)
-        cos, sin = self.tables
+        cos, sin, swap = self.tables
         dx = np.empty_like(g)
-        dx[..., self.n * self.hs:] = g[..., self.n * self.hs:]
-        self._turn(g, dx, cos, -sin)                                       # the turn back
+        dx[..., self.m:] = g[..., self.m:]
+        x, y = g[..., :self.m], dx[..., :self.m]
+        np.multiply(x, cos, out=y)
+        y += np.take(x * sin, swap, axis=-1)
         return store(dx, self.dtype), None, None, None, None
 
 
