@@ -69,7 +69,7 @@ wide (cfg.hidden), no biases, no positions to keep (RoPE's cos and sin are a cac
                 k, v                 2 sbhk/a             tp (k/t heads; one when t > k)
                 softmax P            a s^2 b              tp   (selective: not kept)
     o_proj      its input            sbh                  tp
-    SwiGLU      [gate|up] as stored  2 sbf                tp
+    SwiGLU      silu, up silu'       2 sbf                tp
     down_proj   its input            sbf                  tp
 
 The fused [q|k|v] and [gate|up] weights cost nothing here: ops.linear takes the rank's shards as
@@ -89,7 +89,7 @@ With t > k each rank computes one shared key/value head: read k/t as 1 there (in
 row). The ring (cp) keeps q, k, v, its output o and the log-sum-exp, as for GPT-2,
 with only the rank's k/t key/value heads in k and v. fp16/bf16: as for GPT-2, the ops keep
 their fp32 arrays (the norms' xhat, 1/rms and weight, attention's) in 4 bytes; SwiGLU keeps
-its input as stored, and makes sigmoid(gate) again in backward (as Megatron-LM's does).
+its gradient's two factors, silu(gate) and up silu'(gate), in the storage dtype.
 
 A mixture-of-experts layer (--moe-experts E --moe-top-k K, moe.py; not with sp or cp) keeps,
 in place of the MLP's last three rows (c_fc's input, GELU, mlp c_proj's input), what its
@@ -129,11 +129,11 @@ A Llama MoE block (--arch llama --moe-experts, model/llama.py's expert_mlp; MoEL
 keeps the same router, dispatch, combine and row indices, and in place of the GELU experts
 (and of the dense block's [gate|up] input and SwiGLU rows) SwiGLU experts
 F_e wide (moe_ffn_hidden, default the MLP's F), E_r = E/ep of them on the rank, S shared ones
-(moe_shared_experts) run on all N tokens (SwiGLU keeps its input as stored, d):
+(moe_shared_experts) run on all N tokens (SwiGLU keeps its two factors as stored, d):
 
     kept by                           bytes
     experts  their rows (R, h)        R h d           (the gathered rows, one array)
-             SwiGLU [w1|w3]'s output  2 R F_e d
+             SwiGLU's two factors     2 R F_e d
              w2's input               R F_e d
     shared   SwiGLU, w2's input       S N 3 F_e d
              the input x (N, h)       N h d           fp16/bf16 only (else the router's x)
@@ -193,7 +193,7 @@ def moe_mlp_bytes(N: int, C: int, m: MoELayer, store: int, comp: int) -> int:
     router += C * E * comp if comp != store else 0             # fp16/bf16: w_r computed on in fp32
     if m.swiglu:                                               # Llama's experts (the fifth table)
         F = m.swiglu
-        swiglu = 3 * F * store                                 # per row: [w1|w3]'s output; w2's input
+        swiglu = 3 * F * store                                 # per row: SwiGLU's two factors; w2's input
         experts = R * C * store + R * swiglu
         experts += m.shared * N * swiglu + (N * C * store if m.shared and comp != store else 0)
     else:
@@ -261,7 +261,7 @@ def llama_layer_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, co
             proj_in = 0
     else:                                                     # q; k, v; the softmax P (b, H/t, T, T)
         attention = N * q * comp + 2 * N * kv * comp + (0 if recompute == "selective" else rows * Ht * T * T * comp)
-    mlp = 3 * N * Ft * store                                  # SwiGLU's input [gate|up]; down's input
+    mlp = 3 * N * Ft * store                                  # SwiGLU's two factors; down's input
     mlp += Ns * C * store                                     # [gate|up]'s input
     if moe_layer is not None:                                 # the router and the experts instead
         mlp = moe_mlp_bytes(N, C, moe_layer, store, comp)
