@@ -85,18 +85,23 @@ def main():
     ap.add_argument("--steps", type=int, default=20, help="timed steps per config (median reported)")
     ap.add_argument("--configs", default="small,medium,llama-small,llama-medium")
     args = ap.parse_args()
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or args.steps < 1:
+        ap.error(f"--configs {args.configs!r}: unknown {unknown} (known: {','.join(CONFIGS)})" if unknown
+                 else f"--steps {args.steps}: at least 1")
     keep_freed_memory()
     print(f"numpy {np.__version__}, float32, OMP/OPENBLAS threads = {os.environ['OPENBLAS_NUM_THREADS']}")
     hdr = (f"{'config':12s} {'shape':44s} {'params':>9s} {'ms/step':>8s} {'tok/s':>8s} {'peak GF/s':>9s} "
            f"{'MFU':>6s} {'best':>6s} {'target':>6s}")
     print(hdr)
     print("-" * len(hdr))
-    ok, measured = True, {}
-    for r in bench(args.configs.split(","), args.steps):
+    runs = bench(names, args.steps)
+    measured, ok = {r["name"]: r["mfu"] for r in runs}, True
+    for r in runs:
         name = r["name"]
         twin = name.removeprefix("llama-")
         target = measured.get(twin, r["target"]) if name != twin else r["target"]   # the GPT-2 twin's MFU
-        measured[name] = r["mfu"]
         met = r["mfu"] >= target
         ok &= met
         print(f"{name:12s} {r['cfg']:44s} {r['params']:9,d} {r['ms']:8.1f} {r['tok_s']:8.0f} "
