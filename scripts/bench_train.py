@@ -4,7 +4,8 @@
 
 For each config it prints tokens/s and MFU = model FLOPs per second (median step) / the
 float32 matmul peak that this same process measures between the steps (the median of
-three measurements: same BLAS, same thread, same load).
+three measurements: same BLAS, same thread, same load). The configs run in one loop, a
+step of each in turn, so a config and its twin are timed under the same load.
 Model FLOPs per token are minipar.model.gpt.train_flops_per_token: 3x the forward matmuls.
 Targets: MFU >= 0.40 on small, >= 0.60 on medium. The Llama configs (--arch llama: RMSNorm,
 rotary positions, SwiGLU, grouped-query attention with 2 key/value heads) have their GPT-2
@@ -36,7 +37,8 @@ CONFIGS = {  # name: (L, H, C, T, B, MFU target, the family's fields)
 }
 
 
-def bench(name, steps):
+def build(name):
+    """The config's model, optimizer and one training step on a fixed batch."""
     L, H, C, T, B, target, family = CONFIGS[name]
     cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=L, n_head=H, n_embd=C, **family)
     model = GPT(cfg, seed=0, dtype=np.float32)
@@ -49,22 +51,33 @@ def bench(name, steps):
         model(x, y).backward()
         opt.step()
 
-    for _ in range(3):
-        step()
-    times, peaks = [], []
-    for i in range(steps):                               # the peak is measured between steps,
-        if i % max(1, steps // 3) == 0:                  # three times: the median of those is
-            peaks.append(matmul_peak_flops(np.float32))  # taken under the same conditions
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    peak = statistics.median(peaks)
-    flops = train_flops_per_token(cfg, T) * B * T
-    med, best = statistics.median(times), min(times)
     shape = f"L={L} H={H} C={C} T={T} B={B}" + (f" Hkv={cfg.kv_heads} F={cfg.hidden}" if family else "")
-    return dict(name=name, cfg=shape, params=model.num_params(),
-                ms=med * 1e3, tok_s=B * T / med, mfu=flops / med / peak, mfu_best=flops / best / peak,
-                peak=peak, target=target)
+    return dict(name=name, cfg=shape, params=model.num_params(), step=step, target=target,
+                flops=train_flops_per_token(cfg, T) * B * T, tokens=B * T)
+
+
+def bench(names, steps):
+    """All configs in one loop, one step of each in turn, so that a config and its twin meet
+    the same load; the peak is measured between rounds, three times, and shared."""
+    runs = [build(name) for name in names]
+    for r in runs:
+        for _ in range(3):
+            r["step"]()
+        r["times"] = []
+    peaks = []
+    for i in range(steps):
+        if i % max(1, steps // 3) == 0:
+            peaks.append(matmul_peak_flops(np.float32))
+        for r in runs:
+            t0 = time.perf_counter()
+            r["step"]()
+            r["times"].append(time.perf_counter() - t0)
+    peak = statistics.median(peaks)
+    for r in runs:
+        med, best = statistics.median(r["times"]), min(r["times"])
+        r.update(ms=med * 1e3, tok_s=r["tokens"] / med, mfu=r["flops"] / med / peak,
+                 mfu_best=r["flops"] / best / peak, peak=peak)
+    return runs
 
 
 def main():
@@ -72,21 +85,26 @@ def main():
     ap.add_argument("--steps", type=int, default=20, help="timed steps per config (median reported)")
     ap.add_argument("--configs", default="small,medium,llama-small,llama-medium")
     args = ap.parse_args()
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or args.steps < 1:
+        ap.error(f"--configs {args.configs!r}: unknown {unknown} (known: {','.join(CONFIGS)})" if unknown
+                 else f"--steps {args.steps}: at least 1")
     keep_freed_memory()
     print(f"numpy {np.__version__}, float32, OMP/OPENBLAS threads = {os.environ['OPENBLAS_NUM_THREADS']}")
     hdr = (f"{'config':12s} {'shape':44s} {'params':>9s} {'ms/step':>8s} {'tok/s':>8s} {'peak GF/s':>9s} "
            f"{'MFU':>6s} {'best':>6s} {'target':>6s}")
     print(hdr)
     print("-" * len(hdr))
-    ok, measured = True, {}
-    for name in args.configs.split(","):
-        r = bench(name, args.steps)
+    runs = bench(names, args.steps)
+    measured, ok = {r["name"]: r["mfu"] for r in runs}, True
+    for r in runs:
+        name = r["name"]
         twin = name.removeprefix("llama-")
         target = measured.get(twin, r["target"]) if name != twin else r["target"]   # the GPT-2 twin's MFU
-        measured[name] = r["mfu"]
         met = r["mfu"] >= target
         ok &= met
-        print(f"{r['name']:12s} {r['cfg']:44s} {r['params']:9,d} {r['ms']:8.1f} {r['tok_s']:8.0f} "
+        print(f"{name:12s} {r['cfg']:44s} {r['params']:9,d} {r['ms']:8.1f} {r['tok_s']:8.0f} "
               f"{r['peak'] / 1e9:9.1f} {r['mfu']:6.3f} {r['mfu_best']:6.3f} {target:6.3f} {'ok' if met else 'MISSED'}")
     print("MFU = 3 x forward matmul FLOPs per step / median step time / measured fp32 matmul peak")
     return 0 if ok else 1

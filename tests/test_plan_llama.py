@@ -162,7 +162,7 @@ def test_device_params_equal_what_a_stage_model_holds(shared_kv_groups, kv, tied
 def test_activation_bytes_equal_saved_bytes(dtype, s, c, pp, mode):
     """One micro-batch through each stage, one process: multi-head (Hkv = H = 6), grouped-query
     (2) and multi-query (1) attention; the planner's bytes equal Tensor.saved_bytes exactly,
-    the fused weights the forward makes included."""
+    and none for the fused weights (the linear keeps their pieces, the parameters)."""
     rng = np.random.default_rng(0)
     for kv in (0, 2, 1):
         cfg = llama(kv)
@@ -241,28 +241,27 @@ def test_activation_bytes_with_cp_equal_saved_bytes(no_tp_comm, shared_kv_groups
 def test_layer_bytes_follow_the_fourth_table(s, b, h, a, k, f, t, d):
     """llama_layer_bytes in the six settings and with cp c = 2, against activations.py's
     fourth table written out in integers: sp divides every per-token term by t, selective
-    removes P (b a/t s^2 d), full keeps the block's input; W = h (h + 2hk/a + 2f) per
-    micro-batch, / t. With t > k (the last case) each rank keeps one key/value head: k/t is 1
+    removes P (b a/t s^2 d), full keeps the block's input; nothing for the fused weights.
+    With t > k (the last case) each rank keeps one key/value head: k/t is 1
     (the tp + sp rows are then not none's / t). With one head a rank (the second) the ring's o
     and o_proj's input are one array."""
     cfg = llama(k, n_head=a, T=s, C=h, F=f)
     sb, sbh, hs = s * b, s * b * h, h // a
     kt = max(1, k // t) * hs                              # a tp rank's key (value) channels
-    W, Wt = h * (h + 2 * k * hs + 2 * f), h * (h // t + 2 * kt + 2 * f // t)
-    per_token = 6 * sbh + 2 * sb + 2 * sb * k * hs + 4 * sb * f      # sbh (6 + 2/h + 2k/a + 4f/h)
-    split = 2 * sbh // t + 2 * sb * kt + 4 * sb * f // t             # sbh (2 + 2k/a + 4f/h)/t
-    want = {"none": d * (per_token + a * s * sb) + d * W,
-            "tp": d * (4 * sbh + 2 * sb + split + a // t * s * sb) + d * Wt,
-            "tp+sp": d * (4 * sbh + 2 * sb + split * t + a * s * sb) // t + d * Wt if k >= t else None,
-            "tp+selective": d * (4 * sbh + 2 * sb + split) + d * Wt,
-            "tp+sp+selective": d * (4 * sbh + 2 * sb + split * t) // t + d * Wt if k >= t else None,
+    per_token = 6 * sbh + 2 * sb + 2 * sb * k * hs + 3 * sb * f      # sbh (6 + 2/h + 2k/a + 3f/h)
+    split = 2 * sbh // t + 2 * sb * kt + 3 * sb * f // t             # sbh (2 + 2k/a + 3f/h)/t
+    want = {"none": d * (per_token + a * s * sb),
+            "tp": d * (4 * sbh + 2 * sb + split + a // t * s * sb),
+            "tp+sp": d * (4 * sbh + 2 * sb + split * t + a * s * sb) // t if k >= t else None,
+            "tp+selective": d * (4 * sbh + 2 * sb + split),
+            "tp+sp+selective": d * (4 * sbh + 2 * sb + split * t) // t if k >= t else None,
             "full": d * sbh}
     got = {row["setting"]: row["minipar"] for row in activations.family_table(cfg, b, t, d)}
     assert {key: v for key, v in got.items() if want[key] is not None} == {key: v for key, v in want.items()
                                                                            if v is not None}
     assert k < t or per_token == 4 * sbh + 2 * sb + split * t        # the tp+sp row: all of none's / t
     c = 2                                                 # the ring: q, o, k, v, lse on s/c tokens; no P
-    ring = d * (4 * sbh + 2 * sb + split + sbh // t + a // t * sb) // c + d * Wt
+    ring = d * (4 * sbh + 2 * sb + split + sbh // t + a // t * sb) // c
     if a // t == 1:                                       # one head a rank: o_proj's input is a view of o
         ring -= d * sbh // t // c
     assert activations.llama_layer_bytes(cfg, b, t, d, cp=c) == ring
@@ -333,26 +332,25 @@ def test_moe_layer_bytes_with_balanced_routing(dtype, s, c, E, K, F, S, placed):
         settings.placement = expert_parallel.ExpertPlacement(comm.Group(MPI.COMM_SELF, axis="ep"), E)
     y = moe.moe_mlp(P, 0, Tensor(x.reshape(2, 12, C), requires_grad=True) + 0.0, settings, LLAMA)
     assert list(settings.stats[0][1].load[0]) == [N * K // E] * E
-    layer = activations.MoELayer(E, K, 2 if placed else 1, moe.capacity(N, K, E, F), swiglu=Fe, shared=S, local=E)
+    layer = activations.MoELayer(E, K, 2 if placed else 1, moe.capacity(N, K, E, F), swiglu=Fe, shared=S)
     assert y.saved_bytes() == activations.moe_mlp_bytes(N, C, layer, s, c)
 
 
 def test_moe_layer_bytes_by_hand():
     """The fifth table in float64, N = 24, C = 24, E = 4, K = 2, F_e = 20, no capacity: M = R =
-    N K = 48; the E fused [w1|w3] (C, 2 F_e) whatever their rows; a shared expert adds its own
-    on all N; --ep 2 (E/2 experts on the rank) the 2R ids of the received rows' order."""
+    N K = 48; no bytes for the experts' weights (the fused [w1|w3] is never kept); a shared
+    expert adds its SwiGLU on all N; --ep 2 the 2R ids of the received rows' order."""
     N, C, E, K, Fe, M, d = 24, 24, 4, 2, 20, 48, 8
     router = d * (N * C + N * E + 2 * N + N * K) + 8 * N * E
-    rows = d * M * C + d * M * (3 * Fe + Fe)                   # gathered rows; [w1|w3]'s output, sigmoid, w2's input
+    rows = d * M * C + d * M * (2 * Fe + Fe)                   # gathered rows; [w1|w3]'s output, w2's input
     combine = d * (M * C + M)
-    fused = d * C * 2 * Fe
     one = activations.MoELayer(E, K, swiglu=Fe)
-    assert activations.moe_mlp_bytes(N, C, one, d, d) == router + rows + E * fused + combine + 8 * 2 * M
+    assert activations.moe_mlp_bytes(N, C, one, d, d) == router + rows + combine + 8 * 2 * M
     shared = activations.MoELayer(E, K, swiglu=Fe, shared=1)
     assert activations.moe_mlp_bytes(N, C, shared, d, d) - activations.moe_mlp_bytes(N, C, one, d, d) == \
-        fused + d * N * 4 * Fe
+        d * N * 3 * Fe
     ep = activations.MoELayer(E, K, ep=2, swiglu=Fe)
-    assert activations.moe_mlp_bytes(N, C, ep, d, d) == router + rows + E // 2 * fused + combine + 8 * 4 * M
+    assert activations.moe_mlp_bytes(N, C, ep, d, d) == router + rows + combine + 8 * 4 * M
 
 
 def test_mixtral_8x7b_is_the_published_count():
@@ -532,12 +530,12 @@ def test_the_table_names_the_family(capsys):
     code, out, _ = cli(capsys, *SMALL, "--tp", "2")
     assert code == 0
     for text in ("minipar.plan: Llama L=3 H=4 Hkv=2 C=32 F=48 theta=10000 T=16 V=97 (untied)",
-                 "(s=16 b=8 h=32 a=4 k=2 f=48 t=2, d=4)", "d sbh (4 + 2/h + (2 + 2k/a + 4f/h)/t + as/ht) + d W/t <",
-                 "W = h (h + 2hk/a + 2f)", "kqv projections", "dense"):
+                 "(s=16 b=8 h=32 a=4 k=2 f=48 t=2, d=4)", "d sbh (4 + 2/h + (2 + 2k/a + 3f/h)/t + as/ht) <",
+                 "(k/t is 1 when t > k)", "kqv projections", "dense"):
         assert text in out, text
     assert "Korthikanti" not in out
     code, out, _ = cli(capsys, *SMALL, "--cp", "2")
-    assert code == 0 and "d sbh/c (4 + 2/h + (3 + 2k/a + 4f/h)/t + a/ht) + d W/t" in out
+    assert code == 0 and "d sbh/c (4 + 2/h + (3 + 2k/a + 3f/h)/t + a/ht)   (c = 2" in out
     code, out, _ = cli(capsys, *SMALL, "--json")
     r = json.loads(out)
     assert GPTConfig(**r["model"]).validate().family.name == "llama" and r["shape"]["kv_heads"] == 2

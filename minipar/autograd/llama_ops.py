@@ -105,23 +105,35 @@ def rope_angles(positions, hs: int, theta: float) -> np.ndarray:
 _TABLES: dict = {}
 
 
-def _tables(positions, hs: int, n: int, theta: float, dtype):
-    """RoPE's tables for n heads side by side, each (t, n hs) in the compute dtype, and the
-    swap of each head's halves, cached per positions and shape: cos repeated on both halves,
-    sin with the first half negated (so that x cos + swap(x) sin is the turn), and the index
-    that swaps a head's halves (rotate_half without its sign)."""
-    key = (np.asarray(positions).tobytes(), len(positions), hs, n, float(theta), np.dtype(dtype))
+def _tables(positions, hs: int, n: int, width: int, theta: float, dtype):
+    """RoPE's tables over a whole packed row, each (t, width) in the compute dtype, cached per
+    positions and shape: the n turned heads first, cos repeated on both halves and sin with the
+    first half negated (so that x cos + swap(x) sin is the turn, swap exchanging the halves of
+    each head: rotate_half without its sign), then cos = 1, sin = 0 on the v columns; and that
+    sin with the halves of each head swapped (backward's)."""
+    key = (np.asarray(positions).tobytes(), len(positions), hs, n, width, float(theta), np.dtype(dtype))
     if key not in _TABLES:
         if len(_TABLES) > 64:                              # a few layouts per process at most
             _TABLES.clear()
         a = rope_angles(positions, hs, theta)
-        cos, sin = np.cos(a), np.sin(a)
-        cos_full = np.tile(np.concatenate([cos, cos], -1), n).astype(dtype)            # (t, n hs)
-        sin_signed = np.tile(np.concatenate([-sin, sin], -1), n).astype(dtype)
-        h = hs // 2
-        swap = np.concatenate([np.arange(h, hs), np.arange(h)])
-        _TABLES[key] = (cos_full, sin_signed, (np.arange(n)[:, None] * hs + swap).ravel())
+        cos, sin, rest = np.cos(a), np.sin(a), width - n * hs
+        cos_full = np.tile(np.concatenate([cos, cos], -1), n)
+        sin_signed = np.tile(np.concatenate([-sin, sin], -1), n)
+        cos_full = np.concatenate([cos_full, np.ones((len(a), rest))], -1)
+        sin_signed = np.concatenate([sin_signed, np.zeros((len(a), rest))], -1)
+        _TABLES[key] = tuple(x.astype(dtype) for x in (cos_full, sin_signed, _swap(sin_signed, hs)))
     return _TABLES[key]
+
+
+def _swap(x, hs: int):
+    """x (..., width) with the two halves of each hs-wide head exchanged, in one copy: each
+    half-head is moved whole, as one hs/2-wide item of a void dtype (width % hs == 0)."""
+    x = np.ascontiguousarray(x)
+    half = np.dtype((np.void, hs // 2 * x.itemsize))
+    out = np.empty_like(x)
+    pairs = (*x.shape[:-1], x.shape[-1] // hs, 2)                       # (..., heads, halves)
+    np.copyto(out.view(half).reshape(pairs), x.view(half).reshape(pairs)[..., ::-1])
+    return out
 
 
 class RoPEReference:
@@ -158,11 +170,12 @@ class RoPEReference:
 
 
 class RoPE(Function):
-    """The rotary embedding on the packed projection, all q and k heads at once on contiguous
-    rows: y = x cos + swap(x) sin, with per-head tables (t, n hs) cached per positions (sin's
-    first half negated, swap the halves of each head). It is linear, y = A x with A = cos +
-    sin_signed swap, and swap is its own transpose, so backward is dx = g cos + swap(g sin_signed):
-    dx1 = g1 cos + g2 sin, dx2 = g2 cos - g1 sin, the turn by minus the angle. Plain: RoPEReference."""
+    """The rotary embedding on the packed projection, every head at once on whole contiguous
+    rows: y = x cos + swap(x) sin, with tables (t, width) cached per positions (sin's first
+    half of each head negated; cos 1 and sin 0 on v), swap exchanging the halves of each head.
+    It is linear, y = A x with A = cos + sin_signed swap, and swap is its own transpose, so
+    backward is dx = g cos + swap(g sin_signed): dx1 = g1 cos + g2 sin, dx2 = g2 cos - g1 sin,
+    the turn by minus the angle. Plain: RoPEReference."""
 
     def forward(self, qkv, positions, n_head, n_kv_head=None, theta=10000.0):
         self.dtype, qkv = qkv.dtype, compute(qkv)
@@ -170,26 +183,27 @@ class RoPE(Function):
         H, Hkv, hs = head_counts(width, n_head, n_kv_head)
         if hs % 2:
             raise ValueError(f"the rotary embedding turns pairs of channels: head size {hs} is odd")
-        self.tables, self.m = _tables(positions, hs, H + Hkv, theta, qkv.dtype), (H + Hkv) * hs
-        cos, sin, swap = self.tables
-        out = np.empty_like(qkv)
-        out[..., self.m:] = qkv[..., self.m:]                             # v passes through
-        x, y = qkv[..., :self.m], out[..., :self.m]
-        np.multiply(x, cos, out=y)
-        turned = np.take(x, swap, axis=-1)
-        turned *= sin
-        y += turned
-        return store(out, self.dtype)
+        self.hs, self.m = hs, (H + Hkv) * hs
+        self.tables = _tables(positions, hs, H + Hkv, width, theta, qkv.dtype)
+        return store(self._turn(qkv, *self.tables[:2]), self.dtype)
 
     def backward(self, g):
-        g = compute(g)
-        cos, sin, swap = self.tables
-        dx = np.empty_like(g)
-        dx[..., self.m:] = g[..., self.m:]
-        x, y = g[..., :self.m], dx[..., :self.m]
-        np.multiply(x, cos, out=y)
-        y += np.take(x * sin, swap, axis=-1)
-        return store(dx, self.dtype), None, None, None, None
+        cos, _, sin_swapped = self.tables
+        # A^T = cos + swap sin_signed = cos + sin_swapped swap: the same turn, other tables
+        return store(self._turn(compute(g), cos, sin_swapped), self.dtype), None, None, None, None
+
+    def _turn(self, x, cos, sin):
+        """x cos + swap(x) sin over whole contiguous rows (v: cos 1, sin 0), then v copied
+        exactly (an inf in v stays inf, not inf * 0): four passes and two copies, each with
+        long inner loops. (On the q/k columns alone every row is a strided slice, and the
+        swap a 4-D view with hs/2-long loops: twice the time.)"""
+        x = np.ascontiguousarray(x)
+        turned = _swap(x, self.hs)
+        turned *= sin
+        out = np.multiply(x, cos)
+        out += turned
+        out[..., self.m:] = x[..., self.m:]                               # v passes through
+        return out
 
 
 # --- SwiGLU ----------------------------------------------------------------------------------
@@ -213,43 +227,58 @@ class SwiGLUReference:
 
 class SwiGLU(Function):
     """silu(gate) * up of the packed projection (..., 2F) = [gate | up] -> (..., F): one GEMM
-    made both halves (the fused gate/up of Megatron-LM), this op is the rest. Rows in
-    cache-sized blocks, temporaries in `out=` buffers; keeps the input and sigmoid(gate).
-    Plain: SwiGLUReference above."""
+    made both halves (the fused gate/up of Megatron-LM), this op is the rest. Forward, while
+    its input is still in cache, also makes the two factors of the gradient and keeps them,
+    silu(gate) and up * silu'(gate) (N x F each, in the storage dtype: the bytes of its input),
+    so that backward is two products, d gate = g up silu'(gate), d up = g silu(gate). (Keeping
+    the input and making sigmoid(gate) again in backward, as Megatron-LM does on a GPU, costs
+    a quarter more here: nine more passes over memory gone cold since the forward.) Rows in
+    cache-sized blocks, temporaries in `out=` buffers. Plain: SwiGLUReference above."""
 
     def forward(self, gu):
         self.dtype = gu.dtype
         F = gu.shape[-1] // 2
         x2 = compute(gu).reshape(-1, 2 * F)                                # (N, 2F)
-        s = np.empty((x2.shape[0], F), dtype=x2.dtype)
-        y = np.empty_like(s)
-        for r in _row_blocks(x2.shape[0], 2 * F):
-            a, b, sr = x2[r, :F], x2[r, F:], s[r]
-            np.negative(a, out=sr)
-            np.exp(sr, out=sr)
-            sr += 1.0
-            np.reciprocal(sr, out=sr)                                      # sigmoid(a)
-            np.multiply(a, sr, out=y[r])
-            y[r] *= b
-        self.save(x2, s)
+        N = x2.shape[0]
+        y, silu, dsilu = (np.empty((N, F), dtype=x2.dtype) for _ in range(3))
+        blocks = _row_blocks(N, F)
+        (sig,) = _buffers(blocks, F, x2.dtype, 1)
+        for r in blocks:
+            a, b, u, t = x2[r, :F], x2[r, F:], silu[r], dsilu[r]
+            s = _sigmoid(a, sig[:u.shape[0]])
+            np.multiply(a, s, out=u)                                       # silu(a) = a s
+            np.multiply(u, b, out=y[r])
+            np.subtract(1.0, s, out=t)
+            t *= u
+            t += s                                                         # silu'(a) = s + a s (1 - s)
+            t *= b
+        self.save(store(silu, self.dtype), store(dsilu, self.dtype))
         return store(y.reshape(*gu.shape[:-1], F), self.dtype)
 
     def backward(self, g):
-        x2, s = self.saved
-        F = s.shape[1]
+        silu, dsilu = compute(*self.saved)
+        N, F = silu.shape
         g2 = compute(g).reshape(-1, F)
-        d = np.empty_like(x2)
-        for r in _row_blocks(x2.shape[0], 2 * F):
-            a, b, sr, gr = x2[r, :F], x2[r, F:], s[r], g2[r]
-            da, db = d[r, :F], d[r, F:]
-            np.multiply(a, sr, out=db)                                     # silu(a)
-            np.subtract(1.0, sr, out=da)
-            da *= db                                                       # a s (1 - s)
-            da += sr                                                       # silu'(a)
-            da *= b
-            da *= gr
-            db *= gr
+        d = np.empty((N, 2 * F), dtype=g2.dtype)
+        np.multiply(dsilu, g2, out=d[:, :F])                               # d gate = g up silu'(gate)
+        np.multiply(silu, g2, out=d[:, F:])                                # d up = g silu(gate)
         return store(d.reshape(*g.shape[:-1], 2 * F), self.dtype)
+
+
+def _buffers(blocks, F: int, dtype, k: int):
+    """k scratch arrays of one block's rows (none: an expert no token reached has 0 rows)."""
+    rows = blocks[0].stop if blocks else 0
+    return [np.empty((rows, F), dtype=dtype) for _ in range(k)]
+
+
+def _sigmoid(a, out):
+    """sigmoid(a) = (1 + tanh(a/2)) / 2 into out: NumPy's float32 tanh takes half the time of
+    its exp (1 / (1 + e^-a) would need an exp and a division)."""
+    np.multiply(a, 0.5, out=out)
+    np.tanh(out, out=out)
+    out *= 0.5
+    out += 0.5
+    return out
 
 
 # --- the functional API ----------------------------------------------------------------------

@@ -180,25 +180,41 @@ class LinearReference:
 class Linear(Function):
     """y = x @ w + b with x (..., Cin), w (Cin, Cout), b (Cout,) or None. Rows are
     flattened to one (N, Cin) @ (Cin, Cout) GEMM: numpy would otherwise loop over B.
+    A weight may come in column pieces, linear(x, [w1, w2, ...]): y = x @ [w1 | w2 | ...],
+    one GEMM (Llama's fused [q | k | v] and [gate | up]). The concatenation is made for the
+    forward and again in backward, never kept: only x and the pieces (the parameters
+    themselves) are saved, and each piece gets its columns of the one weight gradient.
     The maths without the flattening: LinearReference above."""
 
-    def forward(self, x, w, b=None):
+    def forward(self, x, w, b=None, *pieces):
         x2 = x.reshape(-1, x.shape[-1])                    # (N, Cin)
-        self.save(x2, w)                                   # in the storage dtype
+        self.save(x2, w, *pieces)                          # in the storage dtype
+        w = _joined(w, pieces)
         y = np.matmul(*compute(x2, w))                     # (N, Cout), fp32 for fp16/bf16
         if b is not None:
             y += compute(b)
         return store(y, x.dtype).reshape(*x.shape[:-1], w.shape[1])
 
     def backward(self, g):
-        dtype = self.saved[0].dtype
-        x2, w = compute(*self.saved)
+        x2, w, *pieces = self.saved
+        dtype, need = x2.dtype, self.needs_input_grad
+        x2, w_all = compute(x2, _joined(w, pieces))
         g2 = compute(g).reshape(-1, g.shape[-1])           # (N, Cout)
-        dx = (g2 @ w.T).reshape(*g.shape[:-1], w.shape[0]) if self.needs_input_grad[0] else None
-        dw = (x2.T @ g2) if self.needs_input_grad[1] else None
-        if len(self.needs_input_grad) == 2:                # called without a bias
-            return store(dx, dtype), store(dw, dtype)
-        return store(dx, dtype), store(dw, dtype), (store(g2.sum(0), dtype) if self.needs_input_grad[2] else None)
+        dx = (g2 @ w_all.T).reshape(*g.shape[:-1], w_all.shape[0]) if need[0] else None
+        dws = [None] * (1 + len(pieces))
+        if need[1] or any(need[3:]):
+            dw = x2.T @ g2                                 # (Cin, Cout): each piece takes its columns
+            cuts = np.cumsum([w.shape[1]] + [p.shape[1] for p in pieces])[:-1]
+            dws = [store(d, dtype) for d in np.split(dw, cuts, axis=1)]
+        if len(need) == 2:                                 # called without a bias
+            return store(dx, dtype), dws[0]
+        db = store(g2.sum(0), dtype) if need[2] else None
+        return (store(dx, dtype), dws[0], db, *dws[1:])
+
+
+def _joined(w, pieces):
+    """[w | pieces...] along the columns (w itself when there are no pieces)."""
+    return np.concatenate([w, *pieces], axis=1) if pieces else w
 
 
 class Embedding(Function):
@@ -342,7 +358,7 @@ class GELU(Function):
             u *= c                                         # -2u
             np.exp(u, out=u)
             u += 1.0
-            np.reciprocal(u, out=u)                        # s = 1 / (1 + exp(-2u))
+            np.divide(1.0, u, out=u)                       # s = 1 / (1 + exp(-2u)); not np.reciprocal: slower
             np.multiply(c, u, out=y[r])
         self.save(x2, s)
         return store(y.reshape(x.shape), self.dtype)
@@ -459,7 +475,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return MatMul.apply(a, b)
 
 
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, w, b: Tensor | None = None) -> Tensor:
+    """x @ w + b; w a Tensor, or a list of column pieces [w1, w2, ...] of one weight."""
+    if isinstance(w, (list, tuple)):
+        return Linear.apply(x, w[0], b, *w[1:])
     return Linear.apply(x, w, b) if b is not None else Linear.apply(x, w)
 
 

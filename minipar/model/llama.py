@@ -15,11 +15,12 @@ No biases anywhere. The parameters are Hugging Face's LlamaForCausalLM's without
 prefix (layers.0.self_attn.q_proj.weight, ...), the projections stored (in, out): the
 transpose of Hugging Face's (out, in), which the converter (minipar/convert) undoes.
 
-The forward makes one matrix of [Wq | Wk | Wv] and one of [Wgate | Wup] per rank (ops.concat
-of the rank's own shards), so each is one GEMM after one f of tensor parallelism, as Megatron-LM
-fuses them. The trap is the fused qkv's: cutting a fused [gate | up] into tp contiguous column
-blocks would give rank 0 all of gate and rank 1 all of up; a rank's fused matrix must be
-[gate_r | up_r], its own columns of each (tests/test_llama_tp.py plants the wrong cut).
+The forward multiplies by [Wq | Wk | Wv] and by [Wgate | Wup] of the rank's own shards, each one
+GEMM after one f of tensor parallelism, as Megatron-LM fuses them (ops.linear on a list of column
+pieces: the joined matrix is made for the GEMM and never kept). The trap is the fused qkv's:
+cutting a fused [gate | up] into tp contiguous column blocks would give rank 0 all of gate and
+rank 1 all of up; a rank's fused matrix must be [gate_r | up_r], its own columns of each
+(tests/mpi/test_llama_parallel.py plants the wrong cut).
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ class Llama(Family):
 
     def expert_mlp(self, P: dict, prefix: str, x):
         """(silu(x w1) * (x w3)) w2: SwiGLU, the fused [w1 | w3] one GEMM."""
-        gu = ops.linear(x, ops.concat([P[prefix + "w1.weight"], P[prefix + "w3.weight"]], axis=1))
+        gu = ops.linear(x, [P[prefix + "w1.weight"], P[prefix + "w3.weight"]])
         return ops.linear(llama_ops.swiglu(gu), P[prefix + "w2.weight"])
 
     def split_kind(self, name: str) -> str:
@@ -102,15 +103,15 @@ class Llama(Family):
         r, eps = s.replicated, cfg.norm_eps
         H, Hkv = s.heads(cfg.n_head), s.kv_heads(cfg)
         a = llama_ops.rms_norm(x, r(P[h + "input_layernorm.weight"]), eps)
-        w = ops.concat([P[h + "self_attn.q_proj.weight"], s.kv(P[h + "self_attn.k_proj.weight"]),
-                        s.kv(P[h + "self_attn.v_proj.weight"])], axis=1)             # [q_r | k_r | v_r]
+        w = [P[h + "self_attn.q_proj.weight"], s.kv(P[h + "self_attn.k_proj.weight"]),
+             s.kv(P[h + "self_attn.v_proj.weight"])]                                 # [q_r | k_r | v_r]
         qkv = s.column(a, w)                                                          # (B, t, (H' + 2 Hkv') hs)
         qkv = llama_ops.rope(qkv, m.position_ids(qkv.shape[1]), H, Hkv, cfg.rope_theta)
         x = x + s.row(m.attend(qkv, H, Hkv), P[h + "self_attn.o_proj.weight"])
         u = llama_ops.rms_norm(x, r(P[h + "post_attention_layernorm.weight"]), eps)
         if cfg.is_moe(i):
             return x + m.moe_layer(i, u)
-        gu = s.column(u, ops.concat([P[h + "mlp.gate_proj.weight"], P[h + "mlp.up_proj.weight"]], axis=1))
+        gu = s.column(u, [P[h + "mlp.gate_proj.weight"], P[h + "mlp.up_proj.weight"]])
         return x + s.row(llama_ops.swiglu(gu), P[h + "mlp.down_proj.weight"])       # (B, t, F/tp) inside
 
     def final(self, m, x):

@@ -69,28 +69,27 @@ wide (cfg.hidden), no biases, no positions to keep (RoPE's cos and sin are a cac
                 k, v                 2 sbhk/a             tp (k/t heads; one when t > k)
                 softmax P            a s^2 b              tp   (selective: not kept)
     o_proj      its input            sbh                  tp
-    SwiGLU      [gate|up], sigmoid   3 sbf                tp
+    SwiGLU      silu, up silu'       2 sbf                tp
     down_proj   its input            sbf                  tp
-    the fused weights                W = h (h + 2hk/a + 2f), per micro-batch; / t under tp
 
-The last row is what fusing in the forward costs: the block concatenates the rank's q, k, v
-shards (and gate, up) into one matrix at every call (ops.concat), and the linear layer that
-multiplies by it keeps it for its weight gradient. It is an activation, not a parameter, so
-Tensor.saved_bytes counts it, once per micro-batch held. Per layer:
+The fused [q|k|v] and [gate|up] weights cost nothing here: ops.linear takes the rank's shards as
+column pieces, joins them for the GEMM and again in backward, and keeps only the pieces, which
+are the parameters. Per layer:
 
     setting            minipar (llama_layer_bytes)
-    none               d sbh (6 + 2/h + 2k/a + 4f/h + as/h) + d W
-    tp                 d sbh (4 + 2/h + (2 + 2k/a + 4f/h)/t + as/ht) + d W/t
-    tp + sp            d sbh/t (6 + 2/h + 2k/a + 4f/h + as/h) + d W/t
-    tp + selective     d sbh (4 + 2/h + (2 + 2k/a + 4f/h)/t) + d W/t
-    tp + sp + selective  d sbh/t (6 + 2/h + 2k/a + 4f/h) + d W/t
+    none               d sbh (6 + 2/h + 2k/a + 3f/h + as/h)
+    tp                 d sbh (4 + 2/h + (2 + 2k/a + 3f/h)/t + as/ht)
+    tp + sp            d sbh/t (6 + 2/h + 2k/a + 3f/h + as/h)
+    tp + selective     d sbh (4 + 2/h + (2 + 2k/a + 3f/h)/t)
+    tp + sp + selective  d sbh/t (6 + 2/h + 2k/a + 3f/h)
     full               d sbh (the block input; /t with sp)
-    cp c               d sbh/c (4 + 2/h + (3 + 2k/a + 4f/h)/t + a/ht) + d W/t   (ring attention)
+    cp c               d sbh/c (4 + 2/h + (3 + 2k/a + 3f/h)/t + a/ht)   (ring attention)
 
 With t > k each rank computes one shared key/value head: read k/t as 1 there (in the k, v
-row and in W). The ring (cp) keeps q, k, v, its output o and the log-sum-exp, as for GPT-2,
+row). The ring (cp) keeps q, k, v, its output o and the log-sum-exp, as for GPT-2,
 with only the rank's k/t key/value heads in k and v. fp16/bf16: as for GPT-2, the ops keep
-their fp32 arrays (the norms' xhat, 1/rms and weight, attention's, SwiGLU's) in 4 bytes.
+their fp32 arrays (the norms' xhat, 1/rms and weight, attention's) in 4 bytes; SwiGLU keeps
+its gradient's two factors, silu(gate) and up silu'(gate), in the storage dtype.
 
 A mixture-of-experts layer (--moe-experts E --moe-top-k K, moe.py; not with sp or cp) keeps,
 in place of the MLP's last three rows (c_fc's input, GELU, mlp c_proj's input), what its
@@ -128,23 +127,19 @@ tp ranks each run the whole MoE layer (the experts are replicated over tp): the 
 
 A Llama MoE block (--arch llama --moe-experts, model/llama.py's expert_mlp; MoELayer.swiglu)
 keeps the same router, dispatch, combine and row indices, and in place of the GELU experts
-(and of the dense block's [gate|up] input, fused [gate|up] and SwiGLU rows) SwiGLU experts
+(and of the dense block's [gate|up] input and SwiGLU rows) SwiGLU experts
 F_e wide (moe_ffn_hidden, default the MLP's F), E_r = E/ep of them on the rank, S shared ones
-(moe_shared_experts) run on all N tokens:
+(moe_shared_experts) run on all N tokens (SwiGLU keeps its two factors as stored, d):
 
     kept by                           bytes
     experts  their rows (R, h)        R h d           (the gathered rows, one array)
-             the fused [w1|w3]        E_r h 2F_e d    every one of the rank's experts, even on
-                                                      0 rows: ops.concat makes it at every call
-             SwiGLU [w1|w3]'s output, 3 R F_e d'
-             sigmoid
+             SwiGLU's two factors     2 R F_e d
              w2's input               R F_e d
-    shared   the fused [w1|w3]        S h 2F_e d
-             SwiGLU, w2's input       S N (3 F_e d' + F_e d)
+    shared   SwiGLU, w2's input       S N 3 F_e d
              the input x (N, h)       N h d           fp16/bf16 only (else the router's x)
 
-With balanced routing and no capacity (R = N K) the routed experts keep N K F_e (3d' + d) +
-E_r h 2F_e d, against the dense block's N F (3d' + d) + h 2F d and N h d of its input.
+With balanced routing and no capacity (R = N K) the routed experts keep 3 N K F_e d, against
+the dense block's 3 N F d and N h d of its input.
 """
 from __future__ import annotations
 
@@ -172,7 +167,6 @@ class MoELayer:
     received: int | None = None
     swiglu: int = 0                  # Llama's experts: SwiGLU F_e wide (the fifth table); 0: GPT-2's 4C GELU
     shared: int = 0                  # Llama's shared experts, on all N tokens
-    local: int | None = None         # experts run on this rank (E/ep); a test's stand-in ep group: E
 
     def rows(self, N: int) -> tuple[int, int]:
         """(M, R) for N tokens: the given counts, or every expert chosen N K / E times:
@@ -199,11 +193,9 @@ def moe_mlp_bytes(N: int, C: int, m: MoELayer, store: int, comp: int) -> int:
     router += C * E * comp if comp != store else 0             # fp16/bf16: w_r computed on in fp32
     if m.swiglu:                                               # Llama's experts (the fifth table)
         F = m.swiglu
-        local = E // m.ep if m.local is None else m.local       # every one runs, even on 0 rows
-        fused = C * 2 * F * store                              # its [w1 | w3], made at every call
-        swiglu = 3 * F * comp + F * store                      # per row: [w1|w3]'s output, sigmoid; w2's input
-        experts = R * C * store + local * fused + R * swiglu
-        experts += m.shared * (fused + N * swiglu) + (N * C * store if m.shared and comp != store else 0)
+        swiglu = 3 * F * store                                 # per row: SwiGLU's two factors; w2's input
+        experts = R * C * store + R * swiglu
+        experts += m.shared * N * swiglu + (N * C * store if m.shared and comp != store else 0)
     else:
         experts = R * C * store + 2 * R * 4 * C * comp + R * 4 * C * store
     combine = M * C * store + M * store
@@ -262,7 +254,6 @@ def llama_layer_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, co
         return Ns * C * store                                 # the block's input alone
     low = 4 * C if comp != store else 0                       # fp16/bf16: RMSNorm keeps w in fp32
     norm = Ns * C * comp + Ns * comp + low                    # xhat (Ns, C), 1/rms (Ns, 1)
-    weights = C * (q + 2 * kv) * store                        # the fused [q|k|v]
     proj_in = N * q * store                                   # o_proj's input (N, H/t hs)
     if cp > 1:                                                # the ring: q, o; k, v; lse (b, H/t, T/cp)
         attention = 2 * N * q * comp + 2 * N * kv * comp + rows * Ht * Tc * comp
@@ -270,11 +261,11 @@ def llama_layer_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, co
             proj_in = 0
     else:                                                     # q; k, v; the softmax P (b, H/t, T, T)
         attention = N * q * comp + 2 * N * kv * comp + (0 if recompute == "selective" else rows * Ht * T * T * comp)
-    mlp = 3 * N * Ft * comp + N * Ft * store                  # SwiGLU's [gate|up] and sigmoid; down's input
-    mlp += Ns * C * store + C * 2 * Ft * store                # [gate|up]'s input, the fused [gate|up]
+    mlp = 3 * N * Ft * store                                  # SwiGLU's two factors; down's input
+    mlp += Ns * C * store                                     # [gate|up]'s input
     if moe_layer is not None:                                 # the router and the experts instead
         mlp = moe_mlp_bytes(N, C, moe_layer, store, comp)
-    return 2 * norm + Ns * C * store + weights + attention + proj_in + mlp
+    return 2 * norm + Ns * C * store + attention + proj_in + mlp
 
 
 def block_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, comp: int | None = None, sp: bool = False,
@@ -402,11 +393,11 @@ FORMULAS = {   # setting: (minipar's, the paper's), as the docstring writes them
 
 
 LLAMA_FORMULAS = {   # setting: llama_layer_bytes', as the docstring's fourth table writes it
-    "none": "d sbh (6 + 2/h + 2k/a + 4f/h + as/h) + d W",
-    "tp": "d sbh (4 + 2/h + (2 + 2k/a + 4f/h)/t + as/ht) + d W/t",
-    "tp+sp": "d sbh/t (6 + 2/h + 2k/a + 4f/h + as/h) + d W/t",
-    "tp+selective": "d sbh (4 + 2/h + (2 + 2k/a + 4f/h)/t) + d W/t",
-    "tp+sp+selective": "d sbh/t (6 + 2/h + 2k/a + 4f/h) + d W/t",
+    "none": "d sbh (6 + 2/h + 2k/a + 3f/h + as/h)",
+    "tp": "d sbh (4 + 2/h + (2 + 2k/a + 3f/h)/t + as/ht)",
+    "tp+sp": "d sbh/t (6 + 2/h + 2k/a + 3f/h + as/h)",
+    "tp+selective": "d sbh (4 + 2/h + (2 + 2k/a + 3f/h)/t)",
+    "tp+sp+selective": "d sbh/t (6 + 2/h + 2k/a + 3f/h)",
     "full": "d sbh",
 }
 
@@ -415,7 +406,7 @@ def cp_formula(recompute: str, arch: str = "gpt2") -> str:
     """The per-layer formula with --cp c (tp t, no sp), as the docstring derives it."""
     if recompute == "full":
         return "d sbh/c"
-    return "d sbh/c (4 + 2/h + (3 + 2k/a + 4f/h)/t + a/ht) + d W/t" if arch == "llama" \
+    return "d sbh/c (4 + 2/h + (3 + 2k/a + 3f/h)/t + a/ht)" if arch == "llama" \
         else "d sbh/c (4 + 2/h + 17/t + a/ht)"
 
 

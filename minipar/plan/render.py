@@ -147,8 +147,7 @@ def activation_lines(r: dict) -> list[str]:
         out.append(f"    {row['setting']:<17}{human_bytes(row['minipar']):>12}  "
                    f"{row['minipar_formula']:<{width if theirs else 0}}{theirs}{mark}")
     if llama:
-        out.append(f"    (W = h (h + 2hk/a + 2f), the fused [q|k|v] and [gate|up] weights each forward makes; "
-                   f"k/t is 1 when t > k)")
+        out.append("    (k/t is 1 when t > k)")
     if a["cp"] > 1:                                       # no row of Table 2: the ring's own
         out.append(f"    {'cp=' + str(a['cp']):<17}{human_bytes(a['this_run']):>12}  {a['cp_formula']:<{width}}"
                    f"{'' if llama else ' ' * 12}  (c = {a['cp']}: s/c tokens a rank, ring attention, no softmax) <")

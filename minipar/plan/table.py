@@ -36,7 +36,7 @@ The Llama family (--arch llama, or a --model llama* preset: every GPTConfig fiel
 a family's preset carries its own fields; model/llama.py): its parameters are param_specs',
 and each formula asks the family where GPT-2 and Llama differ:
     activations  activations.block_bytes: llama_layer_bytes (RMSNorm, q with k and v of Hkv
-                 heads, SwiGLU's [gate|up], the fused weights each forward makes), no positions
+                 heads, SwiGLU's [gate|up]; no fused weights kept), no positions
     FLOPs        K and V of Hkv heads, SwiGLU's three matrices (flops.py)
     tp           Megatron's 4 all-reduces per block as GPT-2's, + the shared key/value heads'
                  gradient sums when tp > Hkv (tensor_parallel.kv_grad_count); --sp sums the two
@@ -74,7 +74,7 @@ tokens is one routing group, cap = ceil(F n K / E) slots per expert (moe.capacit
                  over ep, not over dp (the other gradients are the same on every dp rank)
 The Llama family's (--arch llama --moe-experts, --model mixtral-8x7b) is the same, with its
 experts SwiGLU MLPs F_e wide (--moe-ffn-hidden; default the MLP's) and --moe-shared-experts S
-on every token: activations.py's fifth table (every expert's fused [w1|w3] included), FLOPs
+on every token: activations.py's fifth table (the experts' rows, no weights kept), FLOPs
 of K + S experts (flops.expert_weights), and with Mixtral's router (the family's default)
     pp           each pipeline message followed by its micro-batch's pooled counts (int64
                  (1, E); (0, E) before the first MoE block): comm_bytes.pooled_counts. The

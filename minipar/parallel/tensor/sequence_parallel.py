@@ -105,28 +105,29 @@ class GatherSequenceLinear(Function):
     """Sequence parallelism's f fused with the column-parallel linear after it:
     y = all_gather_seq(x) @ w + b, x (B, t/tp, Cin) -> y (B, t, Cout/tp). Keeps x's shard
     only (not the gathered (B, t, Cin)), and all-gathers it again in backward for dw;
-    dx is the reduce-scatter of the gathered input's gradient. The matmuls are ops.Linear's."""
+    dx is the reduce-scatter of the gathered input's gradient. The matmuls are ops.Linear's,
+    w in column pieces as there (Llama's [q | k | v]: `pieces` after the group)."""
 
-    def forward(self, x, w, b, group):
+    def forward(self, x, w, b, group, *pieces):
         self.group, self.has_bias = group, b is not None
         self.linear = ops.Linear()
-        self.linear.needs_input_grad = self.needs_input_grad[:3 if self.has_bias else 2]
         full = gather_seq(group, x, "f_gather")                       # (B, t, Cin)
-        y = self.linear.forward(full, w, *([b] if self.has_bias else []))
+        y = self.linear.forward(full, w, b, *pieces)
         self.linear.saved = ()                                        # the gathered input is not kept
-        self.save(x, w)
+        self.save(x, w, *pieces)
         return y
 
     def backward(self, g):
-        x, w = self.saved
+        x, w, *pieces = self.saved
         needs = self.needs_input_grad            # backward_split may ask for dx or dw alone
-        self.linear.needs_input_grad = needs[:3 if self.has_bias else 2]
-        full = gather_seq(self.group, x, "regather") if needs[1] else x     # again, for dw
-        self.linear.saved = (full.reshape(-1, full.shape[-1]), w)
-        dx, *dparams = self.linear.backward(g)
+        self.linear.needs_input_grad = (*needs[:3], *needs[4:])       # Linear's (x, w, b, *pieces)
+        need_w = needs[1] or any(needs[4:])
+        full = gather_seq(self.group, x, "regather") if need_w else x   # again, for dw
+        self.linear.saved = (full.reshape(-1, full.shape[-1]), w, *pieces)
+        dx, dw, db, *dpieces = self.linear.backward(g)
         self.linear.saved = ()
         dx = None if dx is None else scatter_seq(self.group, dx, "f_scatter")
-        return (dx, *dparams, *([] if self.has_bias else [None]), None)
+        return (dx, dw, db, None, *dpieces)
 
 
 class PositionsOfShard(Function):
@@ -155,7 +156,8 @@ class SequenceSplit(TensorSplit):
     logits of all t tokens."""
 
     def column(self, x, w, b=None):
-        return GatherSequenceLinear.apply(x, w, b, self.group)
+        w = list(w) if isinstance(w, (list, tuple)) else [w]          # a weight, or its column pieces
+        return GatherSequenceLinear.apply(x, w[0], b, self.group, *w[1:])
 
     def row(self, x, w, b=None):
         y = ScatterToSequence.apply(ops.linear(x, w), self.group)

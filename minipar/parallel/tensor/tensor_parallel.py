@@ -117,8 +117,9 @@ def reduce_from_tp(x: Tensor, group: comm.Group) -> Tensor:
 # --- column- and row-parallel linear layers -------------------------------------------------
 
 class ColumnParallelLinear:
-    """y_local = f(x) @ W[:, cols] + b[cols]: weight (Cin, Cout/tp), bias (Cout/tp,).
-    Input replicated, output split by columns (no communication forward)."""
+    """y_local = f(x) @ W[:, cols] + b[cols]: weight (Cin, Cout/tp), or the list of its column
+    pieces (ops.linear), bias (Cout/tp,). Input replicated, output split by columns (no
+    communication forward)."""
 
     def __init__(self, weight: Tensor, bias: Tensor, group: comm.Group):
         self.weight, self.bias, self.group = weight, bias, group
@@ -291,8 +292,10 @@ class TensorSplit(Whole):
         self.built = {}                     # (kind, parameter names) -> the layer
 
     def layer(self, kind: str, make, *tensors):
-        """The layer of `kind` on these parameters, made once by make(). A weight made in the
-        forward (Llama's fused [q | k | v], [gate | up]: no name) gets a layer at each call."""
+        """The layer of `kind` on these parameters (a weight may be a list of column pieces,
+        Llama's [q | k | v]), made once by make(). A tensor made in the forward (no name: a
+        key/value shard whose gradient is summed, kv) gets a layer at each call."""
+        tensors = [t for x in tensors for t in (x if isinstance(x, (list, tuple)) else [x])]
         if any(t is not None and t.name is None for t in tensors):
             return make()
         key = (kind, *(None if t is None else t.name for t in tensors))
