@@ -19,20 +19,30 @@ from __future__ import annotations
 import numpy as np
 
 from minipar.parallel.context import ring_attention
+from minipar.parallel.context.allgather_attention import AllGatherAttention, allgather_traffic
 from minipar.parallel.context.ring_attention import LAYOUTS, RingAttention, positions
+from minipar.parallel.context.ulysses import UlyssesAttention, head_split, ulysses_traffic
 from minipar.autograd.dtypes import compute, store
 from minipar.autograd.attention import head_counts
+from minipar.autograd.tensor import Function
 
-__all__ = ["ContextSplit", "RingSelfAttention", "LAYOUTS", "step_traffic", "summary"]
+__all__ = ["ContextSplit", "RingSelfAttention", "AllGatherSelfAttention", "IMPLS", "LAYOUTS", "step_traffic",
+           "summary"]
+
+
+IMPLS = ("ring", "ulysses", "allgather")
 
 
 class ContextSplit:
-    """This rank's share of every sequence: its cp group and the layout of the split."""
+    """This rank's share of every sequence: its cp group, the layout of the split and how its
+    attention talks (impl: ring, ulysses or allgather)."""
 
-    def __init__(self, group, layout: str = "zigzag"):
+    def __init__(self, group, layout: str = "zigzag", impl: str = "ring"):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        self.group, self.layout = group, layout
+        if impl not in IMPLS:
+            raise ValueError(f"--cp-impl must be one of {IMPLS}, got {impl!r}")
+        self.group, self.layout, self.impl = group, layout, impl
 
     @property
     def size(self) -> int:
@@ -57,17 +67,19 @@ class ContextSplit:
 
     def attention(self, qkv, n_head: int, n_kv_head: int | None = None):
         """Causal self-attention of the whole sequence for this rank's queries."""
-        return RingSelfAttention.apply(qkv, n_head, self.group, self.layout, n_kv_head)
+        cls = {"ring": RingSelfAttention, "ulysses": UlyssesAttention, "allgather": AllGatherSelfAttention}[self.impl]
+        return cls.apply(qkv, n_head, self.group, self.layout, n_kv_head)
 
 
-class RingSelfAttention(RingAttention):
-    """RingAttention on the packed projection qkv (B, t, (H + 2 Hkv) hs) = [q | k | v],
-    -> y (B, t, H hs), as ops.CausalSelfAttention takes and gives them (H = n_head/tp with
-    tensor parallelism). Grouped-query attention (Hkv < H): the heads are arranged
-    (B, Hkv, g, t, hs), g = H/Hkv, so only the Hkv key and value heads go round the ring and
-    the g query heads of a group meet theirs by broadcasting. fp16/bf16 attend in fp32, like
-    every op. It keeps q, k, v, the output and the log-sum-exp (never the t x T softmax):
-    selective recomputation built in."""
+class PackedSelfAttention(Function):
+    """A context-parallel attention (`core`, on heads) on the packed projection qkv (B, t,
+    (H + 2 Hkv) hs) = [q | k | v] -> y (B, t, H hs), as ops.CausalSelfAttention takes and
+    gives them (H = n_head/tp with tensor parallelism). Grouped-query attention (Hkv < H): the
+    heads are arranged (B, Hkv, g, t, hs), g = H/Hkv, so only the Hkv key and value heads
+    travel and the g query heads of a group meet theirs by broadcasting. fp16/bf16 attend in
+    fp32, like every op. It keeps what the core keeps (never the t x T softmax)."""
+
+    core = None                                                       # a Function on heads
 
     def forward(self, qkv, n_head, group, layout, n_kv_head=None):
         self.dtype, qkv = qkv.dtype, compute(qkv)
@@ -81,13 +93,17 @@ class RingSelfAttention(RingAttention):
         q = heads(qkv[..., :H * hs], Hkv, H // Hkv)
         k = heads(qkv[..., H * hs:(H + Hkv) * hs], Hkv, 1)
         v = heads(qkv[..., (H + Hkv) * hs:], Hkv, 1)
-        o = super().forward(q, k, v, group, layout)                   # (B, Hkv, g, t, hs)
+        self.inner = self.core()
+        o = self.inner.forward(q, k, v, group, layout)                # (B, Hkv, g, t, hs)
+        self.saved, self.inner.saved = self.inner.saved, ()           # counted here (saved_bytes)
         return store(o.transpose(0, 3, 1, 2, 4).reshape(B, t, H * hs), self.dtype)
 
     def backward(self, g):
         B, t, H, Hkv, hs = self.dims
         do = np.ascontiguousarray(compute(g).reshape(B, t, Hkv, H // Hkv, hs).transpose(0, 2, 3, 1, 4))
-        dq, dk, dv = super().backward(do)[:3]
+        self.inner.saved = self.saved
+        dq, dk, dv = self.inner.backward(do)[:3]
+        self.inner.saved = ()
 
         def merge(a):                                                 # (B, n, g, t, hs) -> (B, t, n g hs)
             return a.transpose(0, 3, 1, 2, 4).reshape(B, t, -1)
@@ -96,49 +112,87 @@ class RingSelfAttention(RingAttention):
         return store(dqkv, self.dtype), None, None, None, None
 
 
+class RingSelfAttention(PackedSelfAttention):
+    """Ring attention (ring_attention.RingAttention) on the packed projection."""
+    core = RingAttention
+
+
+class AllGatherSelfAttention(PackedSelfAttention):
+    """All-gather KV attention (allgather_attention.AllGatherAttention) on the packed projection."""
+    core = AllGatherAttention
+
+
 def kv_width(cfg, tp: int) -> int:
     """The channels of the key (or value) heads one tp rank holds: Hkv/tp heads of hs, at least
     one head (tp > Hkv: a shared one). GPT-2: C/tp."""
     return max(1, cfg.kv_heads // tp) * cfg.head_size
 
 
-def step_traffic(layers: int, micro_batches: int, rows: int, T: int, width: int, C: int, itemsize: int,
-                 recompute: str = "none") -> tuple[int, int]:
-    """(messages, bytes) a rank sends round its cp ring in one training step: one attention
-    call per layer it runs and micro-batch, each ring_attention.ring_traffic with
-    n = rows (T/C) width elements (width = kv_width: the channels of its key heads, C/tp for
-    GPT-2; grouped-query attention sends only its Hkv heads); with --recompute full each
-    forward runs twice. itemsize: of the compute dtype (fp16/bf16 attend in float32)."""
-    messages, nbytes = ring_attention.ring_traffic(rows * (T // C) * width, C, itemsize,
-                                                   2 if recompute == "full" else 1)
+def call_traffic(impl: str, rows: int, T: int, C: int, cfg, tp: int, itemsize: int,
+                 forwards: int = 1) -> tuple[int, int]:
+    """(messages, bytes) one rank sends for one attention call and its backward, `rows`
+    sequences of T tokens split over C ranks: ring_attention.ring_traffic (n = rows (T/C)
+    kv_width elements of its keys: only the key heads travel), allgather_traffic (the same n)
+    or ulysses_traffic (its heads after tp, ulysses.head_split). messages: the ring's
+    point-to-point messages, or the collectives called (2 per call: forward's, backward's)."""
+    width, t = kv_width(cfg, tp), T // C
+    if C == 1:
+        return 0, 0
+    if impl == "ring":
+        return ring_attention.ring_traffic(rows * t * width, C, itemsize, forwards)
+    if impl == "allgather":
+        return forwards + 1, allgather_traffic(rows * t * width, C, itemsize, forwards)
+    hs = cfg.head_size
+    Hq, kv = head_split(cfg.n_head // tp, width // hs, C)
+    return 2 * (forwards + 1), ulysses_traffic(rows * t, Hq, kv, hs, C, itemsize, forwards)
+
+
+def step_traffic(layers: int, micro_batches: int, rows: int, T: int, C: int, cfg, tp: int, itemsize: int,
+                 recompute: str = "none", impl: str = "ring") -> tuple[int, int]:
+    """(messages, bytes) a rank sends over its cp group in one training step: one attention call
+    per layer it runs and micro-batch (call_traffic); with --recompute full each forward runs
+    twice. itemsize: of the compute dtype (fp16/bf16 attend in float32)."""
+    messages, nbytes = call_traffic(impl, rows, T, C, cfg, tp, itemsize, 2 if recompute == "full" else 1)
     calls = layers * micro_batches
     return calls * messages, calls * nbytes
 
 
+FORMULAS = {   # impl: the summary's words for call_traffic, per layer and micro-batch
+    "ring": "[2n(C-1) fwd{full} + 2n(C-1) + 2nC bwd] x {s} B + {messages} headers, n = {n}",
+    "allgather": "[all-gather 2n(C-1) fwd{full} + reduce-scatter 2n(C-1) bwd] x {s} B, n = {n}",
+    "ulysses": "[(C-1)/C of q, k, v and of o fwd{full}, of do and dq, dk, dv bwd: all-to-alls] x {s} B, "
+               "{heads} heads a rank, n = {n}",
+}
+
+
 def summary(rows_log: list, cfg, *, cp: int, layout: str, rows: int, micro_batches: int, layers: int,
-            tp: int, itemsize: int, recompute: str) -> tuple[dict, list[str]]:
-    """The summary's context-parallel figures for this rank: the ring's bytes per step (the
-    rows' "cp" axis) beside step_traffic, the seconds waited on it (cp_wait_s), and the
-    sub-blocks of scores each cp rank computes per pass (the load balance of the layout).
-    rows: sequences per micro-batch of this dp rank; layers: those this rank runs; itemsize:
-    of the dtype attention computes in."""
+            tp: int, itemsize: int, recompute: str, impl: str = "ring") -> tuple[dict, list[str]]:
+    """The summary's context-parallel figures for this rank: the bytes its attention sent per
+    step (the rows' "cp" axis) beside step_traffic, the seconds waited on the ring (cp_wait_s),
+    and the sub-blocks of scores each cp rank computes per pass (the load balance of the
+    layout). rows: sequences per micro-batch of this dp rank; layers: those this rank runs;
+    itemsize: of the dtype attention computes in."""
     C, M, T = cp, micro_batches, cfg.block_size
-    width = kv_width(cfg, tp)
-    messages, want = step_traffic(layers, M, rows, T, width, C, itemsize, recompute)
+    messages, want = step_traffic(layers, M, rows, T, C, cfg, tp, itemsize, recompute, impl)
     sent = float(np.mean([r["bytes_by_axis"].get("cp", 0) for r in rows_log]))
     wait = float(np.mean([r["cp_wait_s"] for r in rows_log]))
     work = [ring_attention.blocks(r, C, T, layout) for r in range(C)]
     other = "contiguous" if layout == "zigzag" else "zigzag"
     work_other = [ring_attention.blocks(r, C, T, other) for r in range(C)]
-    out = {"cp": C, "layout": layout, "tokens_per_rank": T // C, "bytes_per_step": sent,
+    out = {"cp": C, "impl": impl, "layout": layout, "tokens_per_rank": T // C, "bytes_per_step": sent,
            "theory_bytes_per_step": want, "messages_per_step": messages, "wait_s_per_step": wait,
            "sub_blocks_per_rank": work, f"sub_blocks_per_rank_{other}": work_other}
     ratio = sent / want if want else float("nan")
-    line = (f"  context parallel: cp={C} ({layout}), {T // C} of {T} tokens per rank; ring sent "
-            f"{sent:,.0f} B/step per rank, theory {layers} layer(s) x {M} micro-batch(es) x "
-            f"[2n(C-1) fwd{' x 2 (full recompute)' if recompute == 'full' else ''} + 2n(C-1) + 2nC bwd] "
-            f"x {itemsize} B + {messages} headers, n = {rows}x{T // C}x{width} "
-            f"= {want:,} B (ratio {ratio:.3f}); waited {wait * 1e3:.1f} ms/step for ring messages; "
-            f"score sub-blocks per rank and pass {'/'.join(map(str, work))} "
-            f"({other}: {'/'.join(map(str, work_other))})")
+    width = kv_width(cfg, tp)
+    heads = "/".join(map(str, head_split(cfg.n_head // tp, width // cfg.head_size, C))) if impl == "ulysses" else ""
+    formula = FORMULAS[impl].format(full=" x 2 (full recompute)" if recompute == "full" else "", s=itemsize,
+                                    messages=messages, heads=heads,
+                                    n=f"{rows}x{T // C}x{width}" if impl != "ulysses" else f"B t = {rows}x{T // C}")
+    line = (f"  context parallel: cp={C} {impl} ({layout}), {T // C} of {T} tokens per rank; sent "
+            f"{sent:,.0f} B/step per rank, theory {layers} layer(s) x {M} micro-batch(es) x {formula} "
+            f"= {want:,} B (ratio {ratio:.3f}); waited {wait * 1e3:.1f} ms/step for its messages; "
+            + (f"score sub-blocks per rank and pass {'/'.join(map(str, work))} "
+               f"({other}: {'/'.join(map(str, work_other))})" if impl == "ring" else
+               "every rank attends over all T tokens for its H/C heads: the same work on each" if impl == "ulysses"
+               else f"(query, key) pairs per rank {'/'.join(str(ring_attention.pairs(r, C, T, layout)) for r in range(C))}"))
     return out, [line]
