@@ -183,6 +183,11 @@ def summary(rows_log: list, cfg, *, cp: int, layout: str, rows: int, micro_batch
            "theory_bytes_per_step": want, "messages_per_step": messages, "wait_s_per_step": wait,
            "sub_blocks_per_rank": work, f"sub_blocks_per_rank_{other}": work_other}
     ratio = sent / want if want else float("nan")
+    pairs = "/".join(str(ring_attention.pairs(r, C, T, layout)) for r in range(C))
+    balance = {"ring": f"score sub-blocks per rank and pass {'/'.join(map(str, work))} "
+                       f"({other}: {'/'.join(map(str, work_other))})",
+               "ulysses": "every rank attends over all T tokens for its H/C heads: the same work on each",
+               "allgather": f"(query, key) pairs per rank {pairs}"}[impl]
     width = kv_width(cfg, tp)
     heads = "/".join(map(str, head_split(cfg.n_head // tp, width // cfg.head_size, C))) if impl == "ulysses" else ""
     formula = FORMULAS[impl].format(full=" x 2 (full recompute)" if recompute == "full" else "", s=itemsize,
@@ -191,8 +196,5 @@ def summary(rows_log: list, cfg, *, cp: int, layout: str, rows: int, micro_batch
     line = (f"  context parallel: cp={C} {impl} ({layout}), {T // C} of {T} tokens per rank; sent "
             f"{sent:,.0f} B/step per rank, theory {layers} layer(s) x {M} micro-batch(es) x {formula} "
             f"= {want:,} B (ratio {ratio:.3f}); waited {wait * 1e3:.1f} ms/step for its messages; "
-            + (f"score sub-blocks per rank and pass {'/'.join(map(str, work))} "
-               f"({other}: {'/'.join(map(str, work_other))})" if impl == "ring" else
-               "every rank attends over all T tokens for its H/C heads: the same work on each" if impl == "ulysses"
-               else f"(query, key) pairs per rank {'/'.join(str(ring_attention.pairs(r, C, T, layout)) for r in range(C))}"))
+            + balance)
     return out, [line]
