@@ -141,7 +141,9 @@ def cp_impls(n, precisions):
     """--cp-impl ulysses and allgather beside the ring: alone (cp 2 and 4, both layouts), with
     dp and every ZeRO stage, tp (heads split by tp first), pp (1F1B, ZB-H1, interleaved),
     micro-batches, recomputation and fp16/bf16; Llama's grouped-query and multi-query attention
-    (Ulysses with the key/value heads copied when cp > Hkv/tp). 8 ranks: dp x cp x tp."""
+    (Ulysses with the key/value heads copied when cp > Hkv/tp). 8 ranks: dp x cp x tp. hybrid
+    (Ulysses over 2 ranks, the ring over the pairs) at cp 4, with recomputation, ZeRO-3,
+    micro-batches, multi-query attention and fp16/bf16; on 8 ranks with tp and with dp."""
     f64 = ["--dtype", "float64"]
     llama = ["--arch", "llama", "--ffn-hidden", "24", "--rope-theta", "500"]
     for impl in ("ulysses", "allgather"):
@@ -162,6 +164,17 @@ def cp_impls(n, precisions):
                 yield n, ["--cp", "2", "--tp", "2", "--precision", precision] + cp
         else:
             yield n, ["--dp", "2", "--cp", "2", "--tp", "2", "--zero", "1"] + cp + f64
+    hybrid = ["--cp-impl", "hybrid", "--cp-ulysses", "2"]
+    if n == 4:
+        for run in (["--cp", "4"], ["--cp", "4", "--cp-layout", "contiguous", "--recompute", "full"],
+                    ["--cp", "4", "--micro-batches", "2", "--zero", "3"],
+                    llama + ["--n-kv-head", "1", "--cp", "4"]):
+            yield n, run + hybrid + f64
+        for precision in set(precisions) - {"fp32"}:
+            yield n, ["--cp", "4", "--precision", precision] + hybrid
+    else:
+        yield n, ["--cp", "4", "--tp", "2", "--n-head", "8", "--n-embd", "32"] + hybrid + f64
+        yield n, ["--dp", "2", "--cp", "4", "--pp", "1"] + hybrid + f64
 
 
 def llama(n, precisions):

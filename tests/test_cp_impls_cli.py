@@ -22,6 +22,9 @@ GQA = ["--arch", "llama", "--n-head", "4", "--n-kv-head", "2", "--ffn-hidden", "
     (["--cp", "2", "--cp-impl", "ulysses", "--arch", "llama", "--n-head", "6", "--n-kv-head", "3", "--n-embd", "24"],
      "--cp-impl ulysses gives each of the cp 2 ranks whole key/value heads: 3 (after tp) neither divides "
      "nor is divided by 2 (--n-head 6, 3 key/value heads, --tp 1)"),
+    (["--cp", "2", "--cp-impl", "hybrid", "--cp-ulysses", "3"], "--cp-ulysses 3 must divide --cp 2"),
+    (["--cp", "2", "--cp-ulysses", "2"], "--cp-ulysses 2 is the Ulysses degree of --cp-impl hybrid, not of "
+                                         "--cp-impl ring"),
 ])
 def test_bad_cp_impl_flags_stop_every_rank_before_any_message(tmp_path, flags, message):
     notes = tmp_path / "notes"
@@ -33,7 +36,7 @@ def test_bad_cp_impl_flags_stop_every_rank_before_any_message(tmp_path, flags, m
         f.read_text().startswith("0 messages before: ") for f in said)
 
 
-@pytest.mark.parametrize("impl", ["ulysses", "allgather"])
+@pytest.mark.parametrize("impl", ["ulysses", "allgather", "hybrid"])
 @pytest.mark.parametrize("layout", [
     ["--cp", "4", "--n-head", "4"],
     ["--cp", "2", "--dp", "2", "--zero", "1", "--cp-layout", "contiguous", "--micro-batches", "2"],
@@ -41,7 +44,8 @@ def test_bad_cp_impl_flags_stop_every_rank_before_any_message(tmp_path, flags, m
 ])
 def test_verify_passes_and_the_bytes_are_the_formula(tmp_path, impl, layout):
     log = str(tmp_path / "log.jsonl")
-    p = mpirun(4, *layout, "--cp-impl", impl, "--dtype", "float64", "--verify", "--log", log)
+    degree = ["--cp-ulysses", "2"] if impl == "hybrid" and "4" in layout else []   # cp 4: Ulysses 2 x ring 2
+    p = mpirun(4, *layout, "--cp-impl", impl, *degree, "--dtype", "float64", "--verify", "--log", log)
     verify = [line for line in p.stdout.splitlines() if line.startswith("verify: dp=")]
     assert p.returncode == 0 and len(verify) == 1 and verify[0].endswith("-> OK"), p.stdout + p.stderr
     rows, summary = read_log(log)

@@ -56,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--cp: how attention sees the whole sequence: ring (K, V passed round the cp "
                         "ranks), ulysses (an all-to-all from sequence shards to head shards and back: "
                         "cp must divide the heads of a tp rank) or allgather (every rank gathers all "
-                        "of K and V) (docs/context-parallel.md) [ring]")
+                        "of K and V) or hybrid (Ulysses inside groups of --cp-ulysses ranks, the ring "
+                        "across them) (docs/context-parallel.md) [ring]")
+    g.add_argument("--cp-ulysses", type=int, default=None, metavar="U",
+                   help="--cp-impl hybrid: Ulysses over U consecutive cp ranks (U divides --cp), the ring "
+                        "over the --cp/U groups [the cp ranks of a host]")
     g.add_argument("--tp", type=int, default=1, metavar="T",
                    help="tensor-parallel ranks [%(default)s]")
     g.add_argument("--sp", action="store_true",
@@ -400,10 +404,15 @@ def check_cp_impl(cfg: GPTConfig, args, tp: int) -> str:
     impl = args.cp_impl or "ring"
     if args.cp_impl is not None and args.cp == 1:
         raise ConfigError(f"--cp-impl {args.cp_impl} is how a cp group attends: it needs --cp > 1")
-    if impl == "ulysses" and args.cp > 1:
-        kv = max(1, cfg.kv_heads // tp)
+    U = args.cp if impl == "ulysses" else args.cp_ulysses
+    if args.cp_ulysses is not None and impl != "hybrid":
+        raise ConfigError(f"--cp-ulysses {args.cp_ulysses} is the Ulysses degree of --cp-impl hybrid, "
+                          f"not of --cp-impl {impl}")
+    if U is not None and args.cp > 1:
+        if U < 1 or args.cp % U:
+            raise ConfigError(f"--cp-ulysses {U} must divide --cp {args.cp}")
         try:
-            head_split(cfg.n_head // tp, kv, args.cp)
+            head_split(cfg.n_head // tp, max(1, cfg.kv_heads // tp), U)
         except ValueError as e:
             raise ConfigError(f"{e} (--n-head {cfg.n_head}, {cfg.kv_heads} key/value heads, --tp {tp})") from None
     return impl

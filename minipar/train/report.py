@@ -37,6 +37,8 @@ CP_WORDS = {   # --cp-impl: how the summary says its attention talks
     "ring": "ring attention, K and V passing round {C} ranks",
     "ulysses": "Ulysses, all-to-alls from sequence shards to head shards over {C} ranks and back",
     "allgather": "all-gather of K and V over {C} ranks, reduce-scatter of their gradients",
+    "hybrid": "hybrid, Ulysses' all-to-alls inside groups of consecutive cp ranks, ring attention across "
+              "them ({C} ranks in all)",
 }
 
 
@@ -347,7 +349,8 @@ def in_use(session, rows_log, mem, digest, stages, tp_ledger):
         itemsize = 4 if args.precision != "fp32" else np.dtype(session.spec.dtype).itemsize   # fp16/bf16 attend in fp32
         yield "context_parallel", context_parallel.summary(
             rows_log, cfg, cp=g.cp_size, layout=args.cp_layout, rows=rows, micro_batches=M, layers=len(layers),
-            tp=g.tp_size, itemsize=itemsize, recompute=args.recompute, impl=args.cp_impl)
+            tp=g.tp_size, itemsize=itemsize, recompute=args.recompute, impl=args.cp_impl,
+            ulysses=session.context.ulysses)
     if cfg.moe_experts:
         yield "moe", moe.summary_lines(rows_log)
     if g.ep_size > 1:

@@ -28,6 +28,7 @@ from minipar import comm
 from minipar.autograd.attention import CausalSelfAttention, head_counts
 from minipar.autograd.dtypes import compute, store
 from minipar.autograd.tensor import Function
+from minipar.parallel.context.packed import RingSelfAttention
 from minipar.parallel.context.ring_attention import positions, waited
 
 
@@ -54,62 +55,76 @@ class UlyssesAttention(Function):
     """Causal self-attention of the whole sequence on the packed projection qkv (B, t, (H +
     2 Hkv) hs) of this rank's tokens -> y (B, t, H hs), as ops.CausalSelfAttention takes and
     gives them. Keeps what the inner attention keeps: q, k, v of its heads over all T tokens
-    (the softmax made again in backward)."""
+    (the softmax made again in backward).
 
-    def forward(self, qkv, n_head, group, layout="zigzag", n_kv_head=None):
+    ring: None, or the ring group of --cp-impl hybrid (hybrid.py): `group` is then one of its
+    ranks' Ulysses group, whose U ranks' tokens the all-to-all brings together, and the
+    attention over them is ring attention with the other ring members' (their own Ulysses
+    groups' tokens). A member's tokens are those of a zig-zag (or contiguous) split of the
+    sequence into R = C/U parts: positions(m, R, T, layout)."""
+
+    def forward(self, qkv, n_head, group, layout="zigzag", n_kv_head=None, ring=None):
         self.dtype, qkv = qkv.dtype, compute(qkv)
         B, t, width = qkv.shape
         H, Hkv, hs = head_counts(width, n_head, n_kv_head)
-        C = group.size
-        Hq, kv = head_split(H, Hkv, C)
+        U, R, m = group.size, 1 if ring is None else ring.size, 0 if ring is None else ring.rank
+        Hq, kv = head_split(H, Hkv, U)
+        T = t * U * R
         self.group, self.dims = group, (B, t, H, Hkv, hs, Hq, kv)
-        self.order = np.concatenate([positions(o, C, t * C, layout) for o in range(C)])
-        q = qkv[..., :H * hs].reshape(B, t, C, Hq * hs)
+        # where the tokens of my Ulysses group's ranks (cp ranks m U + i) go among its U t
+        mine = positions(m, R, T, layout)                             # sorted
+        self.order = np.searchsorted(mine, np.concatenate([positions(m * U + i, U * R, T, layout)
+                                                           for i in range(U)]))
+        q = qkv[..., :H * hs].reshape(B, t, U, Hq * hs)
         k = qkv[..., H * hs:(H + Hkv) * hs].reshape(B, t, Hkv, hs)
         v = qkv[..., (H + Hkv) * hs:].reshape(B, t, Hkv, hs)
-        send = np.empty((C, B, t, (Hq + 2 * kv) * hs), dtype=qkv.dtype)
-        for j in range(C):
-            heads = kv_heads_of(j, Hkv, C)
+        send = np.empty((U, B, t, (Hq + 2 * kv) * hs), dtype=qkv.dtype)
+        for j in range(U):
+            heads = kv_heads_of(j, Hkv, U)
             send[j] = np.concatenate([q[:, :, j], k[:, :, heads].reshape(B, t, -1),
                                       v[:, :, heads].reshape(B, t, -1)], axis=-1)
-        mine = self._to_sequence(waited("forward", comm.all_to_all, group, send))   # (B, T, (Hq + 2 kv) hs)
-        self.inner = CausalSelfAttention()
-        y = self.inner.forward(mine, Hq, True, kv)                     # keeps q, k, v; P made again
+        gathered = self._to_sequence(waited("forward", comm.all_to_all, group, send))   # (B, U t, w)
+        if ring is None:
+            self.inner = CausalSelfAttention()
+            y = self.inner.forward(gathered, Hq, True, kv)            # keeps q, k, v; P made again
+        else:
+            self.inner = RingSelfAttention()
+            y = self.inner.forward(gathered, Hq, ring, layout, kv)
         self.saved, self.inner.saved = self.inner.saved, ()
-        back = waited("forward", comm.all_to_all, group, self._to_owners(y))      # (C, B, t, Hq hs): heads j
+        back = waited("forward", comm.all_to_all, group, self._to_owners(y))      # (U, B, t, Hq hs): heads j
         return store(np.moveaxis(back, 0, 2).reshape(B, t, H * hs), self.dtype)
 
     def backward(self, g):
         B, t, H, Hkv, hs, Hq, kv = self.dims
-        C, g = self.group.size, compute(g)
-        dy = np.ascontiguousarray(np.moveaxis(g.reshape(B, t, C, Hq * hs), 2, 0))
-        dy = self._to_sequence(waited("backward", comm.all_to_all, self.group, dy))   # (B, T, Hq hs)
+        U, g = self.group.size, compute(g)
+        dy = np.ascontiguousarray(np.moveaxis(g.reshape(B, t, U, Hq * hs), 2, 0))
+        dy = self._to_sequence(waited("backward", comm.all_to_all, self.group, dy))   # (B, U t, Hq hs)
         self.inner.saved = self.saved
-        dmine = self.inner.backward(dy)[0]                             # (B, T, (Hq + 2 kv) hs)
+        dmine = self.inner.backward(dy)[0]                             # (B, U t, (Hq + 2 kv) hs)
         self.inner.saved = ()
-        got = waited("backward", comm.all_to_all, self.group, self._to_owners(dmine))   # (C, B, t, w)
+        got = waited("backward", comm.all_to_all, self.group, self._to_owners(dmine))   # (U, B, t, w)
         dq = np.moveaxis(got[..., :Hq * hs], 0, 2).reshape(B, t, H * hs)
         dk = np.zeros((B, t, Hkv, hs), dtype=got.dtype)
         dv = np.zeros_like(dk)
-        for j in range(C):                                             # a replicated head: summed
-            heads = kv_heads_of(j, Hkv, C)
+        for j in range(U):                                             # a replicated head: summed
+            heads = kv_heads_of(j, Hkv, U)
             dk[:, :, heads] += got[j][..., Hq * hs:(Hq + kv) * hs].reshape(B, t, kv, hs)
             dv[:, :, heads] += got[j][..., (Hq + kv) * hs:].reshape(B, t, kv, hs)
         dqkv = np.concatenate([dq, dk.reshape(B, t, -1), dv.reshape(B, t, -1)], axis=-1)
-        return store(dqkv, self.dtype), None, None, None, None
+        return store(dqkv, self.dtype), None, None, None, None, None
 
     def _to_sequence(self, got):
-        """(C, B, t, w) received, rank o's tokens at got[o] -> (B, T, w) in position order."""
-        C, B, t, w = got.shape
-        out = np.empty((B, C * t, w), dtype=got.dtype)
-        out[:, self.order] = np.moveaxis(got, 0, 1).reshape(B, C * t, w)
+        """(U, B, t, w) received, rank i's tokens at got[i] -> (B, U t, w) in position order."""
+        U, B, t, w = got.shape
+        out = np.empty((B, U * t, w), dtype=got.dtype)
+        out[:, self.order] = np.moveaxis(got, 0, 1).reshape(B, U * t, w)
         return out
 
     def _to_owners(self, a):
-        """(B, T, w) in position order -> (C, B, t, w), rank o's tokens at [o]: to send home."""
-        C = self.group.size
-        B, T, w = a.shape
-        return np.ascontiguousarray(np.moveaxis(a[:, self.order].reshape(B, C, T // C, w), 1, 0))
+        """(B, U t, w) in position order -> (U, B, t, w), rank i's tokens at [i]: to send home."""
+        U = self.group.size
+        B, n, w = a.shape
+        return np.ascontiguousarray(np.moveaxis(a[:, self.order].reshape(B, U, n // U, w), 1, 0))
 
 
 def ulysses_traffic(rows_t: int, Hq: int, kv: int, hs: int, C: int, itemsize: int, forwards: int = 1) -> int:
