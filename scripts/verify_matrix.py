@@ -76,6 +76,7 @@ def cases(ranks, precisions):
                 if pp > 1 and schedule == "1f1b" and (precision == "fp32" or zero == 0):
                     yield from past_1f1b(n, dp, tp, pp, zero, precision)
         yield from context_parallel(n, precisions)
+        yield from cp_impls(n, precisions)
         yield from experts(n, precisions)
         yield from llama(n, precisions)
 
@@ -134,6 +135,46 @@ def context_parallel(n, precisions):
                     ["--dp", "2", "--cp", "2", "--pp", "2", "--schedule", "zb-h1", "--micro-batches", "2"],
                     ["--cp", "4", "--tp", "2", "--cp-layout", "contiguous"]):
             yield n, run + f64
+
+
+def cp_impls(n, precisions):
+    """--cp-impl ulysses and allgather beside the ring: alone (cp 2 and 4, both layouts), with
+    dp and every ZeRO stage, tp (heads split by tp first), pp (1F1B, ZB-H1, interleaved),
+    micro-batches, recomputation and fp16/bf16; Llama's grouped-query and multi-query attention
+    (Ulysses with the key/value heads copied when cp > Hkv/tp). 8 ranks: dp x cp x tp. hybrid
+    (Ulysses over 2 ranks, the ring over the pairs) at cp 4, with recomputation, ZeRO-3,
+    micro-batches, multi-query attention and fp16/bf16; on 8 ranks with tp and with dp."""
+    f64 = ["--dtype", "float64"]
+    llama = ["--arch", "llama", "--ffn-hidden", "24", "--rope-theta", "500"]
+    for impl in ("ulysses", "allgather"):
+        cp = ["--cp-impl", impl]
+        if n == 4:
+            runs = [["--cp", "4"], ["--cp", "4", "--cp-layout", "contiguous"],
+                    ["--cp", "2", "--tp", "2", "--recompute", "full"],
+                    ["--cp", "2", "--dp", "2", "--micro-batches", "2", "--recompute", "selective"]]
+            runs += [["--cp", "2", "--dp", "2", "--zero", str(z)] for z in (1, 2, 3)]
+            runs += [["--cp", "2", "--pp", "2", "--schedule", s, "--micro-batches", "2"] for s in ("1f1b", "zb-h1")]
+            runs += [["--cp", "2", "--pp", "2", "--n-layer", "4", "--schedule", "interleaved", "--virtual-stages",
+                      "2", "--micro-batches", "2"]]
+            runs += [llama + ["--n-kv-head", "2", "--cp", "4"], llama + ["--n-kv-head", "1", "--cp", "2", "--tp", "2"],
+                     llama + ["--n-kv-head", "2", "--cp", "2", "--dp", "2", "--zero", "3"]]
+            for run in runs:
+                yield n, run + cp + f64
+            for precision in set(precisions) - {"fp32"}:
+                yield n, ["--cp", "2", "--tp", "2", "--precision", precision] + cp
+        else:
+            yield n, ["--dp", "2", "--cp", "2", "--tp", "2", "--zero", "1"] + cp + f64
+    hybrid = ["--cp-impl", "hybrid", "--cp-ulysses", "2"]
+    if n == 4:
+        for run in (["--cp", "4"], ["--cp", "4", "--cp-layout", "contiguous", "--recompute", "full"],
+                    ["--cp", "4", "--micro-batches", "2", "--zero", "3"],
+                    llama + ["--n-kv-head", "1", "--cp", "4"]):
+            yield n, run + hybrid + f64
+        for precision in set(precisions) - {"fp32"}:
+            yield n, ["--cp", "4", "--precision", precision] + hybrid
+    else:
+        yield n, ["--cp", "4", "--tp", "2", "--n-head", "8", "--n-embd", "32"] + hybrid + f64
+        yield n, ["--dp", "2", "--cp", "4", "--pp", "1"] + hybrid + f64
 
 
 def llama(n, precisions):
@@ -247,7 +288,8 @@ def main():
             failed.append((n, flags, code))
         else:
             key = ("fp32" if "float64" in flags else "fp16/bf16") + (" --sp" if "--sp" in flags else "") \
-                + (" --cp" if "--cp" in flags else "") + (" --moe" if "--moe-experts" in flags else "") \
+                + (" --cp" if "--cp" in flags else "") \
+                + (f" {flags[flags.index('--cp-impl') + 1]}" if "--cp-impl" in flags else "") + (" --moe" if "--moe-experts" in flags else "") \
                 + (" llama" if "llama" in flags else "")
             for k, v in figures.items():
                 worst.setdefault(key, {})[k] = max(v, worst.get(key, {}).get(k, 0.0))

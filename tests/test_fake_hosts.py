@@ -74,3 +74,14 @@ def test_ep_across_hosts_takes_the_hierarchical_all_to_all(tmp_path):
     algorithms = {e["args"]["algorithm"] for e in traceview.spans(t, "comm") if e["args"]["axis"] == "ep"}
     assert "hierarchical" in algorithms, algorithms     # (validation's larger batches: pairwise)
     assert traceview.audit(t) == []
+
+
+def test_hybrid_cp_is_ulysses_inside_a_host_and_the_ring_across(tmp_path):
+    """--cp-impl hybrid without --cp-ulysses: Ulysses over the 2 cp ranks of each host, the ring
+    between the 2 hosts, equal to the twin, its bytes the formula's."""
+    out, (rows, summary), t = run(tmp_path, "--cp", "4", "--cp-impl", "hybrid", "--verify")
+    cp = summary["context_parallel"]
+    assert summary["verify"]["ok"] and cp["impl"] == "hybrid", summary["verify"]
+    assert "Ulysses' all-to-alls over U = 2 ranks" in out and "the ring over C/U = 2" in out
+    assert cp["bytes_per_step"] == cp["theory_bytes_per_step"] > 0
+    assert 0 < rows[-1]["inter_host_bytes_by_axis"]["cp"] < rows[-1]["bytes_by_axis"]["cp"]

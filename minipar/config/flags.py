@@ -14,7 +14,9 @@ from minipar.optim import mixed_precision
 from minipar.model.config import ROUTERS
 from minipar.model.gpt import GPTConfig
 from minipar.parallel.pipeline import schedules
+from minipar.parallel.context.context_parallel import IMPLS as CP_IMPLS
 from minipar.parallel.context.ring_attention import LAYOUTS
+from minipar.parallel.context.ulysses import head_split
 
 MODEL_DEFAULTS = dict(arch="gpt2", n_layer=4, n_head=4, n_embd=128, block_size=64,
                       moe_experts=0, moe_top_k=2, moe_every=1, moe_capacity_factor=0.0,
@@ -50,6 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cp-layout", choices=LAYOUTS, default=None,
                    help="--cp: which tokens each rank keeps, chunks i and 2C-1-i of 2C (zigzag: the "
                         "same causal work on every rank) or chunks 2i, 2i+1 [zigzag]")
+    g.add_argument("--cp-impl", choices=CP_IMPLS, default=None,
+                   help="--cp: how attention sees the whole sequence: ring (K, V passed round the cp "
+                        "ranks), ulysses (an all-to-all from sequence shards to head shards and back: "
+                        "cp must divide the heads of a tp rank) or allgather (every rank gathers all "
+                        "of K and V) or hybrid (Ulysses inside groups of --cp-ulysses ranks, the ring "
+                        "across them) (docs/context-parallel.md) [ring]")
+    g.add_argument("--cp-ulysses", type=int, default=None, metavar="U",
+                   help="--cp-impl hybrid: Ulysses over U consecutive cp ranks (U divides --cp), the ring "
+                        "over the --cp/U groups [the cp ranks of a host]")
     g.add_argument("--tp", type=int, default=1, metavar="T",
                    help="tensor-parallel ranks [%(default)s]")
     g.add_argument("--sp", action="store_true",
@@ -384,6 +395,27 @@ def check_context_split(cfg: GPTConfig | None, args) -> str:
         raise ConfigError(f"--sp does not combine with --cp {cp}: both split the sequence, and minipar "
                           f"has only one of them at a time (use --cp with --tp, or --sp without --cp)")
     return cp_layout
+
+
+def check_cp_impl(cfg: GPTConfig, args, tp: int) -> str:
+    """--cp-impl needs --cp > 1; ulysses gives each cp rank whole query heads and whole key and
+    value heads of its tp rank's (ulysses.head_split). -> the implementation, ring when not
+    given (args is not changed)."""
+    impl = args.cp_impl or "ring"
+    if args.cp_impl is not None and args.cp == 1:
+        raise ConfigError(f"--cp-impl {args.cp_impl} is how a cp group attends: it needs --cp > 1")
+    U = args.cp if impl == "ulysses" else args.cp_ulysses
+    if args.cp_ulysses is not None and impl != "hybrid":
+        raise ConfigError(f"--cp-ulysses {args.cp_ulysses} is the Ulysses degree of --cp-impl hybrid, "
+                          f"not of --cp-impl {impl}")
+    if U is not None and args.cp > 1:
+        if U < 1 or args.cp % U:
+            raise ConfigError(f"--cp-ulysses {U} must divide --cp {args.cp}")
+        try:
+            head_split(cfg.n_head // tp, max(1, cfg.kv_heads // tp), U)
+        except ValueError as e:
+            raise ConfigError(f"{e} (--n-head {cfg.n_head}, {cfg.kv_heads} key/value heads, --tp {tp})") from None
+    return impl
 
 
 MAX_EXPERTS = 1024                       # per MoE block: each expert is its own 4 tensors

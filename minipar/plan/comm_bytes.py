@@ -272,9 +272,8 @@ def cp_bytes(cfg: GPTConfig, stage: int, lay, compute_itemsize: int, g=None):
     if lay.cp == 1:
         return 0
     messages, nbytes = context_parallel.step_traffic(rank_layer_count(cfg, stage, lay.pp, chunks(lay)),
-                                                     lay.micro_batches, lay.rows, cfg.block_size,
-                                                     context_parallel.kv_width(cfg, lay.tp), lay.cp,
-                                                     compute_itemsize, lay.recompute)
+                                                     lay.micro_batches, lay.rows, cfg.block_size, lay.cp, cfg,
+                                                     lay.tp, compute_itemsize, lay.recompute)
     return nbytes if g is None else g.ring(messages, nbytes)
 
 

@@ -33,6 +33,14 @@ from minipar.parallel.zero import formulas as zero, optimizer as zero_optimizer
 from minipar.parallel.zero import summary as zero_summary
 from minipar.comm.ledger import human_bytes
 
+CP_WORDS = {   # --cp-impl: how the summary says its attention talks
+    "ring": "ring attention, K and V passing round {C} ranks",
+    "ulysses": "Ulysses, all-to-alls from sequence shards to head shards over {C} ranks and back",
+    "allgather": "all-gather of K and V over {C} ranks, reduce-scatter of their gradients",
+    "hybrid": "hybrid, Ulysses' all-to-alls inside groups of consecutive cp ranks, ring attention across "
+              "them ({C} ranks in all)",
+}
+
 
 
 def memory_report(model, opt: AdamW) -> dict:
@@ -118,7 +126,7 @@ def mechanisms(session) -> str:
     elif args.sp:
         out.append("sequence parallelism over tp 1 (nothing to split)")
     if grid.cp_size > 1:
-        out.append(f"context parallelism over {grid.cp_size} ranks ({args.cp_layout} ring attention)")
+        out.append(f"context parallelism over {grid.cp_size} ranks ({args.cp_layout}, {args.cp_impl} attention)")
     if session.cfg.moe_experts:
         cfg = session.cfg
         out.append(f"mixture of experts (E={cfg.moe_experts}, top-{cfg.moe_top_k}, {cfg.moe_router}'s loss"
@@ -195,7 +203,7 @@ def describe(session) -> list[str]:
         lines.append(f"  context parallel: each cp rank holds {T // C} of the {T} positions of every "
                      f"sequence ({args.cp_layout}: this rank "
                      + ", ".join(f"{p[0]}..{p[-1]}" for p in np.split(session.context.positions(T), 2))
-                     + f"); attention by ring attention, K and V passing round {C} ranks; gradients "
+                     + f"); attention: {CP_WORDS[args.cp_impl].format(C=C)}; gradients "
                        f"summed over dp x cp = {grid.grad_group.size} rank(s)")
     if session.pipe is not None:
         pp, V = grid.pp_size, args.virtual_stages
@@ -341,7 +349,8 @@ def in_use(session, rows_log, mem, digest, stages, tp_ledger):
         itemsize = 4 if args.precision != "fp32" else np.dtype(session.spec.dtype).itemsize   # fp16/bf16 attend in fp32
         yield "context_parallel", context_parallel.summary(
             rows_log, cfg, cp=g.cp_size, layout=args.cp_layout, rows=rows, micro_batches=M, layers=len(layers),
-            tp=g.tp_size, itemsize=itemsize, recompute=args.recompute)
+            tp=g.tp_size, itemsize=itemsize, recompute=args.recompute, impl=args.cp_impl,
+            ulysses=session.context.ulysses)
     if cfg.moe_experts:
         yield "moe", moe.summary_lines(rows_log)
     if g.ep_size > 1:

@@ -14,7 +14,7 @@ import numpy as np
 
 from minipar import comm
 from minipar.config import outputs
-from minipar.config.flags import (DTYPES, ConfigError, check_context_split, check_moe, check_numbers,
+from minipar.config.flags import (DTYPES, ConfigError, check_context_split, check_cp_impl, check_moe, check_numbers,
                                   check_schedule, check_sequence_split, check_split, resolve_dp_flags,
                                   resolve_model, validate)
 from minipar.model.gpt import GPTConfig, param_specs
@@ -101,6 +101,7 @@ def prepare(args, world: int) -> RunSpec:
     check_split(cfg, dp, tp, pp, args.batch_size, args.micro_batches)
     check_sequence_split(cfg, tp, args.sp)
     args.cp_layout = check_context_split(cfg, args)
+    args.cp_impl = check_cp_impl(cfg, args, tp)
     check_moe(cfg, args, dp)
     check_schedule(cfg, pp, args.schedule, args.virtual_stages, args.micro_batches)
     args.dp_mode, args.bucket_mb = resolve_dp_flags(args)

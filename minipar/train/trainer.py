@@ -346,7 +346,8 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
         print(f"checkpoint: {os.path.abspath(args.resume)} is missing (a save was cut off between its two "
               f"renames): resuming from the one before it, {spec.meta['loaded_from']}", flush=True)
     grid = ProcessGrid(world_comm, spec.layout)
-    context = context_parallel.ContextSplit(grid.cp_group, args.cp_layout) if grid.cp_size > 1 else None
+    context = (context_parallel.ContextSplit(grid.cp_group, args.cp_layout, args.cp_impl, args.cp_ulysses)
+               if grid.cp_size > 1 else None)
     model, opt = init_model(spec, args, grid, context)
     sync = None
     grads = grid.grad_group        # dp x cp: every rank of it has a partial gradient of the same weights

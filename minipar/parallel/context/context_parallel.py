@@ -2,8 +2,11 @@
 cp group, T/C tokens each, at the positions ring_attention.positions gives (zig-zag by
 default: chunks i and 2C-1-i of 2C). docs/context-parallel.md; docs/design.md §6.
 
-Only attention mixes tokens, so only attention talks: ring_attention.RingAttention passes
-K and V round the cp group. Everything else runs on the rank's own tokens, unchanged:
+Only attention mixes tokens, so only attention talks (--cp-impl): ring_attention.RingAttention
+passes K and V round the cp group, ulysses.UlyssesAttention turns sequence shards into head
+shards and back, allgather_attention.AllGatherAttention gathers K and V whole, and hybrid is
+Ulysses inside groups with the ring across them. Everything else runs on the rank's own
+tokens, unchanged:
     the embedding   wte[idx_local] + wpe[positions]        (its positions, not 0..T/C-1)
     LayerNorm, MLP, the projections, ln_f, the head        per token
     the loss        sum of its tokens' cross-entropies / (B T), the global token count
@@ -19,20 +22,36 @@ from __future__ import annotations
 import numpy as np
 
 from minipar.parallel.context import ring_attention
-from minipar.parallel.context.ring_attention import LAYOUTS, RingAttention, positions
-from minipar.autograd.dtypes import compute, store
-from minipar.autograd.attention import head_counts
+from minipar.parallel.context.allgather_attention import allgather_traffic
+from minipar.parallel.context.packed import AllGatherSelfAttention, RingSelfAttention
+from minipar.parallel.context.ring_attention import LAYOUTS, positions
+from minipar.parallel.context.ulysses import UlyssesAttention, head_split, ulysses_traffic
+from minipar.comm.group import Group
 
-__all__ = ["ContextSplit", "RingSelfAttention", "LAYOUTS", "step_traffic", "summary"]
+__all__ = ["ContextSplit", "RingSelfAttention", "AllGatherSelfAttention", "IMPLS", "LAYOUTS", "step_traffic",
+           "summary"]
+
+
+IMPLS = ("ring", "ulysses", "allgather", "hybrid")
 
 
 class ContextSplit:
-    """This rank's share of every sequence: its cp group and the layout of the split."""
+    """This rank's share of every sequence: its cp group, the layout of the split and how its
+    attention talks (impl: ring, ulysses, allgather or hybrid). hybrid: Ulysses over groups of
+    `ulysses` consecutive cp ranks (default: the cp ranks of a host), ring attention across
+    them; its two groups are made here (a collective over the cp group)."""
 
-    def __init__(self, group, layout: str = "zigzag"):
+    def __init__(self, group, layout: str = "zigzag", impl: str = "ring", ulysses: int | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        self.group, self.layout = group, layout
+        if impl not in IMPLS:
+            raise ValueError(f"--cp-impl must be one of {IMPLS}, got {impl!r}")
+        self.group, self.layout, self.impl, self.ulysses = group, layout, impl, None
+        if impl == "hybrid":
+            U = self.ulysses = hybrid_degree(group, ulysses)
+            c = group.rank
+            self.ulysses_group = Group(group.comm.Split(color=c // U, key=c % U), axis="cp")
+            self.ring_group = Group(group.comm.Split(color=c % U, key=c // U), axis="cp")
 
     @property
     def size(self) -> int:
@@ -57,43 +76,28 @@ class ContextSplit:
 
     def attention(self, qkv, n_head: int, n_kv_head: int | None = None):
         """Causal self-attention of the whole sequence for this rank's queries."""
-        return RingSelfAttention.apply(qkv, n_head, self.group, self.layout, n_kv_head)
+        if self.impl == "ulysses":
+            return UlyssesAttention.apply(qkv, n_head, self.group, self.layout, n_kv_head, None)
+        if self.impl == "hybrid":
+            return UlyssesAttention.apply(qkv, n_head, self.ulysses_group, self.layout, n_kv_head, self.ring_group)
+        cls = RingSelfAttention if self.impl == "ring" else AllGatherSelfAttention
+        return cls.apply(qkv, n_head, self.group, self.layout, n_kv_head)
 
 
-class RingSelfAttention(RingAttention):
-    """RingAttention on the packed projection qkv (B, t, (H + 2 Hkv) hs) = [q | k | v],
-    -> y (B, t, H hs), as ops.CausalSelfAttention takes and gives them (H = n_head/tp with
-    tensor parallelism). Grouped-query attention (Hkv < H): the heads are arranged
-    (B, Hkv, g, t, hs), g = H/Hkv, so only the Hkv key and value heads go round the ring and
-    the g query heads of a group meet theirs by broadcasting. fp16/bf16 attend in fp32, like
-    every op. It keeps q, k, v, the output and the log-sum-exp (never the t x T softmax):
-    selective recomputation built in."""
-
-    def forward(self, qkv, n_head, group, layout, n_kv_head=None):
-        self.dtype, qkv = qkv.dtype, compute(qkv)
-        B, t, width = qkv.shape
-        H, Hkv, hs = head_counts(width, n_head, n_kv_head)
-        self.dims = (B, t, H, Hkv, hs)
-
-        def heads(a, n, g):                                           # (B, t, n g hs) -> (B, n, g, t, hs)
-            return np.ascontiguousarray(a.reshape(B, t, n, g, hs).transpose(0, 2, 3, 1, 4))
-
-        q = heads(qkv[..., :H * hs], Hkv, H // Hkv)
-        k = heads(qkv[..., H * hs:(H + Hkv) * hs], Hkv, 1)
-        v = heads(qkv[..., (H + Hkv) * hs:], Hkv, 1)
-        o = super().forward(q, k, v, group, layout)                   # (B, Hkv, g, t, hs)
-        return store(o.transpose(0, 3, 1, 2, 4).reshape(B, t, H * hs), self.dtype)
-
-    def backward(self, g):
-        B, t, H, Hkv, hs = self.dims
-        do = np.ascontiguousarray(compute(g).reshape(B, t, Hkv, H // Hkv, hs).transpose(0, 2, 3, 1, 4))
-        dq, dk, dv = super().backward(do)[:3]
-
-        def merge(a):                                                 # (B, n, g, t, hs) -> (B, t, n g hs)
-            return a.transpose(0, 3, 1, 2, 4).reshape(B, t, -1)
-
-        dqkv = np.concatenate([merge(dq), merge(dk), merge(dv)], axis=-1)
-        return store(dqkv, self.dtype), None, None, None, None
+def hybrid_degree(group, ulysses: int | None) -> int:
+    """--cp-impl hybrid's Ulysses degree U on this cp group: `ulysses` (--cp-ulysses), else the
+    cp ranks of a host when every host holds as many and they are consecutive (Ulysses inside a
+    host, the ring across hosts); one host: U = C, Ulysses alone."""
+    C = group.size
+    if ulysses is None:
+        per_host = C // group.n_nodes
+        if C % group.n_nodes or any(group.nodes[r] != r // per_host for r in range(C)):
+            raise ValueError(f"--cp-impl hybrid: the cp group's {C} ranks are not in equal runs on its "
+                             f"{group.n_nodes} hosts (hosts {group.nodes}): give --cp-ulysses U")
+        ulysses = per_host
+    if ulysses < 1 or C % ulysses:
+        raise ValueError(f"--cp-ulysses {ulysses} must divide --cp {C}")
+    return ulysses
 
 
 def kv_width(cfg, tp: int) -> int:
@@ -102,43 +106,86 @@ def kv_width(cfg, tp: int) -> int:
     return max(1, cfg.kv_heads // tp) * cfg.head_size
 
 
-def step_traffic(layers: int, micro_batches: int, rows: int, T: int, width: int, C: int, itemsize: int,
-                 recompute: str = "none") -> tuple[int, int]:
-    """(messages, bytes) a rank sends round its cp ring in one training step: one attention
-    call per layer it runs and micro-batch, each ring_attention.ring_traffic with
-    n = rows (T/C) width elements (width = kv_width: the channels of its key heads, C/tp for
-    GPT-2; grouped-query attention sends only its Hkv heads); with --recompute full each
-    forward runs twice. itemsize: of the compute dtype (fp16/bf16 attend in float32)."""
-    messages, nbytes = ring_attention.ring_traffic(rows * (T // C) * width, C, itemsize,
-                                                   2 if recompute == "full" else 1)
+def call_traffic(impl: str, rows: int, T: int, C: int, cfg, tp: int, itemsize: int,
+                 forwards: int = 1, ulysses: int | None = None) -> tuple[int, int]:
+    """(messages, bytes) one rank sends for one attention call and its backward, `rows`
+    sequences of T tokens split over C ranks: ring_attention.ring_traffic (n = rows (T/C)
+    kv_width elements of its keys: only the key heads travel), allgather_traffic (the same n)
+    or ulysses_traffic (its heads after tp, ulysses.head_split); hybrid: Ulysses over U =
+    `ulysses` ranks, then the ring over C/U on the U t tokens and the heads Ulysses left.
+    messages: the ring's point-to-point messages, or the collectives called."""
+    width, t, hs = kv_width(cfg, tp), T // C, cfg.head_size
+    if C == 1:
+        return 0, 0
+    if impl == "ring":
+        return ring_attention.ring_traffic(rows * t * width, C, itemsize, forwards)
+    if impl == "allgather":
+        return forwards + 1, allgather_traffic(rows * t * width, C, itemsize, forwards)
+    U = C if impl == "ulysses" else ulysses
+    Hq, kv = head_split(cfg.n_head // tp, width // hs, U)
+    messages = 2 * (forwards + 1) if U > 1 else 0
+    nbytes = ulysses_traffic(rows * t, Hq, kv, hs, U, itemsize, forwards)
+    if impl == "hybrid" and C > U:
+        ring_messages, ring_bytes = ring_attention.ring_traffic(rows * U * t * kv * hs, C // U, itemsize, forwards)
+        messages, nbytes = messages + ring_messages, nbytes + ring_bytes
+    return messages, nbytes
+
+
+def step_traffic(layers: int, micro_batches: int, rows: int, T: int, C: int, cfg, tp: int, itemsize: int,
+                 recompute: str = "none", impl: str = "ring", ulysses: int | None = None) -> tuple[int, int]:
+    """(messages, bytes) a rank sends over its cp group in one training step: one attention call
+    per layer it runs and micro-batch (call_traffic); with --recompute full each forward runs
+    twice. itemsize: of the compute dtype (fp16/bf16 attend in float32)."""
+    messages, nbytes = call_traffic(impl, rows, T, C, cfg, tp, itemsize, 2 if recompute == "full" else 1, ulysses)
     calls = layers * micro_batches
     return calls * messages, calls * nbytes
 
 
+FORMULAS = {   # impl: the summary's words for call_traffic, per layer and micro-batch
+    "ring": "[2n(C-1) fwd{full} + 2n(C-1) + 2nC bwd] x {s} B + {messages} headers, n = {n}",
+    "allgather": "[all-gather 2n(C-1) fwd{full} + reduce-scatter 2n(C-1) bwd] x {s} B, n = {n}",
+    "ulysses": "[(C-1)/C of q, k, v and of o fwd{full}, of do and dq, dk, dv bwd: all-to-alls] x {s} B, "
+               "{heads} heads a rank, n = {n}",
+    "hybrid": "[Ulysses' all-to-alls over U = {U} ranks, {heads} heads a rank, + the ring over C/U = {R} on "
+              "U t tokens{full}] x {s} B, n = {n}",
+}
+
+
 def summary(rows_log: list, cfg, *, cp: int, layout: str, rows: int, micro_batches: int, layers: int,
-            tp: int, itemsize: int, recompute: str) -> tuple[dict, list[str]]:
-    """The summary's context-parallel figures for this rank: the ring's bytes per step (the
-    rows' "cp" axis) beside step_traffic, the seconds waited on it (cp_wait_s), and the
-    sub-blocks of scores each cp rank computes per pass (the load balance of the layout).
-    rows: sequences per micro-batch of this dp rank; layers: those this rank runs; itemsize:
-    of the dtype attention computes in."""
+            tp: int, itemsize: int, recompute: str, impl: str = "ring",
+            ulysses: int | None = None) -> tuple[dict, list[str]]:
+    """The summary's context-parallel figures for this rank: the bytes its attention sent per
+    step (the rows' "cp" axis) beside step_traffic, the seconds waited on the ring (cp_wait_s),
+    and the sub-blocks of scores each cp rank computes per pass (the load balance of the
+    layout). rows: sequences per micro-batch of this dp rank; layers: those this rank runs;
+    itemsize: of the dtype attention computes in."""
     C, M, T = cp, micro_batches, cfg.block_size
-    width = kv_width(cfg, tp)
-    messages, want = step_traffic(layers, M, rows, T, width, C, itemsize, recompute)
+    messages, want = step_traffic(layers, M, rows, T, C, cfg, tp, itemsize, recompute, impl, ulysses)
     sent = float(np.mean([r["bytes_by_axis"].get("cp", 0) for r in rows_log]))
     wait = float(np.mean([r["cp_wait_s"] for r in rows_log]))
     work = [ring_attention.blocks(r, C, T, layout) for r in range(C)]
     other = "contiguous" if layout == "zigzag" else "zigzag"
     work_other = [ring_attention.blocks(r, C, T, other) for r in range(C)]
-    out = {"cp": C, "layout": layout, "tokens_per_rank": T // C, "bytes_per_step": sent,
+    out = {"cp": C, "impl": impl, "layout": layout, "tokens_per_rank": T // C, "bytes_per_step": sent,
            "theory_bytes_per_step": want, "messages_per_step": messages, "wait_s_per_step": wait,
            "sub_blocks_per_rank": work, f"sub_blocks_per_rank_{other}": work_other}
     ratio = sent / want if want else float("nan")
-    line = (f"  context parallel: cp={C} ({layout}), {T // C} of {T} tokens per rank; ring sent "
-            f"{sent:,.0f} B/step per rank, theory {layers} layer(s) x {M} micro-batch(es) x "
-            f"[2n(C-1) fwd{' x 2 (full recompute)' if recompute == 'full' else ''} + 2n(C-1) + 2nC bwd] "
-            f"x {itemsize} B + {messages} headers, n = {rows}x{T // C}x{width} "
-            f"= {want:,} B (ratio {ratio:.3f}); waited {wait * 1e3:.1f} ms/step for ring messages; "
-            f"score sub-blocks per rank and pass {'/'.join(map(str, work))} "
-            f"({other}: {'/'.join(map(str, work_other))})")
+    U = C if impl == "ulysses" else ulysses
+    pairs = "/".join(str(ring_attention.pairs(r, C, T, layout)) for r in range(C))
+    R = C // (U or 1)                                   # hybrid: the ring's members
+    ring_blocks = "/".join(str(ring_attention.blocks(r, R, T, layout)) for r in range(R))
+    balance = {"ring": f"score sub-blocks per rank and pass {'/'.join(map(str, work))} "
+                       f"({other}: {'/'.join(map(str, work_other))})",
+               "ulysses": "every rank attends over all T tokens for its H/C heads: the same work on each",
+               "hybrid": f"score sub-blocks per ring rank and pass, on U t tokens: {ring_blocks}",
+               "allgather": f"(query, key) pairs per rank {pairs}"}[impl]
+    width = kv_width(cfg, tp)
+    heads = "/".join(map(str, head_split(cfg.n_head // tp, width // cfg.head_size, U))) if U else ""
+    formula = FORMULAS[impl].format(full=" x 2 (full recompute)" if recompute == "full" else "", s=itemsize,
+                                    messages=messages, heads=heads, U=U, R=C // U if U else C,
+                                    n=f"{rows}x{T // C}x{width}" if impl != "ulysses" else f"B t = {rows}x{T // C}")
+    line = (f"  context parallel: cp={C} {impl} ({layout}), {T // C} of {T} tokens per rank; sent "
+            f"{sent:,.0f} B/step per rank, theory {layers} layer(s) x {M} micro-batch(es) x {formula} "
+            f"= {want:,} B (ratio {ratio:.3f}); waited {wait * 1e3:.1f} ms/step for its messages; "
+            + balance)
     return out, [line]

@@ -131,6 +131,16 @@ def _finish(handles, which: str):
     return got
 
 
+def waited(which: str, call, *args):
+    """call(*args): a blocking collective of another cp implementation (Ulysses' all-to-alls,
+    the KV all-gather and reduce-scatter), all of whose time is waited, counted as the ring's
+    waits are (comm.counts("ring")[which]["waited"]: the trainer's cp_wait_s)."""
+    t0 = time.perf_counter()
+    out = call(*args)
+    comm.count("ring", which, waited=time.perf_counter() - t0)
+    return out
+
+
 def _progress(handles):
     """Let the messages in flight advance (minipar's handles move only when tested)."""
     if handles is not None:
