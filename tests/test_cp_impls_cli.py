@@ -87,3 +87,15 @@ def test_verify_fails_on_a_planted_mistake(tmp_path, mistake):
     p = run_driver(tmp_path, 2, patch, "--cp", "2", *flags, "--dtype", "float64", "--steps", "2", "--verify")
     verify = [line for line in p.stdout.splitlines() if line.startswith("verify: dp=1 cp=2")]
     assert p.returncode == 1 and len(verify) == 1 and verify[0].endswith("-> FAILED"), p.stdout + p.stderr
+
+
+def test_hybrid_from_the_hosts_checks_the_heads_once_it_knows_them():
+    """Without --cp-ulysses, hybrid's degree comes from the hosts (one host: Ulysses over all 4
+    cp ranks), known only once the groups are made: 2 heads on 4 ranks then stops every rank
+    with the same line and exit code 2, not a traceback."""
+    p = mpirun(4, "--cp", "4", "--cp-impl", "hybrid")
+    assert p.returncode == 2, p.stdout + p.stderr
+    line = ("minipar.train: error: --cp-impl ulysses gives each of the cp 4 ranks whole query heads: 2 heads "
+            "(after tp) are not divisible by 4 (--n-head 2, 2 key/value heads, --tp 1, Ulysses over the cp "
+            "ranks of a host)")
+    assert line in p.stderr and "Traceback" not in p.stderr, p.stderr

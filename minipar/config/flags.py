@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cp-impl", choices=CP_IMPLS, default=None,
                    help="--cp: how attention sees the whole sequence: ring (K, V passed round the cp "
                         "ranks), ulysses (an all-to-all from sequence shards to head shards and back: "
-                        "cp must divide the heads of a tp rank) or allgather (every rank gathers all "
+                        "cp must divide the heads of a tp rank), allgather (every rank gathers all "
                         "of K and V) or hybrid (Ulysses inside groups of --cp-ulysses ranks, the ring "
                         "across them) (docs/context-parallel.md) [ring]")
     g.add_argument("--cp-ulysses", type=int, default=None, metavar="U",

@@ -45,6 +45,7 @@ from minipar.parallel.data_parallel import GradSync
 from minipar.model.gpt import GPT, train_flops_per_token
 from minipar.optim.adamw import AdamW, clip_coef, lr_at
 from minipar.parallel.context import context_parallel
+from minipar.parallel.context.ulysses import head_split
 from minipar.parallel import data_parallel
 from minipar.parallel.expert import expert_parallel
 from minipar.parallel.pipeline import stage as pipeline
@@ -319,6 +320,19 @@ def open_rank0_outputs(args):
         raise ConfigError(f"--log {args.log}: {e.strerror}") from None
 
 
+def hybrid_context(grid, args, cfg):
+    """--cp-impl hybrid: its ContextSplit, whose Ulysses degree (without --cp-ulysses: the cp
+    ranks of a host) can be checked against the heads only now that the hosts are known. Every
+    rank knows the same hosts, so every rank stops with the same one line."""
+    try:
+        context = context_parallel.ContextSplit(grid.cp_group, args.cp_layout, "hybrid", args.cp_ulysses)
+        head_split(cfg.n_head // grid.tp_size, max(1, cfg.kv_heads // grid.tp_size), context.ulysses)
+    except ValueError as e:
+        raise ConfigError(f"{e} (--n-head {cfg.n_head}, {cfg.kv_heads} key/value heads, --tp {grid.tp_size}, "
+                          f"Ulysses over {args.cp_ulysses or 'the cp ranks of a host'})") from None
+    return context
+
+
 def set_up(args, requests: stop.Requests | None = None) -> Session:
     """Validate on every rank, agree, then build the grid, the model of this rank, its
     optimizer and the data-parallel / ZeRO / pipeline machinery."""
@@ -346,8 +360,8 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
         print(f"checkpoint: {os.path.abspath(args.resume)} is missing (a save was cut off between its two "
               f"renames): resuming from the one before it, {spec.meta['loaded_from']}", flush=True)
     grid = ProcessGrid(world_comm, spec.layout)
-    context = (context_parallel.ContextSplit(grid.cp_group, args.cp_layout, args.cp_impl, args.cp_ulysses)
-               if grid.cp_size > 1 else None)
+    context = hybrid_context(grid, args, spec.cfg) if args.cp_impl == "hybrid" else (
+        context_parallel.ContextSplit(grid.cp_group, args.cp_layout, args.cp_impl) if grid.cp_size > 1 else None)
     model, opt = init_model(spec, args, grid, context)
     sync = None
     grads = grid.grad_group        # dp x cp: every rank of it has a partial gradient of the same weights

@@ -57,7 +57,7 @@ class UlyssesAttention(Function):
     gives them. Keeps what the inner attention keeps: q, k, v of its heads over all T tokens
     (the softmax made again in backward).
 
-    ring: None, or the ring group of --cp-impl hybrid (hybrid.py): `group` is then one of its
+    ring: None, or the ring group of --cp-impl hybrid (context_parallel.ContextSplit): `group` is then one of its
     ranks' Ulysses group, whose U ranks' tokens the all-to-all brings together, and the
     attention over them is ring attention with the other ring members' (their own Ulysses
     groups' tokens). A member's tokens are those of a zig-zag (or contiguous) split of the
