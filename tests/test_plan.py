@@ -397,16 +397,23 @@ def test_forward_flops_equal_instrumented_matmuls(matmul_counter, no_tp_comm, tp
     cfg = GPTConfig(vocab_size=97, block_size=12, n_layer=3, n_head=6, n_embd=24)
     flags = ["--vocab-size", "97", "--block-size", "12", "--n-layer", "3", "--n-head", "6", "--n-embd", "24",
              "--batch-size", "4"]
+    assert_forward_flops(matmul_counter, cfg, flags, tp, pp, stage_model)
+
+
+def assert_forward_flops(counter, cfg, flags, tp, pp, make_stage):
+    """The instrumented matmul FLOPs of cfg's forward (4 sequences of 12 tokens of a 97-token
+    vocabulary) equal the planner's for `flags`: the whole model when tp = pp = 1, else each
+    stage that make_stage(cfg, tp, pp, stage, dtype) builds, on dp = 2."""
     rng = np.random.default_rng(0)
     if (tp, pp) == (1, 1):
         GPT(cfg)(rng.integers(0, 97, (4, 12)))
-        assert matmul_counter["flops"] == run_plan(*flags)["flops"]["matmul_forward"]
+        assert counter["flops"] == run_plan(*flags)["flops"]["matmul_forward"]
         return
     r = run_plan(*flags, "--dp", "2", "--tp", str(tp), "--pp", str(pp))
     for st in range(pp):
-        matmul_counter["flops"] = 0
-        stage_model(cfg, tp, pp, st, np.float64).forward(stage_input(cfg, st, 2, np.float64, rng))
-        assert matmul_counter["flops"] == r["flops_per_stage"][st]["matmul_forward"], (tp, pp, st)
+        counter["flops"] = 0
+        make_stage(cfg, tp, pp, st, np.float64).forward(stage_input(cfg, st, 2, np.float64, rng))
+        assert counter["flops"] == r["flops_per_stage"][st]["matmul_forward"], (tp, pp, st)
 
 
 # ---------------------------------------------------------------- communication formulas, bubble

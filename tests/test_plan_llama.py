@@ -45,7 +45,8 @@ from minipar.parallel.tensor.sequence_parallel import SequenceParallelGPT
 from minipar.parallel.zero import units as zero_units
 from minipar.plan import activations, comm_bytes, flops, hosts as plan_hosts, layout, table
 
-from test_plan import FakeGroup, cli, matmul_counter, no_tp_comm, run_plan, stage_input  # noqa: F401 - fixtures
+from test_plan import (FakeGroup, assert_forward_flops, cli, matmul_counter, no_tp_comm,  # noqa: F401 - fixtures
+                       run_plan, stage_input)
 
 PUBLISHED = {"llama2-7b": (6_738_415_616, 11008), "llama3-8b": (8_030_261_248, 14336),
              "llama3-70b": (70_553_706_496, 28672), "llama3-405b": (405_853_388_800, 53248)}
@@ -422,16 +423,7 @@ def test_forward_flops_equal_instrumented_matmuls(matmul_counter, no_tp_comm, sh
     cfg = llama(kv, n_head=4, C=16, F=24)
     flags = ["--arch", "llama", "--vocab-size", "97", "--block-size", "12", "--n-layer", "3", "--n-head", "4",
              "--n-kv-head", str(kv), "--n-embd", "16", "--ffn-hidden", "24", "--batch-size", "4"]
-    rng = np.random.default_rng(0)
-    if tp == pp == 1:
-        GPT(cfg)(rng.integers(0, 97, (4, 12)))
-        assert matmul_counter["flops"] == run_plan(*flags)["flops"]["matmul_forward"]
-        return
-    r = run_plan(*flags, "--dp", "2", "--tp", str(tp), "--pp", str(pp))
-    for st in range(pp):
-        matmul_counter["flops"] = 0
-        stage_of(cfg, tp, pp, st, np.float64).forward(stage_input(cfg, st, 2, np.float64, rng))
-        assert matmul_counter["flops"] == r["flops_per_stage"][st]["matmul_forward"], st
+    assert_forward_flops(matmul_counter, cfg, flags, tp, pp, stage_of)
 
 
 def test_recompute_adds_the_blocks_forward():
