@@ -39,7 +39,7 @@ import numpy as np
 
 from minipar.show.draw import _esc
 from minipar.explain.common import (BOLD, CHAR_W, LINE_H, PAD, ROOT, SQ, WHATS, ExplainError, Spec,
-                                    colour)
+                                    colour, svg_end)
 from minipar.explain.gqa_tp import work_gqa
 from minipar.explain.megatron import work_mlp
 from minipar.explain.moe import MOE_FACTOR, work_moe
@@ -407,10 +407,7 @@ def grid_svg(pic) -> str:
                 out += _band(xs[s] + PAD, y + PAD + i * LINE_H, col_w[s] - 2 * PAD, kind, m, text, pic)
         y += row_h[r]
     out += _legend(pic, legend_y)
-    out += [f'<text x="10" y="{legend_y + 70 + 18 * i}" fill="#c00000">PROBLEM: {_esc(line)}</text>'
-            for i, line in enumerate(pic.problems)]
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    return svg_end(out, legend_y + 70, pic.problems)
 
 
 def _band(x, y, w, kind, m, text, pic):

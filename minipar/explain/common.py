@@ -65,3 +65,11 @@ def colour(index: int, p: int) -> str:
 
 def _text(x, y, text, extra=""):
     return f'<text x="{x:.1f}" y="{y:.1f}"{extra}>{_esc(text)}</text>'
+
+
+def svg_end(out: list, y, problems) -> str:
+    """The drawing `out` (lines of SVG) finished: the check's problems in red from y down, 18 px
+    apart, then the closing tag."""
+    out += [f'<text x="10" y="{y + 18 * i}" fill="#c00000">PROBLEM: {_esc(line)}</text>'
+            for i, line in enumerate(problems)]
+    return "\n".join(out + ["</svg>"]) + "\n"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minipar.show.draw import _esc
-from minipar.explain.common import BOLD, CHAR_W, LINE_H, PAD, WHATS, ExplainError, colour
+from minipar.explain.common import BOLD, CHAR_W, LINE_H, PAD, WHATS, ExplainError, colour, svg_end
 
 GQA_SHAPE = dict(arch="llama", vocab_size=16, block_size=4, n_layer=1, n_head=8, n_kv_head=2, n_embd=16,
                  ffn_hidden=8, rope_theta=100.0)
@@ -188,7 +188,4 @@ def gqa_svg(pic) -> str:
                f'a key/value head held by several ranks has its gradient summed over them</text>')
     out.append(f'<text x="10" y="{y + LINE_H}">read from the run: each rank\'s shards matched against the '
                f'canonical heads; the sums are the trace\'s all-reduces over part of the tp group</text>')
-    out += [f'<text x="10" y="{y + 2 * LINE_H + PAD + 18 * i}" fill="#c00000">PROBLEM: {_esc(line)}</text>'
-            for i, line in enumerate(pic.problems)]
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    return svg_end(out, y + 2 * LINE_H + PAD, pic.problems)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minipar.show.draw import _esc
-from minipar.explain.common import BOLD, CHAR_W, LINE_H, PAD, WHATS, ExplainError
+from minipar.explain.common import BOLD, CHAR_W, LINE_H, PAD, WHATS, ExplainError, svg_end
 
 
 MLP_SHAPE = (2, 3, 4)           # megatron-mlp: B, T, C (the hidden width is 4C)
@@ -185,7 +185,4 @@ def mlp_svg(pic) -> str:
                 f'<text x="{26 + k * 190}" y="{y}">{_esc(label)}</text>']
     out.append(f'<text x="10" y="{y + 22}">f = copy_to_tp: identity forward, all-reduce backward;  '
                f'g = reduce_from_tp: all-reduce forward, identity backward</text>')
-    out += [f'<text x="10" y="{y + 44 + 18 * i}" fill="#c00000">PROBLEM: {_esc(line)}</text>'
-            for i, line in enumerate(pic.problems)]
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    return svg_end(out, y + 44, pic.problems)
