@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from minipar.parallel.context import context_parallel
+from minipar.plan import context as plan_context, hosts as plan_hosts, table
 from minipar.show import traceview
 from trainer_runs import MPIRUN, REPO, read_log
 
@@ -85,3 +87,22 @@ def test_hybrid_cp_is_ulysses_inside_a_host_and_the_ring_across(tmp_path):
     assert "Ulysses' all-to-alls over U = 2 ranks" in out and "the ring over C/U = 2" in out
     assert cp["bytes_per_step"] == cp["theory_bytes_per_step"] > 0
     assert 0 < rows[-1]["inter_host_bytes_by_axis"]["cp"] < rows[-1]["bytes_by_axis"]["cp"]
+
+
+def test_ulysses_across_hosts_is_hierarchical_and_its_bytes_are_the_formula(tmp_path):
+    """--cp-impl ulysses over 4 ranks on 2 hosts: its small all-to-alls run hierarchically
+    (comm.all_to_all_algorithm), which sends more inside a host than pairwise would; the
+    summary's formula asks the same dispatcher (context_parallel.Sent), so its bytes are the
+    ledger's to the byte, and the planner's (placed on the same hosts) equal them too."""
+    out, (rows, summary), t = run(tmp_path, "--cp", "4", "--n-head", "4", "--cp-impl", "ulysses", "--verify")
+    cp = summary["context_parallel"]
+    assert summary["verify"]["ok"], summary["verify"]
+    assert any(e["args"]["algorithm"] == "hierarchical" and e["args"]["axis"] == "cp"
+               for e in traceview.spans(t, "comm"))
+    assert cp["bytes_per_step"] == cp["theory_bytes_per_step"] > 0
+    args = table.build_parser().parse_args([*MODEL[:-6], "--dtype", "float64", "--n-head", "4", "--cp", "4", "--cp-impl", "ulysses"])
+    cfg, lay, _ = table.resolve(args)
+    one_host = context_parallel.step_traffic(2, 1, 8, 32, 4, cfg, 1, 8, impl="ulysses")[1]
+    assert cp["theory_bytes_per_step"] != one_host        # the hierarchy's, not the one-host formula's
+    planned = plan_context.compare(cfg, lay, plan_hosts.Hosts(2))
+    assert {r["impl"]: r for r in planned}["ulysses"]["bytes_per_step"] == cp["bytes_per_step"]

@@ -572,7 +572,7 @@ def test_seq_ceiling_none_when_the_shortest_does_not_fit(capsys):
 def test_cp_in_the_table_and_the_json(capsys):
     code, out, _ = cli(capsys, "--model", "gpt2", "--cp", "4", "--dp", "2", "--memory-budget", "16GiB")
     assert code == 0
-    for text in ("dp=2 cp=4 (zigzag) tp=1 pp=1 (8 devices)", "cp (ring attention)",
+    for text in ("dp=2 cp=4 (ring, zigzag) tp=1 pp=1 (8 devices)", "cp (ring)",
                  "d sbh/c (4 + 2/h + 17/t + a/ht)", "longest sequence T in 16.00 GiB per device",
                  "without cp", "with cp=4"):
         assert text in out, text

@@ -61,6 +61,11 @@ LAYOUTS = [
     (4, ["--dtype", "float64", "--tp", "2", "--pp", "2", "--n-layer", "4", "--micro-batches", "2",
          "--schedule", "interleaved", "--virtual-stages", "2"]),
     (4, ["--dtype", "float64", "--cp", "2", "--dp", "2", "--micro-batches", "2"]),   # the ring; grads over dp x cp
+    # the other ways to attend: Ulysses' head shards, the all-gather's K and V (peak activations over 2 stages)
+    (4, ["--dtype", "float64", "--cp", "2", "--cp-impl", "ulysses", "--pp", "2", "--n-layer", "2",
+         "--micro-batches", "2"]),
+    (4, ["--dtype", "float64", *LLAMA, "--n-kv-head", "1", "--cp", "2", "--cp-impl", "allgather", "--pp", "2",
+         "--n-layer", "2", "--micro-batches", "2"]),
     # experts split over ep 2 x pp 2; capacity 2.0 = N slots: every message padded, nothing dropped
     (4, ["--dtype", "float64", *MOE, "--dp", "2", "--ep", "2", "--pp", "2", "--micro-batches", "2",
          "--moe-capacity-factor", "2.0"]),
@@ -97,6 +102,10 @@ MORE = [
     (4, ["--dtype", "float64", "--cp", "2", "--pp", "2", "--n-layer", "2", "--micro-batches", "2",
          "--recompute", "full", "--zero", "1"]),          # peak activations with cp; the ring twice; ZeRO over cp
     (4, ["--precision", "bf16", "--cp", "4", "--cp-layout", "contiguous"]),   # the ring in fp32
+    (4, ["--dtype", "float64", "--cp", "4", "--cp-impl", "hybrid", "--cp-ulysses", "2"]),   # Ulysses 2 x ring 2
+    (4, ["--dtype", "float64", *LLAMA, "--n-head", "4", "--n-kv-head", "1", "--cp", "2", "--cp-impl", "ulysses", "--tp", "2",
+         "--recompute", "full"]),                          # the KV head copied; the all-to-alls' forward twice
+    (4, ["--precision", "bf16", "--cp", "4", "--cp-impl", "allgather", "--pp", "1"]),   # gathered in fp32
     (2, ["--dtype", "float64", *MOE, "--ep", "2", "--moe-capacity-factor", "1.0"]),    # drops; bytes still static
     (4, ["--dtype", "float64", *MOE, "--dp", "4", "--ep", "2", "--micro-batches", "2"]),   # a2a: balanced estimate
     (2, ["--dtype", "float64", *MOE, "--tp", "2"]),        # MoE blocks replicated over tp: attention's f, g only
@@ -205,10 +214,11 @@ def owned_peaks(cfg, lay, r) -> list:
     first_foreign = -(-cfg.vocab_size // lay.tp)
     assert data.load_tokens(None, cfg.block_size).max() < first_foreign, "not every token on tp rank 0"
     itemsize, compute_itemsize, _ = layout.itemsizes(lay)
-    N = lay.rows * cfg.block_size
+    N = lay.rows * cfg.block_size // lay.cp
     return [activations.peak_in_flight_bytes(cfg, lay.schedule, stage, lay.pp, layout.chunks(lay), lay.micro_batches,
                                              lay.tp, lay.rows, itemsize, compute_itemsize, lay.sp, lay.recompute,
-                                             owned=(N, N))[0]
+                                             owned=(N, N), cp=lay.cp, cp_impl=lay.cp_impl,
+                                             cp_ulysses=lay.cp_ulysses)[0]
             for stage in range(lay.pp)]
 
 

@@ -220,6 +220,17 @@ def all_to_all_algorithm(g, x, sizes=None):
     return "pairwise"
 
 
+def all_to_all_sent(g, x) -> int:
+    """Bytes one rank sends in all_to_all of x in equal pieces on g: those of the algorithm
+    all_to_all picks for that size (alltoall.bytes_sent: pairwise (p-1)/p n, or Bruck's; across
+    hosts hierarchical_alltoall.bytes_sent, inside the host and across). x: an array, or
+    helpers.shaped's stand-in."""
+    algorithm = all_to_all_algorithm(g, x)
+    if algorithm == "hierarchical":
+        return sum(hierarchical_alltoall.bytes_sent(g.nodes, g.rank, x.nbytes // g.size))
+    return alltoall.bytes_sent(g.size, x.nbytes, algorithm)
+
+
 def _start_all_to_all(g, x, sizes, out, return_sizes):
     x = array(x)
     algorithm = all_to_all_algorithm(g, x, sizes)

@@ -19,6 +19,12 @@ def array(x):
     return x if type(x) is np.ndarray else np.asarray(x)
 
 
+def shaped(shape: tuple, itemsize: int) -> np.ndarray:
+    """An array of this shape and itemsize that occupies no memory (a broadcast zero): for the
+    formulas that ask the dispatcher what a call of that size would send (its size and bytes)."""
+    return np.broadcast_to(np.zeros((), dtype=f"f{itemsize}"), shape)
+
+
 def flat(x):
     """x (an ndarray) as a contiguous 1-D array: a view when possible, never written to."""
     return x.ravel()

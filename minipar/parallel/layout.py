@@ -35,14 +35,17 @@ def check_layout(world: int, dp: int | None, tp: int, pp: int, cp: int = 1) -> t
 
 @dataclass(frozen=True)
 class Layout:
-    """The layout flags (dp, cp, cp_layout, tp, pp, ep, zero, micro_batches, batch_size,
-    precision, dtype, schedule, virtual_stages, dp_mode, bucket_mb, sp, recompute), each
-    defaulting to the trainer's default; rows = B/(dp*M), the micro-batch of one device (of
+    """The layout flags (dp, cp, cp_layout, cp_impl, cp_ulysses, tp, pp, ep, zero, micro_batches,
+    batch_size, precision, dtype, schedule, virtual_stages, dp_mode, bucket_mb, sp, recompute),
+    each defaulting to the trainer's default (cp_ulysses: hybrid's Ulysses degree, None until
+    the hosts give it); rows = B/(dp*M), the micro-batch of one device (of
     T/cp tokens each with --cp)."""
 
     dp: int = 1
     cp: int = 1
     cp_layout: str | None = "zigzag"
+    cp_impl: str | None = "ring"
+    cp_ulysses: int | None = None
     tp: int = 1
     pp: int = 1
     ep: int = 1

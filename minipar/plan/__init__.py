@@ -8,6 +8,7 @@
     flops.py            FLOPs per device, component by component
     comm_bytes.py       bytes a device sends per step, axis by axis, as minipar.comm sends them
     hosts.py            a layout on hosts: bytes inside and across hosts, time under the link model
+    context.py          the four ways a cp group attends, side by side, the cheapest marked
     render.py           the table: plan()'s dict, human-readable
     peak.py             the machine: a matmul's peak FLOP/s, freed memory, human-readable bytes
 """

@@ -38,26 +38,34 @@ the first by t, selective recomputation removes the last, full keeps the block's
 With fp16/bf16 (storage 2 bytes, compute 4) the ops keep some arrays in each width:
 layer_bytes says which.
 
-Context parallelism (--cp c: context_parallel.py, ring_attention.py) gives each rank
-s/c tokens of every sequence; every per-token term above is divided by c. Attention is the
-ring's: it keeps q, k, v (one array, views of the projection it computes on), its output o
-(sbh/t) and the log-sum-exp (a s b/t), never the s x s softmax, whatever --recompute says
-(full: the block input alone, as always). Per layer, tp ranks t, no sp:
+Context parallelism (--cp c: parallel/context/) gives each rank s/c tokens of every sequence;
+every per-token term above is divided by c. Attention never keeps the s x s softmax, whatever
+--recompute says (full: the block input alone, as always); what it keeps depends on how the cp
+group attends (--cp-impl; cp_attention_bytes). Per layer, tp ranks t, no sp:
 
     kept by                       elements                 with cp c
     ln_1, ln_2  xhat, 1/std       2 (sbh + sb)             / c
     c_attn, c_fc  their input     2 sbh                    / c
-    ring attention q, k, v        3 sbh/t                  / c
-                   o              sbh/t                    / c   (the ring's, not the softmax)
-                   lse            a s b/t                  / c
+    attention   q                 sbh/t                    / c
+                k, v   ring       2 sbh/t                  / c   (its own tokens')
+                       allgather  2 sbh/t                        (gathered: all s tokens)
+                       ulysses    2 sbh/t                  / c   (h/c of the heads, all s tokens)
+                       hybrid     2 sbh/t                  / c   (h/u heads, the u s/c tokens of its group)
+                o      not ulysses  sbh/t                  / c   (not the softmax)
+                lse    not ulysses  a s b/t                / c
     c_proj, GELU, mlp c_proj      (1 + 8 + 4) sbh/t        / c
-    sum                           d sbh/c (4 + 2/h + 17/t + a/ht)
+    sum    ring, hybrid           d sbh/c (4 + 2/h + 17/t + a/ht)
+           allgather              d sbh/c (4 + 2/h + (15 + 2c)/t + a/ht)
+           ulysses                d sbh/c (4 + 2/h + 16/t)
 
 against d sbh (4 + 2/h + 16/t + as/ht) without cp: the per-token part falls by c, and the
-softmax's as/ht, quadratic in s, becomes a/ht, linear (o adds 1/t). Stage 0 keeps its
-s/c positions (int64) instead of s. (One trap: with a/t = 1 head, or s/c = 1, and no
-fp16/bf16, c_proj's input is a reshaped view of o, not a copy, and is counted once with it.)
-tests/mpi/test_cp_activations.py holds it to Tensor.saved_bytes, with tp and without.
+softmax's as/ht, quadratic in s, becomes a/ht, linear (o adds 1/t), or nothing for Ulysses,
+which keeps q, k, v of its heads over the whole sequence and makes the softmax again in
+backward. The all-gather's K and V do not fall with c: 2c/t where the ring has 2/t. Stage 0
+keeps its s/c positions (int64) instead of s. (One trap: with a/t = 1 head, or s/c = 1, and
+no fp16/bf16, c_proj's input is a reshaped view of the ring's or the all-gather's o, not a
+copy, and is counted once with it.) tests/mpi/test_cp_activations.py holds every
+implementation to Tensor.saved_bytes, with tp and without.
 
 A Llama block (--arch llama, model/llama.py) has k key/value heads (n_kv_head) and an MLP f
 wide (cfg.hidden), no biases, no positions to keep (RoPE's cos and sin are a cache, not saved):
@@ -83,11 +91,15 @@ are the parameters. Per layer:
     tp + selective     d sbh (4 + 2/h + (2 + 2k/a + 3f/h)/t)
     tp + sp + selective  d sbh/t (6 + 2/h + 2k/a + 3f/h)
     full               d sbh (the block input; /t with sp)
-    cp c               d sbh/c (4 + 2/h + (3 + 2k/a + 3f/h)/t + a/ht)   (ring attention)
+    cp c ring          d sbh/c (4 + 2/h + (3 + 2k/a + 3f/h)/t + a/ht)
+         allgather     d sbh/c (4 + 2/h + (3 + 2ck/a + 3f/h)/t + a/ht)
+         ulysses       d sbh/c (4 + 2/h + (2 + 2max(ct,k)/a + 3f/h)/t)
+         hybrid u      d sbh/c (4 + 2/h + (3 + 2max(ut,k)/a + 3f/h)/t + a/ht)
 
 With t > k each rank computes one shared key/value head: read k/t as 1 there (in the k, v
-row). The ring (cp) keeps q, k, v, its output o and the log-sum-exp, as for GPT-2,
-with only the rank's k/t key/value heads in k and v. fp16/bf16: as for GPT-2, the ops keep
+row). The cp rows are GPT-2's with only the rank's k/t key/value heads in k and v; Ulysses
+over u ranks (c for ulysses) gives each max(1, k/(tu)) of them, so u max(1, k/(tu)) =
+max(u, k/t): a KV head copied to several ranks is kept on each. fp16/bf16: as for GPT-2, the ops keep
 their fp32 arrays (the norms' xhat, 1/rms and weight, attention's) in 4 bytes; SwiGLU keeps
 its gradient's two factors, silu(gate) and up silu'(gate), in the storage dtype.
 
@@ -148,6 +160,7 @@ from dataclasses import dataclass
 from minipar.model import moe
 from minipar.model.gpt import GPTConfig
 from minipar.parallel.context import context_parallel
+from minipar.parallel.context.ulysses import head_split
 from minipar.parallel.pipeline import schedules
 
 INT64 = 8
@@ -204,12 +217,14 @@ def moe_mlp_bytes(N: int, C: int, m: MoELayer, store: int, comp: int) -> int:
 
 
 def layer_bytes(rows: int, T: int, C: int, H: int, tp: int = 1, store: int = 4, comp: int | None = None,
-                sp: bool = False, recompute: str = "none", cp: int = 1, moe_layer: MoELayer | None = None) -> int:
+                sp: bool = False, recompute: str = "none", cp: int = 1, moe_layer: MoELayer | None = None,
+                cp_impl: str = "ring", cp_ulysses: int | None = None) -> int:
     """Bytes one transformer layer keeps for backward, one micro-batch of `rows` sequences
     of T tokens, exactly as Tensor.saved_bytes counts them. store: bytes per stored element
     (activations between ops), comp: of the computed ones the ops keep (4 for fp16/bf16,
-    else store). cp: context-parallel ranks, each with Tc = T/cp tokens of every sequence
-    and ring attention (the module's second table). moe_layer: a MoE block's routing (the
+    else store). cp: context-parallel ranks, each with Tc = T/cp tokens of every sequence,
+    attending by cp_impl (cp_ulysses: hybrid's U; the module's second table and
+    cp_attention_bytes). moe_layer: a MoE block's routing (the
     third table), its MLP replaced by the router and experts."""
     comp = store if comp is None else comp
     Tc = T // cp                                              # this rank's tokens of a sequence
@@ -221,9 +236,9 @@ def layer_bytes(rows: int, T: int, C: int, H: int, tp: int = 1, store: int = 4, 
     low = 4 * C if comp != store else 0                       # fp16/bf16: LayerNorm keeps w in fp32
     ln = Ns * C * comp + Ns * comp + low                      # xhat (Ns, C), 1/std (Ns, 1)
     proj_in = N * Ct * store                                  # attention c_proj's input (N, C/t)
-    if cp > 1:                                                # the ring: q, k, v, o (N, C/t), lse (b, H/t, T/cp)
-        attention = 4 * N * Ct * comp + rows * Ht * Tc * comp
-        if comp == store and (Ht == 1 or Tc == 1):            # c_proj's input is a view of o
+    if cp > 1:                                                # q, k, v of cp_impl's heads and tokens, ...
+        attention, view = cp_attention_bytes(cp_impl, rows, Tc, cp, Ht, Ct, Ct, C // H, comp, cp_ulysses)
+        if view and comp == store and (Ht == 1 or Tc == 1):   # c_proj's input is a view of o
             proj_in = 0
     else:                                                     # q, k, v; the softmax P (b, H/t, T, T)
         attention = 3 * N * Ct * comp + (0 if recompute == "selective" else rows * Ht * T * T * comp)
@@ -237,7 +252,7 @@ def layer_bytes(rows: int, T: int, C: int, H: int, tp: int = 1, store: int = 4, 
 
 def llama_layer_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, comp: int | None = None,
                       sp: bool = False, recompute: str = "none", cp: int = 1,
-                      moe_layer: MoELayer | None = None) -> int:
+                      moe_layer: MoELayer | None = None, cp_impl: str = "ring", cp_ulysses: int | None = None) -> int:
     """Bytes one Llama block of cfg keeps for backward (the module's fourth table), exactly as
     Tensor.saved_bytes counts them; the arguments are layer_bytes's. A tp rank computes H/t
     query heads and kv_width's key/value channels (Hkv/t heads, one shared when t > Hkv).
@@ -255,9 +270,9 @@ def llama_layer_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, co
     low = 4 * C if comp != store else 0                       # fp16/bf16: RMSNorm keeps w in fp32
     norm = Ns * C * comp + Ns * comp + low                    # xhat (Ns, C), 1/rms (Ns, 1)
     proj_in = N * q * store                                   # o_proj's input (N, H/t hs)
-    if cp > 1:                                                # the ring: q, o; k, v; lse (b, H/t, T/cp)
-        attention = 2 * N * q * comp + 2 * N * kv * comp + rows * Ht * Tc * comp
-        if comp == store and (Ht == 1 or Tc == 1):            # o_proj's input is a view of o
+    if cp > 1:                                                # q, k, v of cp_impl's heads and tokens, ...
+        attention, view = cp_attention_bytes(cp_impl, rows, Tc, cp, Ht, q, kv, cfg.head_size, comp, cp_ulysses)
+        if view and comp == store and (Ht == 1 or Tc == 1):   # o_proj's input is a view of o
             proj_in = 0
     else:                                                     # q; k, v; the softmax P (b, H/t, T, T)
         attention = N * q * comp + 2 * N * kv * comp + (0 if recompute == "selective" else rows * Ht * T * T * comp)
@@ -269,11 +284,44 @@ def llama_layer_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, co
 
 
 def block_bytes(cfg: GPTConfig, rows: int, tp: int = 1, store: int = 4, comp: int | None = None, sp: bool = False,
-                recompute: str = "none", cp: int = 1, moe_layer: MoELayer | None = None) -> int:
+                recompute: str = "none", cp: int = 1, moe_layer: MoELayer | None = None, cp_impl: str = "ring",
+                cp_ulysses: int | None = None) -> int:
     """Bytes one block of cfg's family keeps: layer_bytes (GPT-2) or llama_layer_bytes."""
     if cfg.arch == "llama":
-        return llama_layer_bytes(cfg, rows, tp, store, comp, sp, recompute, cp, moe_layer)
-    return layer_bytes(rows, cfg.block_size, cfg.n_embd, cfg.n_head, tp, store, comp, sp, recompute, cp, moe_layer)
+        return llama_layer_bytes(cfg, rows, tp, store, comp, sp, recompute, cp, moe_layer, cp_impl, cp_ulysses)
+    return layer_bytes(rows, cfg.block_size, cfg.n_embd, cfg.n_head, tp, store, comp, sp, recompute, cp, moe_layer,
+                       cp_impl, cp_ulysses)
+
+
+def largest_ulysses(H: int, Hkv: int, cp: int) -> int:
+    """The largest U dividing cp that Ulysses can run with H query and Hkv KV heads
+    (ulysses.head_split): hybrid's U where the most is kept (k, v grow with U)."""
+    return max(U for U in range(1, cp + 1) if cp % U == 0 and H % U == 0 and (Hkv % U == 0 or U % Hkv == 0))
+
+
+def cp_attention_bytes(impl: str, rows: int, Tc: int, cp: int, Ht: int, q: int, kv: int, hs: int, comp: int,
+                       ulysses: int | None = None) -> tuple[int, bool]:
+    """(bytes, o kept) context-parallel attention keeps on a rank with Tc tokens of each of `rows`
+    sequences, Ht query heads (q = Ht hs channels) and kv key/value channels after tp (the
+    module's second table); o kept: its output is kept, and the projection's input may be a
+    view of it. U the ranks one Ulysses all-to-all spans, its heads ulysses.head_split's:
+        ring       q, o (N q), k, v (N kv), lse (rows Ht Tc)
+        allgather  q, o, lse, and the GATHERED K, V: 2 rows T kv, T = cp Tc
+        ulysses    q (N q: H/U heads over all T tokens), k, v of its KV heads over T (copied
+                   ones counted on every rank that holds them); no o, no lse (the softmax made
+                   again in backward from q and k)
+        hybrid     the ring's on the U Tc tokens of its Ulysses group, its heads (U None: the
+                   hosts not yet known, largest_ulysses, the most it can keep)"""
+    N = rows * Tc
+    if impl in ("ring", "allgather"):
+        keys = N if impl == "ring" else rows * cp * Tc
+        return (2 * N * q + 2 * keys * kv + rows * Ht * Tc) * comp, True
+    U = cp if impl == "ulysses" else ulysses if ulysses is not None else largest_ulysses(Ht, kv // hs, cp)
+    kv_heads = head_split(Ht, kv // hs, U)[1]
+    keys = 2 * rows * U * Tc * kv_heads * hs                  # k and v of its heads, over U Tc tokens
+    if impl == "ulysses":
+        return (N * q + keys) * comp, False
+    return (2 * N * q + keys + rows * Ht * Tc) * comp, False
 
 
 def moe_layers(cfg: GPTConfig, N: int, ep: int = 1, routed: dict | None = None) -> dict:
@@ -289,7 +337,8 @@ def moe_layers(cfg: GPTConfig, N: int, ep: int = 1, routed: dict | None = None) 
 
 def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsize: int,
                 compute_itemsize: int, sp: bool = False, recompute: str = "none", owned=None,
-                cp: int = 1, ep: int = 1, routed: dict | None = None) -> int:
+                cp: int = 1, ep: int = 1, routed: dict | None = None, cp_impl: str = "ring",
+                cp_ulysses: int | None = None) -> int:
     """Bytes one micro-batch of `rows` sequences leaves saved for backward on a device of
     `stage` (Tensor.saved_bytes: parameters and the stage's received input excluded, views
     once): its layers (block_bytes: GPT-2's or Llama's) and its ends. A virtual stage v of p*V (interleaved.py)
@@ -304,7 +353,7 @@ def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsiz
     input: it is the activation the pipeline received, held whether or not anything is
     saved (a leaf of the graph, like a parameter).
     cp: each rank keeps Tc = T/cp tokens of every sequence (N = rows*Tc) and, on stage 0,
-    their Tc positions.
+    their Tc positions; its attention is cp_impl's (cp_ulysses: hybrid's U).
     MoE blocks (cfg.moe_experts): moe_layers' routing, ep expert-parallel ranks; routed
     {block i: (kept, received)} gives a run's counts, else balanced routing is assumed."""
     T, C, V = cfg.block_size, cfg.n_embd, cfg.vocab_size
@@ -317,7 +366,8 @@ def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsiz
     if recompute == "full" and stage > 0:
         layers = layers[1:]
     routing = moe_layers(cfg, N, ep, routed)
-    total = sum(block_bytes(cfg, rows, tp, store, comp, sp, recompute, cp, routing.get(i)) for i in layers)
+    total = sum(block_bytes(cfg, rows, tp, store, comp, sp, recompute, cp, routing.get(i), cp_impl, cp_ulysses)
+                for i in layers)
     ids, targets = (-(-N // tp),) * 2 if owned is None else owned
     if stage == 0:                                            # token ids (N,), positions (Tc,)
         total += N * INT64 if tp == 1 else ids * INT64 + N    # the masked lookup: owned ids, the mask
@@ -334,7 +384,8 @@ def stage_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, itemsiz
 def peak_in_flight_bytes(cfg: GPTConfig, schedule: str, stage: int, pp: int, virtual: int, micro_batches: int,
                          tp: int, rows: int, itemsize: int, compute_itemsize: int, sp: bool = False,
                          recompute: str = "none", owned=None, cp: int = 1, ep: int = 1,
-                         routed: dict | None = None) -> tuple[int, int]:
+                         routed: dict | None = None, cp_impl: str = "ring",
+                         cp_ulysses: int | None = None) -> tuple[int, int]:
     """(bytes, graphs): the saved activations a device of pipeline `stage` holds at its peak,
     and the most (chunk, micro-batch) graphs it holds at once, from its own instruction list
     (schedules.schedule(schedule, stage, p, m, V)): the order on a stage is fixed by its list.
@@ -344,9 +395,11 @@ def peak_in_flight_bytes(cfg: GPTConfig, schedule: str, stage: int, pp: int, vir
     pipeline.StepObserver counts the trainer's; the peak is the largest sum on the way. The
     graphs are whole micro-batches for V = 1 (1 naive, m GPipe, min(m, p - stage) 1F1B) and
     chunk-micro-batches for V > 1, schedule_check's peak_in_flight either way. Without a
-    pipeline (pp = 1) one micro-batch at a time. owned, cp, ep, routed: as stage_bytes."""
+    pipeline (pp = 1) one micro-batch at a time. owned, cp, ep, routed, cp_impl, cp_ulysses: as
+    stage_bytes."""
     def size(v, n):
-        return stage_bytes(cfg, v, n, tp, rows, itemsize, compute_itemsize, sp, recompute, owned, cp, ep, routed)
+        return stage_bytes(cfg, v, n, tp, rows, itemsize, compute_itemsize, sp, recompute, owned, cp, ep, routed,
+                           cp_impl, cp_ulysses)
     if pp == 1:
         return size(0, 1), 1
     instructions = schedules.schedule(schedule, stage, pp, micro_batches, virtual)
@@ -402,12 +455,20 @@ LLAMA_FORMULAS = {   # setting: llama_layer_bytes', as the docstring's fourth ta
 }
 
 
-def cp_formula(recompute: str, arch: str = "gpt2") -> str:
-    """The per-layer formula with --cp c (tp t, no sp), as the docstring derives it."""
+CP_FORMULAS = {   # --cp-impl: (GPT-2's, Llama's) per-layer formula, as the docstring's second table writes it
+    "ring": ("d sbh/c (4 + 2/h + 17/t + a/ht)", "d sbh/c (4 + 2/h + (3 + 2k/a + 3f/h)/t + a/ht)"),
+    "allgather": ("d sbh/c (4 + 2/h + (15 + 2c)/t + a/ht)", "d sbh/c (4 + 2/h + (3 + 2ck/a + 3f/h)/t + a/ht)"),
+    "ulysses": ("d sbh/c (4 + 2/h + 16/t)", "d sbh/c (4 + 2/h + (2 + 2max(ct,k)/a + 3f/h)/t)"),
+    "hybrid": ("d sbh/c (4 + 2/h + 17/t + a/ht)", "d sbh/c (4 + 2/h + (3 + 2max(ut,k)/a + 3f/h)/t + a/ht)"),
+}
+
+
+def cp_formula(recompute: str, arch: str = "gpt2", impl: str = "ring") -> str:
+    """The per-layer formula with --cp c (tp t, no sp) and --cp-impl impl, as the docstring
+    derives it."""
     if recompute == "full":
         return "d sbh/c"
-    return "d sbh/c (4 + 2/h + (3 + 2k/a + 3f/h)/t + a/ht)" if arch == "llama" \
-        else "d sbh/c (4 + 2/h + 17/t + a/ht)"
+    return CP_FORMULAS[impl][arch == "llama"]
 
 
 def setting_of(tp: int, sp: bool, recompute: str) -> str | None:

@@ -34,11 +34,10 @@ comm picks (the hierarchical all-to-all for small ones on an ep group that spans
 """
 from __future__ import annotations
 
-import numpy as np
 
 from minipar import comm
 from minipar.comm.algorithms import direct, tree
-from minipar.comm.helpers import split_offsets
+from minipar.comm.helpers import shaped, split_offsets
 from minipar.comm.protocol import HEADER_BYTES
 from minipar.model import moe
 from minipar.model.gpt import GPTConfig
@@ -264,23 +263,17 @@ def other_parts(stage: int, lay, groups: dict) -> dict:
     return {"dp": dp, "pp": groups["pp"].all_reduce(1, INT64), "world": world}       # pp: the gradient norm
 
 
-def cp_bytes(cfg: GPTConfig, stage: int, lay, compute_itemsize: int, g=None):
-    """Ring attention's messages of one step: context_parallel.step_traffic (one
-    ring_traffic per layer of the device and micro-batch, n = b*(T/cp)*C/tp elements of its q,
-    the forward twice with --recompute full), the trainer summary's formula too; on the
-    placed cp ring g (plan_hosts.Placed.ring), the bytes that leave the host."""
+def cp_bytes(cfg: GPTConfig, stage: int, lay, compute_itemsize: int, groups: dict | None = None):
+    """The cp group's messages of one step, by --cp-impl: context_parallel.step_traffic (one
+    call_traffic per layer of the device and micro-batch, n = b*(T/cp)*kv_width elements of
+    its keys, the forward twice with --recompute full), the trainer summary's formula too;
+    groups: the placed groups (plan/context.groups: Traffic, the bytes that leave the host),
+    else one host (bytes)."""
     if lay.cp == 1:
         return 0
-    messages, nbytes = context_parallel.step_traffic(rank_layer_count(cfg, stage, lay.pp, chunks(lay)),
-                                                     lay.micro_batches, lay.rows, cfg.block_size, lay.cp, cfg,
-                                                     lay.tp, compute_itemsize, lay.recompute)
-    return nbytes if g is None else g.ring(messages, nbytes)
-
-
-def shaped(shape: tuple, itemsize: int) -> np.ndarray:
-    """An array of this shape and itemsize that occupies no memory (a broadcast zero): for
-    expert_parallel.ep_bytes, which reads only its size and bytes."""
-    return np.broadcast_to(np.zeros((), dtype=f"f{itemsize}"), shape)
+    return context_parallel.step_traffic(rank_layer_count(cfg, stage, lay.pp, chunks(lay)), lay.micro_batches,
+                                         lay.rows, cfg.block_size, lay.cp, cfg, lay.tp, compute_itemsize,
+                                         lay.recompute, lay.cp_impl or "ring", lay.cp_ulysses, groups)[1]
 
 
 def ep_layer_bytes(cfg: GPTConfig, lay, itemsize: int, passes: int, g=None):

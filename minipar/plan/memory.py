@@ -79,7 +79,8 @@ def device_memory(cfg: GPTConfig, lay, stage: int) -> dict:
         P_pad += sum(units)
     act, held = activations.peak_in_flight_bytes(cfg, lay.schedule, stage, lay.pp, V, lay.micro_batches, lay.tp,
                                                  lay.rows, itemsize, compute_itemsize, lay.sp, lay.recompute,
-                                                 cp=lay.cp, ep=lay.ep)
+                                                 cp=lay.cp, ep=lay.ep, cp_impl=lay.cp_impl,
+                                                 cp_ulysses=lay.cp_ulysses)
     return {**states, "activations": act, "total": states["model_states"] + act, "stage": stage,
             "micro_batches_in_flight": held, "params_local": sum(n for _, n in tensors), "params_padded": P_pad}
 

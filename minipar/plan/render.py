@@ -3,7 +3,7 @@ bytes sent by stage, the MoE, activations per layer, the sequence-length ceiling
 """
 from __future__ import annotations
 
-from minipar.plan import hosts as plan_hosts
+from minipar.plan import context as plan_context, hosts as plan_hosts
 from minipar.comm.ledger import human_bytes
 
 
@@ -33,7 +33,9 @@ def table(r: dict, name: str | None = None) -> str:
                    f"({'tied' if shape['tie_embeddings'] else 'untied'}), {r['params']:,} parameters{active}")
     prec = lay["precision"] if lay["precision"] != "fp32" else lay["dtype"]
     devices = f"{lay['world']} device{'s' if lay['world'] > 1 else ''}"
-    cp = f" cp={lay['cp']} ({lay['cp_layout']})" if lay["cp"] > 1 else ""
+    impl = lay["cp_impl"] or "ring"
+    U = f", U={lay['cp_ulysses']}" if impl == "hybrid" else ""
+    cp = f" cp={lay['cp']} ({impl}{U}, {lay['cp_layout']})" if lay["cp"] > 1 else ""
     ep = f" ep={lay['ep']}" if lay["ep"] > 1 else ""
     out.append(f"  layout: dp={lay['dp']}{cp} tp={lay['tp']} pp={lay['pp']}{ep} ({devices}), ZeRO {lay['zero']}, "
                f"{prec}: {lay['bytes_per_param']} B per parameter and gradient, "
@@ -81,7 +83,7 @@ def table(r: dict, name: str | None = None) -> str:
         out.append("")
         out.append(_row("comm sent per step", heads))
         sent = [r["comm_per_stage"][stage] for stage in cols]
-        axes = (("dp", "dp (grads; ZeRO's)"), ("cp", "cp (ring attention)"), ("tp", "tp (Megatron)"),
+        axes = (("dp", "dp (grads; ZeRO's)"), ("cp", f"cp ({lay['cp_impl'] or 'ring'})"), ("tp", "tp (Megatron)"),
                 ("pp", "pp (point-to-point)"), ("ep", "ep (all-to-all)"), ("other", "other (8-byte scalars)"),
                 ("bytes_per_step", "total"))
         for key, label in axes:
@@ -97,6 +99,10 @@ def table(r: dict, name: str | None = None) -> str:
                    + (f", {r['step_time_with_bubble_s']:.3g} s with the bubble" if lay["pp"] > 1 else ""))
     if r["seq_ceiling"] is not None:
         out += ceiling_lines(r["seq_ceiling"])
+    if r.get("cp_impls"):
+        budget = r["seq_ceiling"]["memory_budget"] if r["seq_ceiling"] else None
+        out += plan_context.lines(r["cp_impls"], lay["cp_impl"] or "ring", r["hosts"]["inter_node_gbps"] is not None
+                                  or r["hosts"]["intra_node_gbps"] is not None, budget)
     out += [f"  note: {n}" for n in r["notes"]]
     return "\n".join(out)
 
@@ -150,7 +156,8 @@ def activation_lines(r: dict) -> list[str]:
         out.append("    (k/t is 1 when t > k)")
     if a["cp"] > 1:                                       # no row of Table 2: the ring's own
         out.append(f"    {'cp=' + str(a['cp']):<17}{human_bytes(a['this_run']):>12}  {a['cp_formula']:<{width}}"
-                   f"{'' if llama else ' ' * 12}  (c = {a['cp']}: s/c tokens a rank, ring attention, no softmax) <")
+                   f"{'' if llama else ' ' * 12}  (c = {a['cp']}: s/c tokens a rank, {a['cp_impl'] or 'ring'}, "
+                   f"no softmax) <")
     m = r["moe"]
     if m:                                                 # no row of Table 2 either: activations.py's third table
         label = f"moe E={m['experts']} K={m['top_k']}"

@@ -93,11 +93,12 @@ from minipar.config import flags as config
 from minipar.model import moe
 from minipar.model.gpt import GPTConfig, param_specs, train_flops_per_token
 from minipar.optim import mixed_precision
+from minipar.parallel.context import context_parallel
 from minipar.parallel.context.ring_attention import LAYOUTS
 from minipar.parallel.layout import Layout, LayoutError, check_layout
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.zero import units as zero
-from minipar.plan import activations, hosts as plan_hosts
+from minipar.plan import activations, context as plan_context, hosts as plan_hosts
 from minipar.plan.comm_bytes import (cp_bytes, ep_bytes, ep_layer_bytes, flat_groups, grad_sync_bytes, other_parts,
                                      pp_bytes, tp_bytes)
 from minipar.plan.flops import flop_components, flops, recompute_flops
@@ -236,7 +237,8 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
                 "pp": pp_bytes(cfg, stage, lay, itemsize, groups["pp"])}
         groups.update(plan_hosts.ring_and_expert_groups(lay, hosts, stage) if spread else {})
         row = plan_hosts.comm_row(stage, axes, other_parts(stage, lay, groups), bool(lay.zero), hosts)
-        row = plan_hosts.add_axis(row, "cp", cp_bytes(cfg, stage, lay, compute_itemsize, groups.get("cp")), hosts)
+        cp_groups = plan_context.groups(lay, hosts, stage) if spread and lay.cp > 1 else None
+        row = plan_hosts.add_axis(row, "cp", cp_bytes(cfg, stage, lay, compute_itemsize, cp_groups), hosts)
         comm_st.append(plan_hosts.add_axis(row, "ep", ep_bytes(cfg, stage, lay, itemsize, groups.get("ep")), hosts))
     whole = flop_components(cfg)
     tokens = lay.batch_size * cfg.block_size
@@ -247,9 +249,10 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
     out["moe"] = moe_summary(cfg, lay, itemsize, compute_itemsize)
     out["activations_per_layer"] = {
         "this_run": activations.block_bytes(cfg, lay.rows, lay.tp, itemsize, compute_itemsize, lay.sp and lay.tp > 1,
-                                            lay.recompute, lay.cp),
+                                            lay.recompute, lay.cp, None, lay.cp_impl, lay.cp_ulysses),
         "setting": activations.setting_of(lay.tp, lay.sp, lay.recompute) if lay.cp == 1 else None,
-        "cp": lay.cp, "cp_formula": activations.cp_formula(lay.recompute, cfg.arch) if lay.cp > 1 else None,
+        "cp": lay.cp, "cp_impl": lay.cp_impl,
+        "cp_formula": activations.cp_formula(lay.recompute, cfg.arch, lay.cp_impl) if lay.cp > 1 else None,
         "table": activations.family_table(cfg, lay.rows, lay.tp, itemsize, compute_itemsize)}
     out.update(memory=max(mem_st, key=lambda r: r["total"]), memory_per_stage=mem_st,
                flops_per_stage=flops_st, comm=max(comm_st, key=lambda r: r["bytes_per_step"]),
@@ -273,6 +276,7 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
     out["notes"] += moe_notes(out["moe"])
     if memory_budget is not None:
         out["seq_ceiling"] = ceilings(cfg, lay, memory_budget)
+    out["cp_impls"] = plan_context.compare(cfg, lay, hosts) if lay.cp > 1 else None
     return out
 
 
@@ -313,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "attention; the block size must divide by 2C [%(default)s]")
     layout.add_argument("--cp-layout", choices=LAYOUTS, default=None,
                         help="--cp: which tokens each rank keeps (the same bytes either way) [zigzag]")
+    layout.add_argument("--cp-impl", choices=context_parallel.IMPLS, default=None,
+                        help="--cp: how the cp group attends, as the trainer's flag; the table also shows "
+                             "all four side by side [ring]")
+    layout.add_argument("--cp-ulysses", type=int, default=None, metavar="U",
+                        help="--cp-impl hybrid: Ulysses over U consecutive cp ranks, the ring across "
+                             "[the cp ranks of a host, --ranks-per-host]")
     layout.add_argument("--tp", type=int, default=default["tp"], metavar="T",
                         help="tensor-parallel ranks [%(default)s]")
     layout.add_argument("--pp", type=int, default=default["pp"], metavar="P", help="pipeline stages [%(default)s]")
@@ -410,6 +420,7 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     config.check_split(cfg, lay.dp, lay.tp, lay.pp, lay.batch_size, lay.micro_batches)
     config.check_sequence_split(cfg, lay.tp, lay.sp)
     lay = lay.but(cp_layout=config.check_context_split(cfg, lay))
+    lay = lay.but(cp_impl=config.check_cp_impl(cfg, lay, lay.tp))
     config.check_moe(cfg, moe_args(args), lay.dp)
     config.check_schedule(cfg, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batches)
     return cfg, lay, None
@@ -436,12 +447,25 @@ def memory_budget(args, cfg: GPTConfig | None) -> int | None:
     return size
 
 
+def hybrid_layout(cfg: GPTConfig | None, lay, hosts: plan_hosts.Hosts):
+    """lay with --cp-impl hybrid's Ulysses degree resolved (given, or the cp ranks of a host):
+    PlanError when the hosts give none, or one the heads cannot take (the trainer's lines)."""
+    if cfg is None or lay.cp_impl != "hybrid":
+        return lay
+    try:
+        return plan_context.with_impl(cfg, lay, "hybrid", hosts)
+    except ValueError as e:
+        raise PlanError(f"{e} (--n-head {cfg.n_head}, {cfg.kv_heads} key/value heads, --tp {lay.tp}, "
+                        f"Ulysses over {lay.cp_ulysses or 'the cp ranks of a host'})") from None
+
+
 def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
         cfg, lay, params = resolve(args)
         hosts = plan_hosts.Hosts.from_args(args)
         budget = memory_budget(args, cfg)
+        lay = hybrid_layout(cfg, lay, hosts)
     except config.ConfigError as e:
         print(f"minipar.plan: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -350,7 +350,7 @@ def in_use(session, rows_log, mem, digest, stages, tp_ledger):
         yield "context_parallel", context_parallel.summary(
             rows_log, cfg, cp=g.cp_size, layout=args.cp_layout, rows=rows, micro_batches=M, layers=len(layers),
             tp=g.tp_size, itemsize=itemsize, recompute=args.recompute, impl=args.cp_impl,
-            ulysses=session.context.ulysses)
+            ulysses=session.context.ulysses, groups=session.context.sent())
     if cfg.moe_experts:
         yield "moe", moe.summary_lines(rows_log)
     if g.ep_size > 1:

@@ -362,6 +362,8 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
     grid = ProcessGrid(world_comm, spec.layout)
     context = hybrid_context(grid, args, spec.cfg) if args.cp_impl == "hybrid" else (
         context_parallel.ContextSplit(grid.cp_group, args.cp_layout, args.cp_impl) if grid.cp_size > 1 else None)
+    if args.cp_impl == "hybrid":                             # the planner's figures with the hosts' U
+        grid.layout = grid.layout.but(cp_ulysses=context.ulysses)
     model, opt = init_model(spec, args, grid, context)
     sync = None
     grads = grid.grad_group        # dp x cp: every rank of it has a partial gradient of the same weights

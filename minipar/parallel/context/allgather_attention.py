@@ -39,17 +39,14 @@ class AllGatherAttention(Function):
     log-sum-exp."""
 
     def forward(self, q, k, v, group, layout="zigzag"):
-        C, t = group.size, q.shape[-2]
-        T = t * C
+        C = group.size
         self.group, self.shape = group, k.shape
-        self.scale = 1.0 / np.sqrt(q.shape[-1])
+        self.scale = 1.0 / float(np.sqrt(q.shape[-1]))            # a Python float: keeps float32 float32
         kv = waited("forward", comm.all_gather, group, np.stack([k, v])).reshape(C, 2, *k.shape)
         K = np.concatenate(list(kv[:, 0]), axis=-2)                    # (B, Hkv, 1, T, hs), rank order
         V = np.concatenate(list(kv[:, 1]), axis=-2)
-        # -inf where the key's position is after the query's: (t, T)
-        self.mask = np.where(_order(C, T, layout)[None, :] > positions(group.rank, C, T, layout)[:, None],
-                             -np.inf, 0.0).astype(q.dtype)
-        s = (q @ np.swapaxes(K, -1, -2)) * self.scale + self.mask     # (B, Hkv, g, t, T)
+        self.layout = layout
+        s = (q @ np.swapaxes(K, -1, -2)) * self.scale + self._mask(q.dtype)   # (B, Hkv, g, t, T)
         m = s.max(-1, keepdims=True)
         p = np.exp(s - m)
         l = p.sum(-1, keepdims=True)
@@ -57,10 +54,14 @@ class AllGatherAttention(Function):
         self.save(q, K, V, o, (m + np.log(l))[..., 0])
         return o
 
+    def _mask(self, dtype):
+        C = self.group.size
+        return _causal_mask(self.group.rank, C, self.shape[-2] * C, self.layout, dtype)
+
     def backward(self, do):
         q, K, V, o, lse = self.saved
         C = self.group.size
-        p = np.exp((q @ np.swapaxes(K, -1, -2)) * self.scale + self.mask - lse[..., None])
+        p = np.exp((q @ np.swapaxes(K, -1, -2)) * self.scale + self._mask(q.dtype) - lse[..., None])
         D = (do * o).sum(-1, keepdims=True)                            # (B, Hkv, g, t, 1)
         dV = _fold(np.swapaxes(p, -1, -2) @ do, V)                     # every key's, from my queries
         ds = p * (do @ np.swapaxes(V, -1, -2) - D)
@@ -72,6 +73,13 @@ class AllGatherAttention(Function):
         both = np.ascontiguousarray(np.moveaxis(both, -3, 0))         # (C, 2, B, Hkv, 1, t, hs)
         mine = waited("backward", comm.reduce_scatter, self.group, both).reshape(2, *self.shape)
         return dq, mine[0], mine[1], None, None
+
+
+def _causal_mask(rank: int, C: int, T: int, layout: str, dtype) -> np.ndarray:
+    """(t, T): -inf where the gathered key's position is after this rank's query's, else 0.
+    Made again in backward, not kept: t x T would outgrow the gathered K and V."""
+    later = _order(C, T, layout)[None, :] > positions(rank, C, T, layout)[:, None]
+    return np.where(later, -np.inf, 0.0).astype(dtype)
 
 
 def allgather_traffic(n: int, C: int, itemsize: int, forwards: int = 1) -> int:

@@ -19,13 +19,16 @@ and ContextSplit.global_positions its positions (minipar/parallel/parallelize.py
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
+from minipar import comm
+from minipar.comm.helpers import shaped
 from minipar.parallel.context import ring_attention
-from minipar.parallel.context.allgather_attention import allgather_traffic
 from minipar.parallel.context.packed import AllGatherSelfAttention, RingSelfAttention
 from minipar.parallel.context.ring_attention import LAYOUTS, positions
-from minipar.parallel.context.ulysses import UlyssesAttention, head_split, ulysses_traffic
+from minipar.parallel.context.ulysses import UlyssesAttention, head_split
 from minipar.comm.group import Group
 
 __all__ = ["ContextSplit", "RingSelfAttention", "AllGatherSelfAttention", "IMPLS", "LAYOUTS", "step_traffic",
@@ -74,6 +77,13 @@ class ContextSplit:
         a = np.asarray(a)
         return a[..., self.positions(a.shape[-1])]
 
+    def sent(self) -> dict:
+        """call_traffic's groups: what this rank's calls send on each of its groups."""
+        out = {"cp": Sent(self.group)}
+        if self.impl == "hybrid":
+            out.update(ulysses=Sent(self.ulysses_group), ring=Sent(self.ring_group))
+        return {**out, "ulysses": out.get("ulysses", out["cp"])}
+
     def attention(self, qkv, n_head: int, n_kv_head: int | None = None):
         """Causal self-attention of the whole sequence for this rank's queries."""
         if self.impl == "ulysses":
@@ -100,6 +110,36 @@ def hybrid_degree(group, ulysses: int | None) -> int:
     return ulysses
 
 
+class Sent:
+    """What one rank's calls send on a group of its attention (a comm.Group, or anything with
+    its size, rank and hosts): the costs call_traffic adds up, by the algorithm comm's
+    dispatcher picks for the group and size (an all-to-all across hosts: hierarchical). The
+    planner passes its own, which place the same messages on hosts (plan_hosts.Placed)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def ring(self, messages: int, nbytes: int) -> int:
+        """Ring attention's `messages` sends of nbytes in all, to the next rank."""
+        return nbytes
+
+    def all_gather(self, n_each: int, itemsize: int) -> int:
+        """Every algorithm sends C - 1 pieces of n_each (Bruck, direct, ring, hierarchical)."""
+        return (self.group.size - 1) * n_each * itemsize
+
+    def reduce_scatter(self, n: int, itemsize: int) -> int:
+        """Every piece but its own (n divisible by C here: equal pieces)."""
+        return (n - n // self.group.size) * itemsize
+
+    def all_to_all(self, x) -> int:
+        return comm.all_to_all_sent(self.group, x)
+
+
+def flat(C: int) -> Sent:
+    """Sent on C ranks of one host, as rank 0."""
+    return Sent(SimpleNamespace(size=C, rank=0, nodes=(0,) * C, n_nodes=1))
+
+
 def kv_width(cfg, tp: int) -> int:
     """The channels of the key (or value) heads one tp rank holds: Hkv/tp heads of hs, at least
     one head (tp > Hkv: a shared one). GPT-2: C/tp."""
@@ -107,36 +147,52 @@ def kv_width(cfg, tp: int) -> int:
 
 
 def call_traffic(impl: str, rows: int, T: int, C: int, cfg, tp: int, itemsize: int,
-                 forwards: int = 1, ulysses: int | None = None) -> tuple[int, int]:
+                 forwards: int = 1, ulysses: int | None = None, groups: dict | None = None) -> tuple:
     """(messages, bytes) one rank sends for one attention call and its backward, `rows`
-    sequences of T tokens split over C ranks: ring_attention.ring_traffic (n = rows (T/C)
-    kv_width elements of its keys: only the key heads travel), allgather_traffic (the same n)
-    or ulysses_traffic (its heads after tp, ulysses.head_split); hybrid: Ulysses over U =
-    `ulysses` ranks, then the ring over C/U on the U t tokens and the heads Ulysses left.
-    messages: the ring's point-to-point messages, or the collectives called."""
+    sequences of T tokens split over C ranks, n = rows (T/C) kv_width elements of its keys
+    (only the key heads travel):
+        ring       ring_attention.ring_traffic(n)
+        allgather  forwards all-gathers of 2n (k, v), one reduce-scatter of 2n C (dK, dV):
+                   allgather_traffic(n)
+        ulysses    forwards + 1 all-to-alls of the q, k, v pieces and as many of the output's
+                   (its heads after tp: ulysses.head_split): ulysses_traffic, pairwise
+        hybrid     Ulysses over U = `ulysses` ranks, then the ring over C/U on the U t tokens
+                   and the heads Ulysses left
+    groups: {"cp", "ulysses", "ring"} -> Sent, or the planner's placed groups (bytes are then
+    its Traffic); default one host. messages: the ring's point-to-point messages, or the
+    collectives called."""
     width, t, hs = kv_width(cfg, tp), T // C, cfg.head_size
     if C == 1:
         return 0, 0
-    if impl == "ring":
-        return ring_attention.ring_traffic(rows * t * width, C, itemsize, forwards)
-    if impl == "allgather":
-        return forwards + 1, allgather_traffic(rows * t * width, C, itemsize, forwards)
     U = C if impl == "ulysses" else ulysses
+    groups = groups or {"cp": flat(C), "ulysses": flat(U or 1), "ring": flat(C // (U or 1))}
+    n = rows * t * width
+    if impl == "ring":
+        messages, nbytes = ring_attention.ring_traffic(n, C, itemsize, forwards)
+        return messages, groups["cp"].ring(messages, nbytes)
+    if impl == "allgather":
+        g = groups["cp"]
+        return forwards + 1, forwards * g.all_gather(2 * n, itemsize) + g.reduce_scatter(2 * n * C, itemsize)
     Hq, kv = head_split(cfg.n_head // tp, width // hs, U)
-    messages = 2 * (forwards + 1) if U > 1 else 0
-    nbytes = ulysses_traffic(rows * t, Hq, kv, hs, U, itemsize, forwards)
+    messages, nbytes = 0, 0
+    if U > 1:                                  # the q, k, v pieces and the output's, each way
+        g = groups["ulysses"]
+        qkv, out = (shaped((U, rows, t, w * hs), itemsize) for w in (Hq + 2 * kv, Hq))
+        messages, nbytes = 2 * (forwards + 1), (forwards + 1) * (g.all_to_all(qkv) + g.all_to_all(out))
     if impl == "hybrid" and C > U:
         ring_messages, ring_bytes = ring_attention.ring_traffic(rows * U * t * kv * hs, C // U, itemsize, forwards)
-        messages, nbytes = messages + ring_messages, nbytes + ring_bytes
+        messages, nbytes = messages + ring_messages, nbytes + groups["ring"].ring(ring_messages, ring_bytes)
     return messages, nbytes
 
 
 def step_traffic(layers: int, micro_batches: int, rows: int, T: int, C: int, cfg, tp: int, itemsize: int,
-                 recompute: str = "none", impl: str = "ring", ulysses: int | None = None) -> tuple[int, int]:
+                 recompute: str = "none", impl: str = "ring", ulysses: int | None = None,
+                 groups: dict | None = None) -> tuple:
     """(messages, bytes) a rank sends over its cp group in one training step: one attention call
     per layer it runs and micro-batch (call_traffic); with --recompute full each forward runs
     twice. itemsize: of the compute dtype (fp16/bf16 attend in float32)."""
-    messages, nbytes = call_traffic(impl, rows, T, C, cfg, tp, itemsize, 2 if recompute == "full" else 1, ulysses)
+    messages, nbytes = call_traffic(impl, rows, T, C, cfg, tp, itemsize, 2 if recompute == "full" else 1, ulysses,
+                                    groups)
     calls = layers * micro_batches
     return calls * messages, calls * nbytes
 
@@ -153,14 +209,15 @@ FORMULAS = {   # impl: the summary's words for call_traffic, per layer and micro
 
 def summary(rows_log: list, cfg, *, cp: int, layout: str, rows: int, micro_batches: int, layers: int,
             tp: int, itemsize: int, recompute: str, impl: str = "ring",
-            ulysses: int | None = None) -> tuple[dict, list[str]]:
+            ulysses: int | None = None, groups: dict | None = None) -> tuple[dict, list[str]]:
     """The summary's context-parallel figures for this rank: the bytes its attention sent per
     step (the rows' "cp" axis) beside step_traffic, the seconds waited on the ring (cp_wait_s),
     and the sub-blocks of scores each cp rank computes per pass (the load balance of the
     layout). rows: sequences per micro-batch of this dp rank; layers: those this rank runs;
-    itemsize: of the dtype attention computes in."""
+    itemsize: of the dtype attention computes in; groups: ContextSplit.sent() (the algorithms
+    comm picks on them)."""
     C, M, T = cp, micro_batches, cfg.block_size
-    messages, want = step_traffic(layers, M, rows, T, C, cfg, tp, itemsize, recompute, impl, ulysses)
+    messages, want = step_traffic(layers, M, rows, T, C, cfg, tp, itemsize, recompute, impl, ulysses, groups)
     sent = float(np.mean([r["bytes_by_axis"].get("cp", 0) for r in rows_log]))
     wait = float(np.mean([r["cp_wait_s"] for r in rows_log]))
     work = [ring_attention.blocks(r, C, T, layout) for r in range(C)]

@@ -70,11 +70,7 @@ class UlyssesAttention(Function):
         U, R, m = group.size, 1 if ring is None else ring.size, 0 if ring is None else ring.rank
         Hq, kv = head_split(H, Hkv, U)
         T = t * U * R
-        self.group, self.dims = group, (B, t, H, Hkv, hs, Hq, kv)
-        # where the tokens of my Ulysses group's ranks (cp ranks m U + i) go among its U t
-        mine = positions(m, R, T, layout)                             # sorted
-        self.order = np.searchsorted(mine, np.concatenate([positions(m * U + i, U * R, T, layout)
-                                                           for i in range(U)]))
+        self.group, self.dims, self.where = group, (B, t, H, Hkv, hs, Hq, kv), (m, R, T, layout)
         q = qkv[..., :H * hs].reshape(B, t, U, Hq * hs)
         k = qkv[..., H * hs:(H + Hkv) * hs].reshape(B, t, Hkv, hs)
         v = qkv[..., (H + Hkv) * hs:].reshape(B, t, Hkv, hs)
@@ -112,6 +108,14 @@ class UlyssesAttention(Function):
             dv[:, :, heads] += got[j][..., (Hq + kv) * hs:].reshape(B, t, kv, hs)
         dqkv = np.concatenate([dq, dk.reshape(B, t, -1), dv.reshape(B, t, -1)], axis=-1)
         return store(dqkv, self.dtype), None, None, None, None, None
+
+    @property
+    def order(self) -> np.ndarray:
+        """Where the tokens of my Ulysses group's ranks (cp ranks m U + i) go among its U t, in
+        position order; made when needed, not kept (U t int64 a layer)."""
+        (m, R, T, layout), U = self.where, self.group.size
+        mine = positions(m, R, T, layout)                             # sorted
+        return np.searchsorted(mine, np.concatenate([positions(m * U + i, U * R, T, layout) for i in range(U)]))
 
     def _to_sequence(self, got):
         """(U, B, t, w) received, rank i's tokens at got[i] -> (B, U t, w) in position order."""

@@ -39,7 +39,6 @@ import numpy as np
 
 from minipar import comm
 from minipar.autograd import ops
-from minipar.comm.algorithms import alltoall, hierarchical_alltoall
 from minipar.optim.adamw import sum_of_squares
 from minipar.parallel import data_parallel
 from minipar.autograd.tensor import Function, Tensor, is_grad_enabled
@@ -106,16 +105,6 @@ class AllToAll(Function):
                 else comm.all_to_all(self.group, g, sizes=list(self.back))), None, None
 
 
-def equal_bytes(group, x: np.ndarray) -> int:
-    """What comm.all_to_all sends for an equal split of x: the bytes of the algorithm it
-    picks for that size (alltoall.bytes_sent: pairwise (P-1)/P n, or Bruck's; across hosts
-    hierarchical_alltoall.bytes_sent, inside the host and across)."""
-    algorithm = comm.all_to_all_algorithm(group, x)
-    if algorithm == "hierarchical":
-        return sum(hierarchical_alltoall.bytes_sent(group.nodes, group.rank, x.nbytes // group.size))
-    return alltoall.bytes_sent(group.size, x.nbytes, algorithm)
-
-
 class Sent:
     """What one rank's all-to-alls send on `group` (a comm.Group, or anything with its size,
     rank and hosts): the two costs ep_bytes adds up. The planner passes its own, which place
@@ -125,8 +114,8 @@ class Sent:
         self.group = group
 
     def all_to_all(self, x) -> int:
-        """An equal all-to-all of x (equal_bytes)."""
-        return equal_bytes(self.group, x)
+        """An equal all-to-all of x (comm.all_to_all_sent)."""
+        return comm.all_to_all_sent(self.group, x)
 
     def all_to_all_rows(self, nbytes) -> int:
         """A variable all-to-all (pairwise) sending nbytes of rows to the other ranks, after
