@@ -190,6 +190,8 @@ PLANTED = [
                               "once to each of [1, 2, 3]"),
     (piece_to_the_wrong_rank, "all-to-all 1 (forward q,k,v to the heads): rank 1 receives 512 B from rank 0, "
                               "which sent it nothing"),
+    (piece_to_the_wrong_rank, "all-to-all 1 (forward q,k,v to the heads): rank 0 sends 512 B to rank 2, which "
+                              "never receives it"),
     (output_of_another_head, "all-to-all 2 (forward y home): rank 1 -> 0 carries "),
 ]
 

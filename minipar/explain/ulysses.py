@@ -14,6 +14,7 @@ to draw, after its mpirun has ended.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -201,23 +202,26 @@ def _uly_pieces(calls: dict, pic: UlyssesPicture, problems: list):
     C = pic.C
     for (r, k), a in sorted(calls.items()):
         if a["algorithm"] != "pairwise exchange":
-            problems.append(f"{uly_name(k)}: rank {r} runs {a['algorithm']!r}; this picture reads the pairwise exchange")
+            problems.append(f"{uly_name(k)}: rank {r} runs {a['algorithm']!r}; this picture reads the "
+                            f"pairwise exchange")
         sends = [m for m in a["messages"] if m[1] == "send"]
         others = [q for q in range(C) if q != r]
         if sorted(m[2] for m in sends) != others:
             problems.append(f"{uly_name(k)}: rank {r} sends to ranks {sorted(m[2] for m in sends)}, "
                             f"not once to each of {others}")
         pic.pieces += [Piece(k, r, m[2], m[3], list(m[4:6])) for m in sends]
-    sent = {(p.call, p.src, p.dst): p.nbytes for p in pic.pieces}
+    sent = defaultdict(list)                                 # (call, sender, receiver) -> bytes, in order
+    for p in pic.pieces:
+        sent[(p.call, p.src, p.dst)].append(p.nbytes)
     for (r, k), a in sorted(calls.items()):
         for m in (m for m in a["messages"] if m[1] == "recv"):
-            have = sent.pop((k, m[2], r), None)
+            have = sent[(k, m[2], r)].pop(0) if sent[(k, m[2], r)] else None
             if have is None:
                 problems.append(f"{uly_name(k)}: rank {r} receives {m[3]} B from rank {m[2]}, which sent it nothing")
             elif have != m[3]:
                 problems.append(f"{uly_name(k)}: rank {r} receives {m[3]} B from rank {m[2]}, which sent it {have} B")
     problems += [f"{uly_name(k)}: rank {s} sends {n} B to rank {d}, which never receives it"
-                 for (k, s, d), n in sorted(sent.items())]
+                 for (k, s, d), left in sorted(sent.items()) for n in left]
     pic.pieces.sort(key=lambda p: (p.call, p.src, p.dst))
 
 
@@ -304,7 +308,9 @@ def _uly_heads(pic: UlyssesPicture, problems: list):
         pic.q_heads[j] = list(range(min(dy)[0], min(dy)[1] + 1)) if len(dy) == 1 else qh
         pic.kv_heads[j] = list(range(min(kvs) - kv + 1, min(kvs) + 1)) if len(kvs) == 1 else kvh
         if len(dy) > 1 or len(kvs) > 1:
-            problems.append(f"rank {j} receives pieces of different heads: query {sorted(dy)}, KV {sorted(kvs)}")
+            named = (", ".join(f"{a}-{b}" for a, b in sorted(dy)), ", ".join(map(str, sorted(kvs))))
+            problems.append(f"rank {j} receives pieces naming different heads: query heads {named[0]}; "
+                            f"KV heads {named[1]}")
     g = H // Hkv
     for k in range(Hkv):
         holders = [j for j in range(C) if k in pic.kv_heads[j]]
