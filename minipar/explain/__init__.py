@@ -11,6 +11,9 @@ in this order:
     moe.py              one MoE layer's all-to-alls (expert parallelism)
     gqa_tp.py           a Llama block's query and key/value heads over tp ranks, and the
                         sums of a shared key/value head's gradients
+    ulysses.py          Ulysses attention (context parallelism): its four all-to-alls, the
+                        sequence shards turned into head shards and back, a copied KV head's
+                        gradient parts summed
 """
 from minipar.explain.cli import build_parser, main, settle
 

@@ -14,6 +14,7 @@ its trace and draws it).
     ring-attention       RingAttention forward and backward (context parallelism)  cp 4 (2..8)
     moe-dispatch         one MoE layer, its experts over the ranks (expert parallelism)  ep 4 (2 or 4)
     gqa-tp               a Llama block's query and key/value heads over tp ranks   tp 4 (2, 4 or 8)
+    ulysses              UlyssesAttention forward and backward: its four all-to-alls   cp 4 (2 or 4)
 
 What runs. The launcher starts `mpirun -n P python -m minipar.explain --worker WHAT` (under
 a timeout, MINIPAR_EXPLAIN_TIMEOUT seconds, 120 by default). The trace records with
@@ -23,7 +24,7 @@ back and draws; the PNG beside the SVG is resvg_py's, when it is installed (writ
 
 How a trace becomes a drawing (decoding the values on the wire, matching and replaying
 the messages): collectives.py; the other pictures read theirs in megatron.py, pipeline.py,
-ring_attention.py and moe.py.
+ring_attention.py, moe.py, gqa_tp.py and ulysses.py.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from minipar.explain.megatron import MLP_SHAPE, mlp_picture, mlp_svg, mlp_text
 from minipar.explain.moe import MOE_EXPERTS, MOE_FACTOR, moe_picture, moe_svg, moe_text
 from minipar.explain.pipeline import pipeline_argv, pipeline_picture, pipeline_svg, pipeline_text
 from minipar.explain.ring_attention import RING_MAX_P, ring_picture, ring_svg, ring_text
+from minipar.explain.ulysses import ULY_RANKS, uly_picture, uly_ranks_ok, uly_svg, uly_text, work_ulysses
 
 
 MAX_P = 16
@@ -55,15 +57,16 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m minipar.explain", allow_abbrev=False,
-                 description="Run a collective, Megatron's MLP, a 1F1B pipeline, ring attention, a MoE layer or "
-                             "grouped-query attention under tensor parallelism "
+                 description="Run a collective, Megatron's MLP, a 1F1B pipeline, ring attention, Ulysses "
+                             "attention, a MoE layer or grouped-query attention under tensor parallelism "
                              "on P ranks (mpirun) with the trace on, and draw each message it sent: in the terminal, "
                              "as DIR/explain-WHAT-pP.svg and, with resvg_py, .png.",
                  epilog=f"WHAT: {', '.join(WHATS)}")
     ap.add_argument("what", metavar="WHAT", help="what to run and draw (below)")
     ap.add_argument("--p", type=int, metavar="P",
                     help="ranks [4; 5 for recursive-doubling, to show its fix-up; 2 for megatron-mlp; "
-                         f"ring-attention 2..{RING_MAX_P}; moe-dispatch 2 or 4]")
+                         f"ring-attention 2..{RING_MAX_P}; moe-dispatch 2 or 4; ulysses "
+                         f"{' or '.join(map(str, ULY_RANKS))}]")
     ap.add_argument("--out", default=".", metavar="DIR", help="where the drawings and the trace go [.]")
     ap.add_argument("--bytes", type=int, metavar="N",
                     help="the collectives' message size, a multiple of 8 [64*P: 8 float64 per rank]")
@@ -90,6 +93,9 @@ def settle(args) -> tuple[str, int, int]:
         raise UsageError(f"--p {p}: megatron-mlp splits the hidden width 4C = {hidden}; P must divide it")
     if what == "gqa-tp" and not gqa_ranks_ok(p):
         raise UsageError(f"--p {p}: gqa-tp splits 8 query heads and 2 key/value heads; P must be 2, 4 or 8")
+    if what == "ulysses" and not uly_ranks_ok(p):
+        raise UsageError(f"--p {p}: ulysses splits 8 query heads and 2 key/value heads with the pairwise "
+                         f"all-to-all; P must be {' or '.join(map(str, ULY_RANKS))}")
     if what == "moe-dispatch" and MOE_EXPERTS % p:
         raise UsageError(f"--p {p}: moe-dispatch splits E = {MOE_EXPERTS} experts over the ranks; P must divide it")
     if args.capacity_factor is not None and what != "moe-dispatch":
@@ -185,6 +191,9 @@ def draw(path: str, out: str) -> list[str]:
     elif what == "gqa-tp":
         pic = gqa_picture(trace)
         problems, text, svg = pic.problems, gqa_text(pic), gqa_svg(pic)
+    elif what == "ulysses":
+        pic = uly_picture(trace)
+        problems, text, svg = pic.problems, uly_text(pic), uly_svg(pic)
     else:
         pic = collective_picture(trace)
         problems, text, svg = pic.problems, grid_text(pic), grid_svg(pic)
@@ -206,7 +215,7 @@ def main(argv=None) -> int:
         what, p, n = settle(args)
         factor = MOE_FACTOR if args.capacity_factor is None else args.capacity_factor
         if args.worker:
-            work(what, n, args.trace_file, factor)
+            worker(what, n, args.trace_file, factor)
             return 0
         if size > 1:                            # already under mpirun: be the worker, rank 0 draws
             return in_place(what, p, n, size, args.out, factor)
@@ -223,6 +232,15 @@ def main(argv=None) -> int:
     return 1 if problems else 0
 
 
+def worker(what: str, n: int, path: str, factor: float = MOE_FACTOR):
+    """One rank's part under mpirun: ulysses' worker here, every other WHAT's in collectives.work."""
+    if what != "ulysses":
+        return work(what, n, path, factor)
+    from mpi4py import MPI                                              # noqa: PLC0415
+    from minipar import comm                                            # noqa: PLC0415
+    return work_ulysses(comm.Group(MPI.COMM_WORLD, axis="cp"), path)
+
+
 def in_place(what: str, p: int, n: int, size: int, out: str, factor: float = MOE_FACTOR) -> int:
     """Under `mpirun -n P python -m minipar.explain WHAT`: every rank works, rank 0 draws."""
     if p != size:
@@ -234,7 +252,7 @@ def in_place(what: str, p: int, n: int, size: int, out: str, factor: float = MOE
         from minipar.train import trainer as train                                       # noqa: PLC0415
         train.main(pipeline_argv(p, path))
     else:
-        work(what, n, path, factor)
+        worker(what, n, path, factor)
     if launched_rank() != 0:
         return 0
     problems = draw(path, out)

@@ -36,6 +36,7 @@ WHATS = {
     "ring-attention": Spec("ring attention", 4),
     "moe-dispatch": Spec("MoE dispatch and combine", 4),
     "gqa-tp": Spec("grouped-query attention under tensor parallelism", 4),
+    "ulysses": Spec("Ulysses attention", 4),
 }
 COLLECTIVES = [w for w, s in WHATS.items() if s.algorithm]
 
