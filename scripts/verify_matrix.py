@@ -143,7 +143,8 @@ def cp_impls(n, precisions):
     micro-batches, recomputation and fp16/bf16; Llama's grouped-query and multi-query attention
     (Ulysses with the key/value heads copied when cp > Hkv/tp). 8 ranks: dp x cp x tp. hybrid
     (Ulysses over 2 ranks, the ring over the pairs) at cp 4, with recomputation, ZeRO-3,
-    micro-batches, multi-query attention and fp16/bf16; on 8 ranks with tp and with dp."""
+    micro-batches, multi-query attention and fp16/bf16; on 8 ranks with tp and with dp. --sp with
+    --cp (the tp ranks split each cp rank's tokens) for every impl, GPT-2 and Llama."""
     f64 = ["--dtype", "float64"]
     llama = ["--arch", "llama", "--ffn-hidden", "24", "--rope-theta", "500"]
     for impl in ("ulysses", "allgather"):
@@ -164,6 +165,18 @@ def cp_impls(n, precisions):
                 yield n, ["--cp", "2", "--tp", "2", "--precision", precision] + cp
         else:
             yield n, ["--dp", "2", "--cp", "2", "--tp", "2", "--zero", "1"] + cp + f64
+    # --sp splits each cp rank's tokens over tp: every impl, GPT-2's learned positions and Llama's
+    if n == 4:
+        for impl in ("ring", "ulysses", "allgather", "hybrid"):
+            yield n, ["--tp", "2", "--sp", "--cp", "2", "--n-head", "4", "--cp-impl", impl] + f64
+        yield n, llama + ["--n-head", "4", "--n-kv-head", "1", "--tp", "2", "--sp", "--cp", "2", "--cp-impl",
+                          "ulysses", "--recompute", "selective"] + f64
+        for precision in set(precisions) - {"fp32"}:
+            yield n, ["--tp", "2", "--sp", "--cp", "2", "--n-head", "4", "--cp-impl", "allgather",
+                      "--precision", precision]
+    else:
+        yield n, ["--dp", "2", "--tp", "2", "--sp", "--cp", "2", "--n-head", "4", "--cp-impl", "ulysses",
+                  "--zero", "1"] + f64
     hybrid = ["--cp-impl", "hybrid", "--cp-ulysses", "2"]
     if n == 4:
         for run in (["--cp", "4"], ["--cp", "4", "--cp-layout", "contiguous", "--recompute", "full"],

@@ -20,7 +20,6 @@ pytestmark = pytest.mark.usefixtures("fixed_peak")
 @pytest.mark.parametrize("flags, message", [
     (["--cp", "2", "--block-size", "18"],
      "--cp 2 cuts each sequence into 2 x cp = 4 chunks: --block-size 18 is not divisible by 4"),
-    (["--cp", "2", "--sp"], "--sp does not combine with --cp 2"),
     (["--cp-layout", "contiguous"], "--cp-layout contiguous places the tokens of a cp group: it needs --cp > 1"),
     (["--cp", "3"], "world size 2 is not divisible by cp*tp*pp = 3*1*1 = 3"),
 ])

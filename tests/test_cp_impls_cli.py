@@ -55,6 +55,39 @@ def test_verify_passes_and_the_bytes_are_the_formula(tmp_path, impl, layout):
     assert f"context parallel: cp={layout[layout.index('--cp') + 1]} {impl}" in p.stdout
 
 
+@pytest.mark.parametrize("impl,model", [("ring", []), ("ulysses", []), ("allgather", GQA)],
+                         ids=["ring-gpt2", "ulysses-gpt2", "allgather-llama-gqa"])
+def test_sp_splits_each_cp_ranks_tokens_and_verifies(tmp_path, impl, model):
+    """--tp 2 --sp --cp 2: the tp ranks split each cp rank's T/2 tokens (GPT-2's learned
+    positions: the rows of the cp rank's global positions, PositionsOfShard); equal to the
+    twin, the cp bytes the formula's and sp's collectives sp_count's on T/cp tokens."""
+    log = str(tmp_path / "log.jsonl")
+    p = mpirun(4, "--tp", "2", "--sp", "--cp", "2", "--n-head", "4", *model, "--cp-impl", impl,
+               "--dtype", "float64", "--verify", "--log", log)
+    verify = [line for line in p.stdout.splitlines() if line.startswith("verify: dp=")]
+    assert p.returncode == 0 and len(verify) == 1 and verify[0].endswith("-> OK"), p.stdout + p.stderr
+    _, summary = read_log(log)
+    cp = summary["context_parallel"]
+    assert cp["bytes_per_step"] == cp["theory_bytes_per_step"] > 0, cp
+    assert "= sp_count x 1 micro-batch(es)" in p.stdout, p.stdout
+
+
+def test_sp_with_cp_catches_positions_taken_as_if_the_rank_held_the_first_tokens(tmp_path):
+    """Planted: each tp rank takes wpe rows [r t/tp, (r+1) t/tp), as without cp, instead of
+    its share of the cp rank's global positions; --verify fails."""
+    patch = """
+from minipar.parallel.tensor import sequence_parallel
+forward = sequence_parallel.PositionsOfShard.forward
+def first_tokens(self, wpe, pos, group):
+    return forward(self, wpe, list(range(len(pos))), group)
+sequence_parallel.PositionsOfShard.forward = first_tokens
+"""
+    p = run_driver(tmp_path, 4, patch, "--tp", "2", "--sp", "--cp", "2", "--n-head", "4", "--dtype", "float64",
+                   "--steps", "2", "--verify")
+    verify = [line for line in p.stdout.splitlines() if line.startswith("verify: dp=1 cp=2 tp=2")]
+    assert p.returncode == 1 and len(verify) == 1 and verify[0].endswith("-> FAILED"), p.stdout + p.stderr
+
+
 # Mistakes each implementation could make; --verify must catch every one.
 PLANTED = {
     # Ulysses: every rank attends with key/value head 0, whatever its query heads read

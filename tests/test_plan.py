@@ -953,7 +953,8 @@ def test_defaults_are_the_trainers():
     (["--world", "8", "--dp", "2", "--cp", "2"], "world size 8 != dp*cp*tp*pp = 2*2*1*1 = 4"),
     (["--world", "6", "--cp", "4"], "world size 6 is not divisible by cp*tp*pp = 4*1*1 = 4"),
     (["--cp", "0"], "--cp must be >= 1, got 0"),
-    (["--cp", "2", "--tp", "2", "--sp"], "--sp does not combine with --cp 2"),
+    (["--cp", "2", "--tp", "4", "--sp", "--block-size", "12"],
+     "--sp splits each cp rank's 6 tokens (--block-size 12 / --cp 2) over --tp 4: 6 is not divisible by 4"),
     (["--cp-layout", "contiguous"], "--cp-layout contiguous places the tokens of a cp group: it needs --cp > 1"),
     (["--memory-budget", "16XB"], "--memory-budget wants a size such as 16GiB, 512MiB or 8e9 (bytes), got '16XB'"),
     # mixture of experts: config.check_moe's lines, as the trainer prints them

@@ -66,6 +66,7 @@ LAYOUTS = [
          "--micro-batches", "2"]),
     (4, ["--dtype", "float64", *LLAMA, "--n-kv-head", "1", "--cp", "2", "--cp-impl", "allgather", "--pp", "2",
          "--n-layer", "2", "--micro-batches", "2"]),
+    (4, ["--dtype", "float64", "--n-head", "4", "--tp", "2", "--sp", "--cp", "2", "--cp-impl", "ulysses"]),  # sp on T/cp
     # experts split over ep 2 x pp 2; capacity 2.0 = N slots: every message padded, nothing dropped
     (4, ["--dtype", "float64", *MOE, "--dp", "2", "--ep", "2", "--pp", "2", "--micro-batches", "2",
          "--moe-capacity-factor", "2.0"]),

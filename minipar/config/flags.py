@@ -46,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dp", type=int, metavar="D",
                    help="data-parallel replicas [world / (cp*tp*pp)]")
     g.add_argument("--cp", type=int, default=1, metavar="C",
-                   help="context parallelism: each sequence split over C ranks, attention by ring "
-                        "attention; --block-size must divide by 2C (docs/context-parallel.md) "
-                        "[%(default)s]")
+                   help="context parallelism: each sequence split over C ranks, attention as --cp-impl "
+                        "says; --block-size must divide by 2C, and with --sp T/C by --tp "
+                        "(docs/context-parallel.md) [%(default)s]")
     g.add_argument("--cp-layout", choices=LAYOUTS, default=None,
                    help="--cp: which tokens each rank keeps, chunks i and 2C-1-i of 2C (zigzag: the "
                         "same causal work on every rank) or chunks 2i, 2i+1 [zigzag]")
@@ -380,7 +380,7 @@ def add_moe_arguments(group, capacity_note: str = "later assignments dropped; 0:
 
 def check_context_split(cfg: GPTConfig | None, args) -> str:
     """--cp cuts every sequence into 2 x cp chunks (no padding); --cp-layout needs --cp > 1;
-    --sp does not combine with it (its sequence shards would be of the rank's tokens).
+    with --sp the tp ranks split each cp rank's T/cp tokens, so tp must divide them.
     -> --cp-layout, zigzag when not given (args is not changed)."""
     cp = args.cp
     if args.cp_layout is not None and cp == 1:
@@ -391,9 +391,11 @@ def check_context_split(cfg: GPTConfig | None, args) -> str:
     if cfg is not None and cfg.block_size % (2 * cp):
         raise ConfigError(f"--cp {cp} cuts each sequence into 2 x cp = {2 * cp} chunks: --block-size "
                           f"{cfg.block_size} is not divisible by {2 * cp}")
-    if args.sp:
-        raise ConfigError(f"--sp does not combine with --cp {cp}: both split the sequence, and minipar "
-                          f"has only one of them at a time (use --cp with --tp, or --sp without --cp)")
+    tp = getattr(args, "tp", 1)
+    if args.sp and tp > 1 and cfg is not None and (cfg.block_size // cp) % tp:
+        raise ConfigError(f"--sp splits each cp rank's {cfg.block_size // cp} tokens (--block-size "
+                          f"{cfg.block_size} / --cp {cp}) over --tp {tp}: {cfg.block_size // cp} is not "
+                          f"divisible by {tp}")
     return cp_layout
 
 

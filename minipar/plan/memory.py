@@ -27,7 +27,7 @@ Memory per device (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054, section 3):
     min(M, pp - stage) with 1F1B; --virtual-stages V > 1 counts chunk-micro-batches.
 
 The sequence-length ceiling (--memory-budget M): the longest T, a multiple of 2*cp (and of
-tp with --sp), whose per-device peak (model states + activations at the schedule's peak,
+cp*tp with --sp), whose per-device peak (model states + activations at the schedule's peak,
 the largest stage's) fits in M, for cp = 1 and for the given cp, each with the same dp, tp,
 pp (the learned positions' table grows with T: the planner takes the block size to be T).
 The peak only grows with T (activations per token times T, the softmax's T^2, wpe's T*C
@@ -139,7 +139,7 @@ def seq_ceiling(cfg: GPTConfig, lay, budget: int) -> dict:
     per device fits in `budget` bytes, the model's block size taken to be T; None if not
     even T = step fits. peak_memory only grows with T, so: double k (T = k*step) while it
     fits, then bisect between the last k that fits and the first that does not."""
-    step = math.lcm(2 * lay.cp, lay.tp if lay.sp else 1)
+    step = math.lcm(2 * lay.cp, lay.cp * lay.tp if lay.sp else 1)   # --sp: tp divides each cp rank's T/cp
 
     def peak(k: int) -> int:
         return peak_memory(dataclasses.replace(cfg, block_size=k * step), lay)

@@ -131,19 +131,21 @@ class GatherSequenceLinear(Function):
 
 
 class PositionsOfShard(Function):
-    """wpe rows [r t/tp, (r+1) t/tp) of this rank's positions. Each position's gradient is on
-    one rank only, so backward all-gathers the (t/tp, C) pieces into the (t, C) rows."""
+    """The wpe rows of this rank's shard of the sequence's positions pos (t of them: 0..t-1, or
+    a cp rank's global positions), pos[r t/tp : (r+1) t/tp]. Each position's gradient is on one
+    rank only, so backward all-gathers the (t/tp, C) pieces into the t rows of pos."""
 
-    def forward(self, wpe, t, group):
-        n = t // group.size
-        self.group, self.t, self.shape = group, t, wpe.shape
-        return wpe[group.rank * n:(group.rank + 1) * n]
+    def forward(self, wpe, pos, group):
+        n = len(pos) // group.size
+        self.group, self.pos, self.shape = group, np.asarray(pos), wpe.shape
+        return wpe[self.pos[group.rank * n:(group.rank + 1) * n]]
 
     def backward(self, g):
+        t = len(self.pos)
         dw = np.zeros(self.shape, dtype=g.dtype)
-        dw[:self.t] = g if self.group.size == 1 else tp_collective(
-            "sp_grads", self.t * g.shape[-1],
-            lambda: comm.all_gather(self.group, np.ascontiguousarray(g))).reshape(self.t, -1)
+        dw[self.pos] = g if self.group.size == 1 else tp_collective(
+            "sp_grads", t * g.shape[-1],
+            lambda: comm.all_gather(self.group, np.ascontiguousarray(g))).reshape(t, -1)
         return dw, None, None
 
 
@@ -178,7 +180,7 @@ class SequenceSplit(TensorSplit):
         return ScatterToSequence.apply(tok, self.group)                   # (B, t/tp, C), summed
 
     def positions(self, w, pos):
-        return PositionsOfShard.apply(w, len(pos), self.group)
+        return PositionsOfShard.apply(w, pos, self.group)
 
     def logits(self, x, w):
         """(B, t/tp, C) -> vocab-sharded logits (B, t, Vp/tp); padded columns are -inf."""
