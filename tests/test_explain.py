@@ -24,17 +24,18 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 _RUNS = {}
 
 
-def explained(what, p, tmp_path_factory):
-    """Run `python -m minipar.explain WHAT --p P` once per test session -> (process, trace, out dir)."""
-    if (what, p) not in _RUNS:
+def explained(what, p, tmp_path_factory, *flags, env=ENV, timeout=180):
+    """Run `python -m minipar.explain WHAT --p P FLAGS` once per test session -> (process, trace,
+    out dir)."""
+    key = (what, p, *flags)
+    if key not in _RUNS:
         out = str(tmp_path_factory.mktemp(f"explain-{what}-p{p}"))
-        proc = subprocess.run([sys.executable, "-m", "minipar.explain", what, "--p", str(p), "--out", out],
-                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180)
+        proc = subprocess.run([sys.executable, "-m", "minipar.explain", what, "--p", str(p), *flags, "--out", out],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         path = os.path.join(out, f"explain-{what}-p{p}.json")
         assert os.path.isfile(path), f"exit {proc.returncode}, no {path}:\n{proc.stdout}\n{proc.stderr}"
-        trace = traceview.load(path)
-        _RUNS[(what, p)] = (proc, trace, out)
-    return _RUNS[(what, p)]
+        _RUNS[key] = (proc, traceview.load(path), out)
+    return _RUNS[key]
 
 
 def ranks(mask):
@@ -345,16 +346,7 @@ def test_ring_attention_planted_mistakes_are_reported(tmp_path_factory, tmp_path
 
 def explained_moe(p, factor, tmp_path_factory):
     """`python -m minipar.explain moe-dispatch --p P --capacity-factor F`, once per session."""
-    key = ("moe-dispatch", p, factor)
-    if key not in _RUNS:
-        out = str(tmp_path_factory.mktemp(f"explain-moe-p{p}-f{factor}"))
-        proc = subprocess.run([sys.executable, "-m", "minipar.explain", "moe-dispatch", "--p", str(p),
-                               "--capacity-factor", str(factor), "--out", out],
-                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180)
-        path = os.path.join(out, f"explain-moe-dispatch-p{p}.json")
-        assert os.path.isfile(path), f"exit {proc.returncode}, no {path}:\n{proc.stdout}\n{proc.stderr}"
-        _RUNS[key] = (proc, traceview.load(path), out)
-    return _RUNS[key]
+    return explained("moe-dispatch", p, tmp_path_factory, "--capacity-factor", str(factor))
 
 
 def _moe_all_to_alls(trace, rank):

@@ -19,23 +19,16 @@ from minipar.explain import cli as explain, ulysses
 from minipar.parallel.context.ring_attention import positions
 from minipar.parallel.context.ulysses import head_split, kv_heads_of, ulysses_traffic
 from minipar.show import traceview
+from test_explain import explained as explain_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MINIPAR_EXPLAIN_TIMEOUT="60")
-_RUNS = {}
 B, H, HKV, HS, CHUNK = ulysses.ULY_SHAPE
 
 
 def explained(p, tmp_path_factory):
     """`python -m minipar.explain ulysses --p P`, once per session -> (process, trace, out dir)."""
-    if p not in _RUNS:
-        out = str(tmp_path_factory.mktemp(f"explain-ulysses-p{p}"))
-        proc = subprocess.run([sys.executable, "-m", "minipar.explain", "ulysses", "--p", str(p), "--out", out],
-                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
-        path = os.path.join(out, f"explain-ulysses-p{p}.json")
-        assert os.path.isfile(path), f"exit {proc.returncode}, no {path}:\n{proc.stdout}\n{proc.stderr}"
-        _RUNS[p] = (proc, traceview.load(path), out)
-    return _RUNS[p]
+    return explain_run("ulysses", p, tmp_path_factory, env=ENV, timeout=120)
 
 
 def all_to_alls(trace, rank):

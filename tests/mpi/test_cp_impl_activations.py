@@ -23,16 +23,16 @@ DTYPES = {"float64": (np.float64, 8, 8), "float32": (np.float32, 4, 4), "float16
 IMPLS = [("ring", None), ("ulysses", None), ("allgather", None), ("hybrid", 2), ("hybrid", 1)]
 
 
-def split_of(g, impl, U, layout="zigzag"):
-    if impl == "hybrid" and g.size % U:
-        pytest.skip(f"U = {U} does not divide cp {g.size}")
-    return ContextSplit(g, layout, impl, U if impl == "hybrid" else None)
-
-
-def runs(impl, U, C, H, Hkv):
-    """Can Ulysses over U ranks take these heads (ulysses.head_split)?"""
-    U = C if impl == "ulysses" else U if impl == "hybrid" else None
-    return U is None or (H % U == 0 and (Hkv % U == 0 or U % Hkv == 0))
+def split_of(groups, cp, impl, U, H, Hkv):
+    """The cp group's ContextSplit for impl (hybrid: Ulysses over U), or a skip: too few ranks,
+    or heads Ulysses cannot take (ulysses.head_split; its errors: test_cp_impls.py)."""
+    g = groups[cp]
+    if g.size != cp:
+        pytest.skip(f"needs {cp} ranks")
+    D = cp if impl == "ulysses" else U if impl == "hybrid" else None
+    if D is not None and (H % D or (Hkv % D and D % Hkv)):
+        pytest.skip("Ulysses cannot take these heads")
+    return ContextSplit(g, "zigzag", impl, U if impl == "hybrid" else None)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -40,18 +40,13 @@ def runs(impl, U, C, H, Hkv):
 @pytest.mark.parametrize("impl,U", IMPLS, ids=[f"{i}{u or ''}" for i, u in IMPLS])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_one_call_keeps_the_formula(groups, cp, impl, U, H, Hkv, dtype):
-    g = groups[cp]
-    if g.size != cp:
-        pytest.skip(f"needs {cp} ranks")
-    if not runs(impl, U, cp, H, Hkv):
-        pytest.skip("Ulysses cannot take these heads (tested in test_cp_impls.py)")
+    split = split_of(groups, cp, impl, U, H, Hkv)
     dt, s, c = DTYPES[dtype]
-    split = split_of(g, impl, U)
     t = T // cp
     x = Tensor(np.random.default_rng(0).standard_normal((B, t, (H + 2 * Hkv) * HS)).astype(dt), requires_grad=True)
     y = split.attention(x, H, Hkv)
     want, _ = activations.cp_attention_bytes(impl, B, t, cp, H, H * HS, Hkv * HS, HS, c, split.ulysses)
-    assert y.saved_bytes() == want, f"cp={cp} rank {g.rank} {impl} U={split.ulysses} H={H} Hkv={Hkv} {dtype}"
+    assert y.saved_bytes() == want, f"cp={cp} rank {split.group.rank} {impl} U={split.ulysses} H={H} Hkv={Hkv} {dtype}"
 
 
 def config(arch, n_layer, n_head, n_kv_head):
@@ -67,20 +62,15 @@ def config(arch, n_layer, n_head, n_kv_head):
 def test_a_model_keeps_the_formula(groups, cp, impl, U, arch, H, Hkv, dtype):
     """3 layers less 2 is one layer's bytes (block_bytes); 3 layers the stage's (stage_bytes).
     One head (GPT-2): the ring's and the all-gather's c_proj input is a view of their o."""
-    g = groups[cp]
-    if g.size != cp:
-        pytest.skip(f"needs {cp} ranks")
-    if not runs(impl, U, cp, H, Hkv):
-        pytest.skip("Ulysses cannot take these heads")
+    split = split_of(groups, cp, impl, U, H, Hkv)
     dt, s, c = DTYPES[dtype]
-    split = split_of(g, impl, U)
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, V, size=(2, B, T))
     got = {}
     for n in (2, 3):
         model = GPT(config(arch, n, H, Hkv), seed=0, dtype=dt, parts=parts("none", context=split))
         got[n] = model(split.local(x), split.local(y), loss_denom=B * T).saved_bytes()
-    where = f"cp={cp} rank {g.rank} {impl} U={split.ulysses} {arch} H={H} Hkv={Hkv} {dtype}"
+    where = f"cp={cp} rank {split.group.rank} {impl} U={split.ulysses} {arch} H={H} Hkv={Hkv} {dtype}"
     kw = dict(cp=cp, cp_impl=impl, cp_ulysses=split.ulysses)
     assert got[3] == activations.stage_bytes(config(arch, 3, H, Hkv), 0, 1, 1, B, s, c, False, "none", **kw), where
     assert got[3] - got[2] == activations.block_bytes(config(arch, 3, H, Hkv), B, 1, s, c, False, "none", **kw), where
