@@ -117,3 +117,18 @@ def test_layouts_an_impl_cannot_run_are_one_line(capsys, flags, message):
     code, out, err = cli(capsys, *TINY, *flags)
     assert code == 2 and out == "", (out, err)
     assert err.count("\n") == 1 and err.startswith("minipar.plan: error: ") and message in err, err
+
+
+def test_ulysses_key_value_head_limit():
+    """Llama, 6 query heads and 3 KV heads on cp 2: the query heads split, the KV heads neither
+    split over 2 ranks nor copy evenly to them, so Ulysses (and hybrid over both) cannot run."""
+    _, _, r = plan("--arch", "llama", "--n-head", "6", "--n-kv-head", "3", "--n-embd", "24", "--ffn-hidden", "32",
+                   "--cp", "2")
+    rows = rows_by_impl(r)
+    assert "whole key/value heads: 3 (after tp) neither divides nor is divided by 2" in rows["ulysses"]["why_not"]
+    assert not rows["hybrid"]["runs"] and rows["ring"]["runs"] and rows["allgather"]["runs"]
+    _, _, r = plan("--arch", "llama", "--n-head", "8", "--n-kv-head", "2", "--n-embd", "32", "--ffn-hidden", "32",
+                   "--cp", "4")
+    rows = rows_by_impl(r)                                # 2 KV heads on 4 ranks: each copied to 2
+    assert rows["ulysses"]["runs"] and rows["ulysses"]["attention_per_layer"] == activations.cp_attention_bytes(
+        "ulysses", 8, 16, 4, 8, 8 * 4, 2 * 4, 4, 4)[0]   # rows 8, T/C 16, H 8 of hs 4, fp32
