@@ -20,6 +20,8 @@ with the bytes comm's algorithms send for them (allgather_traffic).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from minipar import comm
@@ -41,7 +43,7 @@ class AllGatherAttention(Function):
     def forward(self, q, k, v, group, layout="zigzag"):
         C = group.size
         self.group, self.shape = group, k.shape
-        self.scale = 1.0 / float(np.sqrt(q.shape[-1]))            # a Python float: keeps float32 float32
+        self.scale = 1.0 / math.sqrt(q.shape[-1])                    # a Python float: float32 stays float32
         kv = waited("forward", comm.all_gather, group, np.stack([k, v])).reshape(C, 2, *k.shape)
         K = np.concatenate(list(kv[:, 0]), axis=-2)                    # (B, Hkv, 1, T, hs), rank order
         V = np.concatenate(list(kv[:, 1]), axis=-2)

@@ -34,6 +34,7 @@ In all 2n(C-1) forward and 2n(C-1) + 2nC backward, as the ledger counts them.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -163,7 +164,7 @@ class RingAttention(Function):
         C, r = group.size, group.rank
         T = q.shape[-2] * C
         self.group, self.layout, self.T = group, layout, T
-        self.scale = 1.0 / np.sqrt(q.shape[-1])
+        self.scale = 1.0 / math.sqrt(q.shape[-1])                    # a Python float: float32 stays float32
         pos_q = positions(r, C, T, layout)
         m = np.full(q.shape[:-1], -np.inf, dtype=q.dtype)
         l = np.zeros(q.shape[:-1], dtype=q.dtype)
