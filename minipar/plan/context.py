@@ -19,8 +19,11 @@ recomputation (docs/context-parallel.md):
                 hosts x latency), when a bandwidth flag is given
 The cheapest is the one that runs in the least time under the link model, or, without link
 speeds, with the fewest bytes; ties go to the least memory. Nothing is overlapped: the ring
-hides its messages behind its blocks' compute, so for the ring this is an upper bound.
-Attention's FLOPs are the same in all four (minipar computes every T/C x T product, masked).
+hides its messages behind its blocks' compute, so for the ring this is an upper bound. Nor is
+compute compared: the planner's FLOPs are the model's (T/C x T score products a rank, the same
+for all four), while the ring skips the sub-blocks the causal mask empties (2C + 1 of 4C with
+the zig-zag split) that Ulysses and the all-gather compute and mask (scripts/bench_cp.py
+measures what that is worth).
 """
 from __future__ import annotations
 
