@@ -139,12 +139,13 @@ def context_parallel(n, precisions):
 
 def cp_impls(n, precisions):
     """--cp-impl ulysses and allgather beside the ring: alone (cp 2 and 4, both layouts), with
-    dp and every ZeRO stage, tp (heads split by tp first), pp (1F1B, ZB-H1, interleaved),
-    micro-batches, recomputation and fp16/bf16; Llama's grouped-query and multi-query attention
+    dp and every ZeRO stage, tp (heads split by tp first), pp (every schedule), micro-batches,
+    recomputation and fp16/bf16; Llama's grouped-query and multi-query attention
     (Ulysses with the key/value heads copied when cp > Hkv/tp). 8 ranks: dp x cp x tp. hybrid
     (Ulysses over 2 ranks, the ring over the pairs) at cp 4, with recomputation, ZeRO-3,
     micro-batches, multi-query attention and fp16/bf16; on 8 ranks with tp and with dp. --sp with
-    --cp (the tp ranks split each cp rank's tokens) for every impl, GPT-2 and Llama."""
+    --cp (the tp ranks split each cp rank's tokens) for every impl, GPT-2 and Llama; hybrid with
+    pp on 8 ranks."""
     f64 = ["--dtype", "float64"]
     llama = ["--arch", "llama", "--ffn-hidden", "24", "--rope-theta", "500"]
     for impl in ("ulysses", "allgather"):
@@ -154,7 +155,8 @@ def cp_impls(n, precisions):
                     ["--cp", "2", "--tp", "2", "--recompute", "full"],
                     ["--cp", "2", "--dp", "2", "--micro-batches", "2", "--recompute", "selective"]]
             runs += [["--cp", "2", "--dp", "2", "--zero", str(z)] for z in (1, 2, 3)]
-            runs += [["--cp", "2", "--pp", "2", "--schedule", s, "--micro-batches", "2"] for s in ("1f1b", "zb-h1")]
+            runs += [["--cp", "2", "--pp", "2", "--schedule", s, "--micro-batches", "2"]
+                     for s in ("naive", "gpipe", "1f1b", "zb-h1", "zb-h2")]
             runs += [["--cp", "2", "--pp", "2", "--n-layer", "4", "--schedule", "interleaved", "--virtual-stages",
                       "2", "--micro-batches", "2"]]
             runs += [llama + ["--n-kv-head", "2", "--cp", "4"], llama + ["--n-kv-head", "1", "--cp", "2", "--tp", "2"],
@@ -188,6 +190,7 @@ def cp_impls(n, precisions):
     else:
         yield n, ["--cp", "4", "--tp", "2", "--n-head", "8", "--n-embd", "32"] + hybrid + f64
         yield n, ["--dp", "2", "--cp", "4", "--pp", "1"] + hybrid + f64
+        yield n, ["--cp", "4", "--pp", "2", "--micro-batches", "2", "--schedule", "zb-h1"] + hybrid + f64
 
 
 def llama(n, precisions):
