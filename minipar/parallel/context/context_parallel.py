@@ -79,10 +79,9 @@ class ContextSplit:
 
     def sent(self) -> dict:
         """call_traffic's groups: what this rank's calls send on each of its groups."""
-        out = {"cp": Sent(self.group)}
         if self.impl == "hybrid":
-            out.update(ulysses=Sent(self.ulysses_group), ring=Sent(self.ring_group))
-        return {**out, "ulysses": out.get("ulysses", out["cp"])}
+            return {"cp": Sent(self.group), "ulysses": Sent(self.ulysses_group), "ring": Sent(self.ring_group)}
+        return {"cp": Sent(self.group), "ulysses": Sent(self.group)}
 
     def attention(self, qkv, n_head: int, n_kv_head: int | None = None):
         """Causal self-attention of the whole sequence for this rank's queries."""
