@@ -21,14 +21,17 @@ comm_bytes.py (bytes sent, and across hosts hosts.py) into one dict; render.py p
 
 Context parallelism (--cp, docs/design.md §6): world = dp*cp*tp*pp; each rank keeps T/cp
 tokens of every sequence (zig-zag or contiguous, the same bytes either way), so
-    activations  per token on T/cp tokens, ring attention's q, k, v, o, lse instead of the
-                 T x T softmax (activations.py's second table: d sbh/c (4 + 2/h + 17/t + a/ht))
+    activations  per token on T/cp tokens, and what --cp-impl's attention keeps instead of the
+                 T x T softmax (activations.py's second table; the ring's d sbh/c (4 + 2/h +
+                 17/t + a/ht)); with --sp the tp ranks split each rank's T/cp tokens
     dp           gradients are summed, and ZeRO shards, over dp*cp ranks (ProcessGrid.grad_group):
                  the dp formulas (comm_bytes.py) with p = dp*cp
     tp, pp       their messages carry b*(T/cp)*C instead of b*T*C
-    cp           per micro-batch and layer of the device, one ring attention call:
-                 ring_traffic(n, cp, compute itemsize, forwards)[1], n = b*(T/cp)*C/tp,
-                 forwards 2 with --recompute full (the forward runs again in backward)
+    cp           per micro-batch and layer of the device, one attention call by --cp-impl:
+                 context_parallel.call_traffic (the ring's ring_traffic(n, cp, compute itemsize,
+                 forwards)[1], n = b*(T/cp)*C/tp; Ulysses' all-to-alls, the all-gather's
+                 collectives, by the algorithm comm picks), forwards 2 with --recompute full;
+                 the four side by side: plan/context.py
     FLOPs        T/cp of the T rows of every product (the ring computes all cp key blocks of
                  a query block, masked afterwards: T/cp x T, as minipar's T x T products are)
 
