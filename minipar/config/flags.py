@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage over the dp group: shard the optimizer state (1), and the "
                         "gradients (2), and the parameters (3); 0: plain data parallelism "
                         "[%(default)s]")
+    g.add_argument("--shard-group", type=shard_group_value, default=None, metavar="S|host",
+                   help="--zero: hybrid sharding, ZeRO inside groups of S consecutive dp x cp ranks "
+                        "(S divides dp x cp; host: the ranks of a host), the shards replicated "
+                        "across the groups and their gradients all-reduced across them once a "
+                        "step (docs/zero.md) [all dp x cp ranks: flat ZeRO]")
     g.add_argument("--dp-mode", choices=("bucketed", "naive"),
                    help="--zero 0: gradient all-reduce per bucket during backward, "
                         "or per parameter "
@@ -249,6 +254,30 @@ def check_family(args, cfg: GPTConfig):
         cfg.family.check(cfg)
     except ValueError as e:
         raise ConfigError(f"--arch {cfg.arch}: {e}") from None
+
+
+def shard_group_value(text: str):
+    """--shard-group's value: "host", or a whole number of ranks (argparse's type)."""
+    if text.strip().lower() == "host":
+        return "host"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of ranks or 'host', got {text!r}") from None
+
+
+def check_shard_group(args, grad_ranks: int):
+    """--shard-group needs --zero; a number of ranks must be >= 1 and divide the dp x cp
+    ranks ZeRO shards over (grad_ranks). "host" is checked once the hosts are known
+    (zero.hybrid.host_shard_size)."""
+    S = args.shard_group
+    if S is None:
+        return
+    if not args.zero:
+        raise ConfigError(f"--shard-group {S} is how ZeRO shards: it needs --zero 1, 2 or 3")
+    if S != "host" and (S < 1 or grad_ranks % S):
+        raise ConfigError(f"--shard-group {S} must be a whole number >= 1 that divides the {grad_ranks} dp x cp "
+                          f"ranks ZeRO shards over")
 
 
 def check_numbers(args):

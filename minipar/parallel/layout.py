@@ -35,10 +35,11 @@ def check_layout(world: int, dp: int | None, tp: int, pp: int, cp: int = 1) -> t
 
 @dataclass(frozen=True)
 class Layout:
-    """The layout flags (dp, cp, cp_layout, cp_impl, cp_ulysses, tp, pp, ep, zero, micro_batches,
+    """The layout flags (dp, cp, cp_layout, cp_impl, cp_ulysses, tp, pp, ep, zero, shard_group, micro_batches,
     batch_size, precision, dtype, schedule, virtual_stages, dp_mode, bucket_mb, sp, recompute),
     each defaulting to the trainer's default (cp_ulysses: hybrid's Ulysses degree, None until
-    the hosts give it); rows = B/(dp*M), the micro-batch of one device (of
+    the hosts give it; shard_group: --zero's shard group, None flat, "host" until the hosts give
+    it); rows = B/(dp*M), the micro-batch of one device (of
     T/cp tokens each with --cp)."""
 
     dp: int = 1
@@ -50,6 +51,7 @@ class Layout:
     pp: int = 1
     ep: int = 1
     zero: int = 0
+    shard_group: int | str | None = None
     micro_batches: int = 1
     batch_size: int = 16
     precision: str = "fp32"

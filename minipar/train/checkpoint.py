@@ -458,7 +458,8 @@ def optimizer_shard(model, opt) -> dict:
     1..size shifted by the parameter's canonical offset, minus 1, so tensor parallelism's
     zero padding of the vocabulary rows comes out as -1; with ZeRO each unit is then
     flattened and padded like the parameters (Unit.flatten, zeros -> -1 again) and cut to
-    this rank's [lo, hi)."""
+    this rank's [lo, hi). With hybrid sharding only the first replica of a shard writes it
+    (the others hold the same)."""
     where, off = {}, 0                                  # {name: (canonical offset, full shape)}
     for name, shape, _ in param_specs(model.cfg):
         where[name], off = (off, shape), off + math.prod(shape)
@@ -467,8 +468,11 @@ def optimizer_shard(model, opt) -> dict:
         start, shape = where[name]
         full = np.arange(start + 1, start + math.prod(shape) + 1, dtype=np.int64).reshape(shape)
         index[name] = np.asarray(model.shard(name, full))
-    if isinstance(opt, ShardedAdamW):                      # its flat shard of every unit
-        parts = [(u.flatten([index[n] for n in u.names])[u.lo:u.hi], u.m, u.v) for u in opt.units]
+    if isinstance(opt, ShardedAdamW):                      # its flat shard of every unit (hybrid: the first replica's)
+        parts = [(u.flatten([index[n] for n in u.names])[u.lo:u.hi], u.m, u.v) for u in opt.units
+                 if u.replicas is None or u.replicas.rank == 0]
+        if not parts:                                      # a later replica of every unit: an empty shard
+            parts = [(np.zeros(0, np.int64), u.m[:0], u.v[:0]) for u in opt.units[:1]]
     else:
         parts = [(index[n].ravel(), m.ravel(), v.ravel())
                  for (n, _), m, v in zip(model.named_parameters(), opt.m, opt.v)]
@@ -495,7 +499,8 @@ def save_run(path: str, session, next_step: int):
         meta = {"config": session.cfg.to_dict(), "step": next_step, "dtype": args.dtype, "precision": args.precision,
                 **({"loss_scaler": scaler.state_dict()} if scaler is not None else {}),
                 "layout": {"dp": grid.dp_size, "cp": grid.cp_size, "tp": grid.tp_size, "pp": grid.pp_size,
-                           "zero": args.zero},
+                           "zero": args.zero, **({"shard_group": grid.layout.shard_group}
+                                                 if grid.layout.shard_group is not None else {})},
                 "data": {"source": args.data or data.BUILTIN_NAME, "tokens": int(len(tokens)),
                          "sha256_16": data.tokens_digest(tokens), "position": next_step},
                 "seed": args.seed, "batch_size": args.batch_size}

@@ -50,7 +50,7 @@ from minipar.parallel import data_parallel
 from minipar.parallel.expert import expert_parallel
 from minipar.parallel.pipeline import stage as pipeline
 from minipar.parallel.tensor import tensor_parallel
-from minipar.parallel.zero import build as zero
+from minipar.parallel.zero import build as zero, hybrid
 from minipar.parallel.grid import ProcessGrid
 from minipar.parallel.parallelize import parallelize
 from minipar.plan.peak import keep_freed_memory, matmul_peak_flops
@@ -333,6 +333,20 @@ def hybrid_context(grid, args, cfg):
     return context
 
 
+def shard_blocks(grid, args) -> dict | None:
+    """--shard-group: the shard block of each rank of the gradient group (zero.hybrid.blocks),
+    and grid.layout's shard_group resolved (the ranks of a host, known only now). None: flat."""
+    if args.shard_group is None:
+        return None
+    by_host = args.shard_group == "host"
+    try:
+        S = hybrid.host_shard_size(grid.grad_group) if by_host else args.shard_group
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    grid.layout = grid.layout.but(shard_group=S)
+    return hybrid.blocks(grid.grad_group, S, by_host)
+
+
 def set_up(args, requests: stop.Requests | None = None) -> Session:
     """Validate on every rank, agree, then build the grid, the model of this rank, its
     optimizer and the data-parallel / ZeRO / pipeline machinery."""
@@ -368,8 +382,9 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
     sync = None
     grads = grid.grad_group        # dp x cp: every rank of it has a partial gradient of the same weights
     if args.zero:                  # two objects on the same units: the dp synchroniser, the sharded optimizer
-        experts = (grid.expert_group, lambda n: expert_parallel.expert_of(n) is not None) if grid.ep_size > 1 else ()
-        sync, opt = zero.build(model, opt, grads, args.zero, *experts)
+        experts = (grid.expert_group, lambda n: expert_parallel.expert_of(n) is not None) if grid.ep_size > 1 \
+            else (None, None)
+        sync, opt = zero.build(model, opt, grads, args.zero, *experts, blocks=shard_blocks(grid, args))
     elif grid.ep_size > 1:         # experts summed over their replicas, the rest over dp
         sync = expert_parallel.ExpertParallelSync(model, grid, args.dp_mode, args.bucket_mb)
     elif grads.size > 1:

@@ -4,6 +4,8 @@ Every rank computes the twin itself (tiny model, no messages): losses of every s
 last step's summed gradients (ZeRO's shards gathered over dp, then tp) and the parameters
 after the last step. Also: memory and bytes per step equal formulas.formula and
 formulas.traffic_theory exactly, and stage 3's re-gather before backward is really needed.
+Hybrid sharding (zero/hybrid.py, shard groups of S ranks, replicated across) the same way:
+the twin, the clipping norm, memory and bytes.
 """
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from mpi4py import MPI
 from minipar.train import checkpoint, data, trainer as train
 from minipar.model.gpt import GPT, GPTConfig
 from minipar.parallel.tensor import tensor_parallel
-from minipar.parallel.zero import build as zero, stage3, units as zero_units
+from minipar.parallel.zero import build as zero, formulas, hybrid, stage3, units as zero_units
 from minipar.parallel.grid import ProcessGrid
 from minipar.parallel.parallelize import parts
 from minipar.parallel.layout import Layout
@@ -29,9 +31,10 @@ def flags(*extra):
          "--dtype", "float64", "--seed", "0", *extra])
 
 
-def run(args, sub=None, stage=0, tp=1):
+def run(args, sub=None, stage=0, tp=1, S=None):
     """STEPS steps. sub None: the single-process twin; else ZeRO `stage` on the ranks of sub
-    (dp = size / tp). -> dict(losses, grads, params, rows, zero: (sync, optimizer))."""
+    (dp = size / tp), hybrid over shard groups of S dp ranks when S is given. -> dict(losses,
+    grads, params, rows, zero: (sync, optimizer))."""
     B = args.batch_size
     sampler = data.Sampler(data.load_tokens(None, CFG.block_size), CFG.block_size, B, args.seed)
     if sub is None:
@@ -42,7 +45,8 @@ def run(args, sub=None, stage=0, tp=1):
         p = parts(gathers=stage3.Gathers() if stage == 3 else None)      # as parallelize builds them
         model = (tensor_parallel.TensorParallelGPT(CFG, grid.tp_group, seed=args.seed, dtype=np.float64, parts=p)
                  if tp > 1 else GPT(CFG, seed=args.seed, dtype=np.float64, parts=p))
-        sync, opt = z = zero.build(model, train.build_optimizer(model, args), grid.dp_group, stage)
+        blocks = None if S is None else hybrid.blocks(grid.grad_group, S)
+        sync, opt = z = zero.build(model, train.build_optimizer(model, args), grid.dp_group, stage, blocks=blocks)
         group = grid.dp_group if grid.dp_size > 1 else None
         rows = (grid.dp_rank * B // grid.dp_size, (grid.dp_rank + 1) * B // grid.dp_size)
     out = list(train.train_steps(train.Session(args, model, opt, sampler, sync=sync, rows=rows, dp_group=group),
@@ -167,4 +171,59 @@ def test_stage3_backward_needs_its_regather(monkeypatch):
     broken = run(flags(), sub, 3)
     assert np.isfinite(broken["losses"][0]), "the first forward is right: only backward lacks its parameters"
     assert any(np.isnan(g).any() for g in broken["grads"].values()), "gradients stayed finite without the re-gather"
+    sub.Free()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dp,S", [(4, 2), (4, 1), (3, 1)])
+@pytest.mark.parametrize("m", [1, 2])
+def test_hybrid_matches_single_process(twin, stage, dp, S, m):
+    """Shard groups of S, replicated over dp/S: the reduce-scatter inside the group, the
+    shard's all-reduce across the replicas once a step (after the last micro-batch's), the
+    all-gathers inside the group. dp 3 with S 1: three replicas, doubling's fix-up step."""
+    sub = split(dp)
+    if sub.Get_size() != dp:
+        sub.Free()
+        return
+    out = run(flags("--micro-batches", str(m)), sub, stage, S=S)
+    z = out["zero"][0]
+    assert (z.N, z.R) == (S, dp // S) and all(u.replicas.size == dp // S for u in z.units)
+    assert_twin(out, twin[m], f"hybrid zero={stage} dp={dp} S={S} micro-batches={m}")
+    sub.Free()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_clipping_counts_each_shard_once(stage):
+    """Each shard lives on R ranks: the clipping norm counts it on the first replica only."""
+    sub = split(4)
+    out = run(flags("--grad-clip", "0.05"), sub, stage, S=2)
+    ref = run(flags("--grad-clip", "0.05"))
+    assert_twin(out, ref, f"hybrid zero={stage} S=2 clipped")
+    sub.Free()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("S,m", [(2, 1), (2, 2), (1, 2)])
+def test_hybrid_memory_and_bytes_equal_the_formulas(stage, S, m):
+    """A rank holds formula(N = S) to the byte; it sends per step (the ledger) what
+    sync.traffic_split says, call by call from comm.sent, which is the closed form
+    formulas.traffic_theory(R) when the replicas' all-reduce is the bandwidth one or R = 2
+    (doubling's log2(R) = 2(R-1)/R there)."""
+    sub = split(4)
+    out = run(flags("--micro-batches", str(m)), sub, stage, S=S)
+    (z, opt), R = out["zero"], 4 // S
+    mem = opt.memory_report()
+    f = mem["formula"]
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == (f["params"], f["grads"], f["optimizer"]), mem
+    s, P_pad = 8, z.P_pad
+    expect = {1: (s * P_pad, s * P_pad, 16 * P_pad // S), 2: (s * P_pad, s * P_pad // S, 16 * P_pad // S),
+              3: (s * P_pad // S, s * P_pad // S, 16 * P_pad // S)}[stage]
+    assert (f["params"], f["grads"], f["optimizer"]) == expect and P_pad % 4 == 0
+    for row in out["rows"]:
+        assert row["zero_bytes"] == z.traffic_theory(m) > 0, (row, S)
+    closed = formulas.traffic_theory(stage, P_pad, S, s, m, R)
+    assert (z.traffic_theory(m) == closed) == (R == 2), (z.traffic_theory(m), closed)
     sub.Free()

@@ -15,6 +15,8 @@ In fp32 (and float64) the same shapes hold with 4 (8)-byte parameters and gradie
 """
 from __future__ import annotations
 
+from minipar.comm.helpers import shaped
+
 
 def formula(stage: int, P: int, P_pad: int, N: int, itemsize: int, K: int) -> dict:
     """Bytes per rank of each model state (the table above): `itemsize`-byte parameters and
@@ -37,8 +39,22 @@ def collectives_per_step(stage: int, M: int) -> tuple[int, int]:
     return {0: (1, 1), 1: (1, 1), 2: (M, 1), 3: (M, 2 * M)}[stage]
 
 
-def traffic_theory(stage: int, P_pad: int, N: int, itemsize: int, M: int) -> float:
+def traffic_theory(stage: int, P_pad: int, N: int, itemsize: int, M: int, R: int = 1) -> float:
     """Bytes one rank sends per step for its gradient and parameter collectives: a
-    reduce-scatter or all-gather of n bytes sends (N-1)/N * n."""
+    reduce-scatter or all-gather of n bytes over the N ranks of a shard group sends
+    (N-1)/N * n; with hybrid sharding (hybrid.py, R shard groups) the shard's all-reduce
+    across its R replicas adds 2(R-1)/R * n/N once a step (the bandwidth algorithms'; a
+    small shard's recursive doubling sends log2(R) * n/N: comm.sent, which the trainer asks)."""
     calls = sum(collectives_per_step(stage, M))
-    return calls * (N - 1) / N * itemsize * P_pad
+    return (calls * (N - 1) / N + 2 * (R - 1) / R / N) * itemsize * P_pad
+
+
+def calls_of(stage: int, u, itemsize: int, M: int) -> list:
+    """[(operation, stand-in array, calls per step)] of one unit u (units.Unit) in a step of M
+    micro-batches: its reduce-scatters of the whole (n_pad,) gradient and all-gathers of the
+    (n_pad/N,) shard inside the shard group, and with hybrid sharding the shard's all-reduce
+    across the replicas, once. What comm.sent is asked, to the byte."""
+    rs, ag = collectives_per_step(stage, M)
+    whole, piece = shaped((u.n_pad,), itemsize), shaped((u.shard_size,), itemsize)
+    return [("reduce_scatter", whole, rs), ("all_gather", piece, ag)] + (
+        [("all_reduce", piece, 1)] if u.replicas is not None else [])
