@@ -226,7 +226,7 @@ class LabZero(stage3.Stage3, zero_optimizer.ShardedAdamW):
         return adamw
 
     # --- stage 3 ------------------------------------------------------------------------------
-    def gather(self, u, again: bool = False):
+    def gather(self, u, again: bool = False, phase: str = "forward"):
         self._run("gather", self.group, u)
         if np.shape(u.param_flat) != (u.n_pad,):
             raise ValueError(f"after gather unit {u.label} holds param_flat {describe(u.param_flat)}; "
@@ -239,6 +239,9 @@ class LabZero(stage3.Stage3, zero_optimizer.ShardedAdamW):
             u.kept[...] = u.param_flat
             u.param_flat = u.kept
         u.point(u.param_flat)
+
+    def poll(self):
+        """Stage3's prefetch is not the lab's: every gather is the student's, blocking."""
 
     def release(self, u, after_backward: bool = False):
         """The student's release, then Stage3.release's NumPy rule: a buffer the forward's

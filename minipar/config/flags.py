@@ -80,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(S divides dp x cp; host: the ranks of a host), the shards replicated "
                         "across the groups and their gradients all-reduced across them once a "
                         "step (docs/zero.md) [all dp x cp ranks: flat ZeRO]")
+    g.add_argument("--prefetch", type=int, default=None, metavar="K",
+                   help="--zero 3: start the all-gathers of the next K blocks when a block's is "
+                        "waited for, so that they travel while it computes (forward and backward) "
+                        "[0]")
+    g.add_argument("--reshard-after-forward", choices=("on", "off"), default=None,
+                   help="--zero 3: release a block's gathered parameters after its forward (on), or "
+                        "keep them until its backward (off: the whole model gathered at the end of "
+                        "forward, and no all-gather in backward) [on]")
     g.add_argument("--dp-mode", choices=("bucketed", "naive"),
                    help="--zero 0: gradient all-reduce per bucket during backward, "
                         "or per parameter "
@@ -278,6 +286,19 @@ def check_shard_group(args, grad_ranks: int):
     if S != "host" and (S < 1 or grad_ranks % S):
         raise ConfigError(f"--shard-group {S} must be a whole number >= 1 that divides the {grad_ranks} dp x cp "
                           f"ranks ZeRO shards over")
+
+
+def resolve_gathers(args) -> tuple[int, bool]:
+    """--prefetch and --reshard-after-forward belong to ZeRO-3's gathers: refused without
+    --zero 3, K >= 0. -> (prefetch, reshard_after_forward); args is not changed."""
+    for flag, v in (("--prefetch", args.prefetch), ("--reshard-after-forward", args.reshard_after_forward)):
+        if v is not None and args.zero != 3:
+            raise ConfigError(f"{flag} {v} is about ZeRO-3's all-gathers of the parameters: it needs --zero 3, "
+                              f"got --zero {args.zero}")
+    K = 0 if args.prefetch is None else args.prefetch
+    if K < 0:
+        raise ConfigError(f"--prefetch must be a whole number >= 0 of blocks gathered ahead, got {K}")
+    return K, args.reshard_after_forward != "off"
 
 
 def check_numbers(args):

@@ -35,7 +35,8 @@ def check_layout(world: int, dp: int | None, tp: int, pp: int, cp: int = 1) -> t
 
 @dataclass(frozen=True)
 class Layout:
-    """The layout flags (dp, cp, cp_layout, cp_impl, cp_ulysses, tp, pp, ep, zero, shard_group, micro_batches,
+    """The layout flags (dp, cp, cp_layout, cp_impl, cp_ulysses, tp, pp, ep, zero, shard_group,
+    prefetch, reshard_after_forward, micro_batches,
     batch_size, precision, dtype, schedule, virtual_stages, dp_mode, bucket_mb, sp, recompute),
     each defaulting to the trainer's default (cp_ulysses: hybrid's Ulysses degree, None until
     the hosts give it; shard_group: --zero's shard group, None flat, "host" until the hosts give
@@ -52,6 +53,8 @@ class Layout:
     ep: int = 1
     zero: int = 0
     shard_group: int | str | None = None
+    prefetch: int = 0
+    reshard_after_forward: bool = True
     micro_batches: int = 1
     batch_size: int = 16
     precision: str = "fp32"

@@ -263,7 +263,18 @@ def step_row(session: Session, w: comm.window, routing: moe.collecting, *, step,
             "bytes_by_axis": {str(axis): n for axis, n in step_sent.items() if n},
             "inter_host_bytes_by_axis": {str(axis): n for axis, n in w.inter_host_by_axis.items() if n},
             "exposed_comm_s": session.sync.exposed_seconds, "cp_wait_s": float(w.counted("ring", "waited")),
+            **zero_gathers_row(session.sync, w),
             "step_time": step_time, "loss_scale": loss_scale, "skipped": skipped, **routing.row()}
+
+
+def zero_gathers_row(sync, w: comm.window) -> dict:
+    """ZeRO-3's gathers in a step's row: the exposed waits for them, forward and backward
+    (the ledger's counts), and the peak of the gathered buffers in use (Stage3.gathered_peak)."""
+    if getattr(sync, "stage", 0) != 3:
+        return {}
+    return {"zero_gather_wait_s": {phase: float(w.counted_kind("zero", phase, "waited"))
+                                   for phase in ("forward", "backward")},
+            "zero_gathered_peak": sync.gathered_peak}
 
 
 def train_steps(session: Session, start: int, end: int):
@@ -384,7 +395,9 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
     if args.zero:                  # two objects on the same units: the dp synchroniser, the sharded optimizer
         experts = (grid.expert_group, lambda n: expert_parallel.expert_of(n) is not None) if grid.ep_size > 1 \
             else (None, None)
-        sync, opt = zero.build(model, opt, grads, args.zero, *experts, blocks=shard_blocks(grid, args))
+        gathers = ({"prefetch": args.prefetch, "reshard_after_forward": args.reshard_after_forward}
+                   if args.zero == 3 else {})
+        sync, opt = zero.build(model, opt, grads, args.zero, *experts, blocks=shard_blocks(grid, args), **gathers)
     elif grid.ep_size > 1:         # experts summed over their replicas, the rest over dp
         sync = expert_parallel.ExpertParallelSync(model, grid, args.dp_mode, args.bucket_mb)
     elif grads.size > 1:

@@ -25,7 +25,7 @@ STAGES = {1: Stage1, 2: Stage2, 3: Stage3}
 
 
 def build(model, opt, group: comm.Group, stage: int, expert_group: comm.Group | None = None,
-          is_expert=None, blocks: dict | None = None) -> tuple[Stage1, ShardedAdamW]:
+          is_expert=None, blocks: dict | None = None, **gathers) -> tuple[Stage1, ShardedAdamW]:
     """ZeRO `stage` over the dp group: (the gradient synchroniser, the sharded optimizer).
     Built from a model and its plain optimizer (AdamW or MixedPrecisionAdamW) after any
     checkpoint has been loaded into them: each rank keeps its shard of their state and the
@@ -38,7 +38,8 @@ def build(model, opt, group: comm.Group, stage: int, expert_group: comm.Group | 
 
     blocks: hybrid sharding (hybrid.py), {world rank: shard block} over the group; each unit
     group is split into its ranks of this rank's block (the shards) and the ranks in the same
-    place of the other blocks (the replicas). None: flat ZeRO."""
+    place of the other blocks (the replicas). None: flat ZeRO. gathers: stage 3's prefetch
+    and reshard_after_forward (stage3.py)."""
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
     cls = STAGES[stage]
@@ -57,7 +58,7 @@ def build(model, opt, group: comm.Group, stage: int, expert_group: comm.Group | 
                           v=[vs[n] for n in names], master=[masters[n] for n in names] if mixed else None,
                           grad_dtype=dtype, params_sharded=cls.params_sharded, grads_sharded=cls.grads_sharded,
                           replicas=replicas))
-    sync = cls(model, units, group, dtype)
+    sync = cls(model, units, group, dtype, **gathers)
     optimizer = ShardedAdamW(opt, units, sync)
     del opt.m, opt.v                                                # only the shards live on
     if mixed:

@@ -35,6 +35,7 @@ class Stage1:
     stage = 1
     params_sharded = False      # the Unit buffers this stage keeps: full flat parameters
     grads_sharded = False       # and a full flat gradient, kept over the micro-batches
+    reshard_after_forward = True    # stage 3's choice (stage3.py); formulas.collectives_per_step reads it
 
     def __init__(self, model, units: list[Unit], group: comm.Group, dtype):
         """units: built with this class's params_sharded and grads_sharded (build.build);
@@ -89,7 +90,8 @@ class Stage1:
         reduce-scatter or all-gather, and the replicas' all-reduce."""
         inside = across = 0
         for u in self.units:
-            for op, x, calls in calls_of(self.stage, u, self.dtype.itemsize, micro_batches):
+            for op, x, calls in calls_of(self.stage, u, self.dtype.itemsize, micro_batches,
+                                         self.reshard_after_forward):
                 a, b = sent(op, u.replicas if op == "all_reduce" else u.group, x)
                 inside, across = inside + calls * a, across + calls * b
         return {"inside": inside, "across": across}

@@ -21,7 +21,7 @@ def summary(sync, mem: dict, rows_log: list, micro_batches: int, plain_dp_bytes:
     ratio = (z["bytes_per_step"] / z["theory_bytes_per_step"] if z["theory_bytes_per_step"]
              else float("nan"))
     calls = {1: "reduce-scatter + all-gather", 2: f"{M} reduce-scatter(s) + all-gather",
-             3: f"{M} x (2 all-gathers + reduce-scatter)"}[stage]
+             3: f"{M} x ({2 if sync.reshard_after_forward else 1} all-gather(s) + reduce-scatter)"}[stage]
     size = z["P_padded"] * sync.dtype.itemsize
     R = z.get("R", 1)
     replicas = (f" + an all-reduce across R = {R} replicas of the {human_bytes(size / z['N'])} shard, "
@@ -34,6 +34,8 @@ def summary(sync, mem: dict, rows_log: list, micro_batches: int, plain_dp_bytes:
              + (f" (x{z['bytes_per_step'] / theory:.2f})" if theory else "")
              + f"; waiting for reduce-scatters{' and all-reduces' if R > 1 else ''} after backward "
                f"{exposed * 1e3:.1f} ms/step"]
+    if stage == 3:
+        lines.append(_gathers(sync, z, rows_log))
     if hosts > 1:                   # the bytes that cross hosts, beside the formula's (comm.sent)
         split = sync.traffic_split(M)
         z["inter_host_bytes_per_step"] = float(np.mean([r["inter_host_bytes_by_axis"].get("zero", 0)
@@ -45,3 +47,19 @@ def summary(sync, mem: dict, rows_log: list, micro_batches: int, plain_dp_bytes:
                      + (f"{z['inter_host_bytes_per_step'] / across:.3f}" if across else "-")
                      + f"), and {human_bytes(split['inside'])} inside the host")
     return z, lines
+
+
+def _gathers(sync, z: dict, rows_log: list) -> str:
+    """Stage 3's gathers: the exposed waits (forward, backward) and the gathered peak beside
+    formulas.gathered_peak, into z; -> the line."""
+    waits = {ph: float(np.mean([r["zero_gather_wait_s"][ph] for r in rows_log])) for ph in ("forward", "backward")}
+    peak, formula = max(r["zero_gathered_peak"] for r in rows_log), sync.gathered_formula()
+    z.update(prefetch=sync.prefetch, reshard_after_forward=sync.reshard_after_forward, gather_wait_s=waits,
+             gathered_peak_bytes=peak, gathered_peak_formula=formula)
+    kept = ("the embedding-side units + every block (reshard after forward off)" if not sync.reshard_after_forward
+            else f"the embedding-side units + the largest {sync.prefetch + 1} consecutive block(s)")
+    return (f"  ZeRO 3 gathers: prefetch {sync.prefetch}, reshard after forward "
+            f"{'on' if sync.reshard_after_forward else 'off'}; waiting for all-gathers {waits['forward'] * 1e3:.1f} ms "
+            f"in forward, {waits['backward'] * 1e3:.1f} ms in backward per step; gathered at the peak "
+            f"{human_bytes(peak)}, formula {kept} = {human_bytes(formula)} (ratio "
+            + (f"{peak / formula:.3f})" if formula else "-)"))
