@@ -31,9 +31,10 @@ def flags(*extra):
          "--dtype", "float64", "--seed", "0", *extra])
 
 
-def run(args, sub=None, stage=0, tp=1, S=None):
+def run(args, sub=None, stage=0, tp=1, S=None, **gathers):
     """STEPS steps. sub None: the single-process twin; else ZeRO `stage` on the ranks of sub
-    (dp = size / tp), hybrid over shard groups of S dp ranks when S is given. -> dict(losses,
+    (dp = size / tp), hybrid over shard groups of S dp ranks when S is given, stage 3's
+    gathers as given (prefetch, reshard_after_forward). -> dict(losses,
     grads, params, rows, zero: (sync, optimizer))."""
     B = args.batch_size
     sampler = data.Sampler(data.load_tokens(None, CFG.block_size), CFG.block_size, B, args.seed)
@@ -42,11 +43,12 @@ def run(args, sub=None, stage=0, tp=1, S=None):
         opt, z, sync, group, rows = train.build_optimizer(model, args), None, None, None, (0, B)
     else:
         grid = ProcessGrid(sub, Layout(dp=sub.Get_size() // tp, tp=tp))
-        p = parts(gathers=stage3.Gathers() if stage == 3 else None)      # as parallelize builds them
+        p = parts(args.recompute, gathers=stage3.Gathers() if stage == 3 else None)   # as parallelize builds them
         model = (tensor_parallel.TensorParallelGPT(CFG, grid.tp_group, seed=args.seed, dtype=np.float64, parts=p)
                  if tp > 1 else GPT(CFG, seed=args.seed, dtype=np.float64, parts=p))
         blocks = None if S is None else hybrid.blocks(grid.grad_group, S)
-        sync, opt = z = zero.build(model, train.build_optimizer(model, args), grid.dp_group, stage, blocks=blocks)
+        sync, opt = z = zero.build(model, train.build_optimizer(model, args), grid.dp_group, stage, blocks=blocks,
+                                   **gathers)
         group = grid.dp_group if grid.dp_size > 1 else None
         rows = (grid.dp_rank * B // grid.dp_size, (grid.dp_rank + 1) * B // grid.dp_size)
     out = list(train.train_steps(train.Session(args, model, opt, sampler, sync=sync, rows=rows, dp_group=group),
@@ -167,7 +169,7 @@ def test_stage3_backward_needs_its_regather(monkeypatch):
     assert all(np.isfinite(g).all() for g in ok["grads"].values())
     p = ok["zero"][0].units[1].params[0]
     assert np.isnan(p.data).all() and p.data.base.nbytes == p.data.itemsize, "a released parameter holds memory"
-    monkeypatch.setattr(stage3.Regather, "backward", lambda self, g: (g, None, None))
+    monkeypatch.setattr(stage3.Regather, "backward", lambda self, g: (g, None, None, None))
     broken = run(flags(), sub, 3)
     assert np.isfinite(broken["losses"][0]), "the first forward is right: only backward lacks its parameters"
     assert any(np.isnan(g).any() for g in broken["grads"].values()), "gradients stayed finite without the re-gather"
@@ -226,4 +228,59 @@ def test_hybrid_memory_and_bytes_equal_the_formulas(stage, S, m):
         assert row["zero_bytes"] == z.traffic_theory(m) > 0, (row, S)
     closed = formulas.traffic_theory(stage, P_pad, S, s, m, R)
     assert (z.traffic_theory(m) == closed) == (R == 2), (z.traffic_theory(m), closed)
+    sub.Free()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("K,reshard,mode", [(0, True, "none"), (1, True, "none"), (5, True, "full"),
+                                             (1, False, "none"), (2, False, "full"), (0, False, "full")])
+def test_prefetch_and_reshard_match_and_meet_their_formulas(twin, K, reshard, mode):
+    """Stage 3 with the next K blocks' gathers started ahead (K = 5 > the 2 blocks), releasing
+    after forward or not, with and without --recompute full: the twin; the bytes (reshard
+    off: no all-gather in backward); the gathered peak equal to formulas.gathered_peak."""
+    sub = split(4)
+    m = 2
+    out = run(flags("--micro-batches", str(m), "--recompute", mode), sub, 3, prefetch=K,
+              reshard_after_forward=reshard)
+    assert_twin(out, twin[m], f"zero=3 prefetch={K} reshard={reshard} recompute={mode}")
+    z = out["zero"][0]
+    assert z.gathered_bytes == 0, "a gathered buffer outlived the step"
+    n = 8 * z.P_pad
+    for row in out["rows"]:
+        assert row["zero_bytes"] == z.traffic_theory(m) == (3 if reshard else 2) * m * 3 / 4 * n
+    g = z.model.parts.gathers
+    size = [8 * sum(u.n_pad for u in g.blocks[i]) for i in g.order]
+    outer = 8 * sum(u.n_pad for u in g.outer)
+    expect = outer + (sum(size) if not reshard else sum(sorted(size)[-min(K + 1, len(size)):]))
+    assert z.gathered_peak == z.gathered_formula() == expect, (z.gathered_peak, expect)
+    sub.Free()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("K", [1, 2])
+def test_prefetch_starts_the_next_gathers_before_the_block_computes(monkeypatch, K):
+    """The order of events on a rank: with prefetch K, the all-gathers of blocks i+1..i+K are
+    started before block i's forward runs (so they travel while it computes), and in backward
+    those of blocks i-1..i-K before block i's backward; with K = 0 never."""
+    events = []
+    start, regather = stage3.Stage3.start, stage3.Regather.forward
+
+    def spy_start(self, u, again=False):
+        if not u.live:
+            events.append(("start", self.model.family.block_of(u.names[0]), again))
+        return start(self, u, again)
+
+    def spy_forward(self, x, gathers, key, keep=False):
+        events.append(("computed", key, False))
+        return regather(self, x, gathers, key, keep)
+    monkeypatch.setattr(stage3.Stage3, "start", spy_start)
+    monkeypatch.setattr(stage3.Regather, "forward", spy_forward)
+    sub = split(4)
+    run(flags(), sub, 3, prefetch=K)
+    blocks = [e for e in events if e[0] == "start" and e[1] is not None]
+    assert blocks, events
+    first_forward = events[:events.index(("computed", 0, False))]      # before block 0's output
+    assert {e[1] for e in first_forward if e[0] == "start"} >= {0, 1}, first_forward
+    backward = [e[1] for e in events if e[0] == "start" and e[2] and e[1] is not None]
+    assert backward[:2] == [1, 0], backward                             # the last block first, then ahead
     sub.Free()
