@@ -40,7 +40,7 @@ import numpy as np
 
 import time
 
-from minipar import comm
+from minipar import comm, trace
 from minipar.autograd import recompute
 from minipar.autograd.tensor import Function, is_grad_enabled
 from minipar.parallel.zero.formulas import gathered_peak
@@ -143,7 +143,8 @@ class Stage3(Stage2):
         self.start(u, again)
         if u.gather_handle is not None:
             t0 = time.perf_counter()
-            u.gather_handle.wait()
+            with trace.span(f"wait for all-gather {u.names[0]}", "zero", phase=phase, unit=u.names[0]):
+                u.gather_handle.wait()
             comm.count("zero", phase, waited=time.perf_counter() - t0)
             u.gather_handle = None
         u.point(u.param_gathered)
