@@ -35,6 +35,14 @@ class ConfigError(ValueError):
         self.quiet = quiet
         self.agreed = False
 
+    @classmethod
+    def everywhere(cls, msg, rank: int) -> "ConfigError":
+        """An error every rank finds by itself from what all know (the hosts, after the grid):
+        agreed without a message, and said once, by rank 0."""
+        e = cls(msg, quiet=rank != 0)
+        e.agreed = True
+        return e
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(

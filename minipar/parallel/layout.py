@@ -69,8 +69,9 @@ class Layout:
     @classmethod
     def from_flags(cls, args, **changes) -> Layout:
         """The record of parsed flags (the trainer's or the planner's), with `changes` (dp=...,
-        the resolved data-parallel size, when --dp was left unset) over them."""
-        return cls(**{**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}, **changes})
+        the resolved data-parallel size, when --dp was left unset) over them. A flag a tool does
+        not have (the planner's parser lacks a few of the trainer's) takes the trainer's default."""
+        return cls(**{**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)}, **changes})
 
     @property
     def rows(self) -> int:

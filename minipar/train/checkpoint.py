@@ -525,12 +525,16 @@ def restore(model, opt, state: dict, ostate: dict, path: str):
         opt.load_master([model.shard(n, state[n]) for n in names])
 
 
-def summary(directory: str, step: int, *, world: int, zero: int, grad_ranks: int, cp: int) -> tuple[None, list[str]]:
+def summary(directory: str, step: int, *, world: int, zero: int, grad_ranks: int, cp: int,
+            replicas: int = 1) -> tuple[None, list[str]]:
     """The summary's checkpoint line (no figures): where the run's last checkpoint went and
     who wrote its optimizer shards (save_run: every rank with ZeRO, else dp rank 0, and cp
-    rank 0, of each (tp, pp); grad_ranks: dp x cp)."""
+    rank 0, of each (tp, pp); grad_ranks: dp x cp; replicas: hybrid ZeRO's R, whose later
+    replicas write empty shards)."""
     writers = world if zero else world // grad_ranks
-    who = ("one process" if world == 1 else "every rank" if writers == world
+    who = ("one process" if world == 1 else
+           f"every rank, the {world // replicas} of the first shard group(s) holding the state (the other "
+           f"replicas' shards are empty)" if replicas > 1 else "every rank" if writers == world
            else "dp rank 0 of each (tp, pp)" if cp == 1 else "dp rank 0, cp rank 0 of each (tp, pp)")
     return None, [f"  checkpoint: {directory} (step {step}): model.npz and "
                   f"{writers} optimizer shard(s) in "

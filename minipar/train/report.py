@@ -363,7 +363,7 @@ def in_use(session, rows_log, mem, digest, stages, tp_ledger):
             moe_layers=sum(cfg.is_moe(i) for i in layers), micro_batches=M, recompute=args.recompute)
     if args.save:
         yield None, checkpoint.summary(args.save, args.steps, world=session.world, zero=args.zero, grad_ranks=n_sum,
-                                       cp=g.cp_size)
+                                       cp=g.cp_size, replicas=getattr(sync, "R", 1) if args.zero else 1)
 
 
 def json_safe(row: dict) -> dict:

@@ -15,8 +15,8 @@ import numpy as np
 from minipar import comm
 from minipar.config import outputs
 from minipar.config.flags import (DTYPES, ConfigError, check_context_split, check_cp_impl, check_moe, check_numbers,
-                                  check_schedule, check_shard_group, resolve_gathers, check_sequence_split, check_split, resolve_dp_flags,
-                                  resolve_model, validate)
+                                  check_schedule, check_sequence_split, check_shard_group, check_split,
+                                  resolve_dp_flags, resolve_gathers, resolve_model, validate)
 from minipar.model.gpt import GPTConfig, param_specs
 from minipar.parallel.layout import Layout, LayoutError, check_layout
 from minipar.train import checkpoint, data, faults

@@ -339,8 +339,9 @@ def hybrid_context(grid, args, cfg):
         context = context_parallel.ContextSplit(grid.cp_group, args.cp_layout, "hybrid", args.cp_ulysses)
         head_split(cfg.n_head // grid.tp_size, max(1, cfg.kv_heads // grid.tp_size), context.ulysses)
     except ValueError as e:
-        raise ConfigError(f"{e} (--n-head {cfg.n_head}, {cfg.kv_heads} key/value heads, --tp {grid.tp_size}, "
-                          f"Ulysses over {args.cp_ulysses or 'the cp ranks of a host'})") from None
+        raise ConfigError.everywhere(f"{e} (--n-head {cfg.n_head}, {cfg.kv_heads} key/value heads, --tp "
+                                     f"{grid.tp_size}, Ulysses over {args.cp_ulysses or 'the cp ranks of a host'})",
+                                     grid.rank) from None
     return context
 
 
@@ -353,7 +354,7 @@ def shard_blocks(grid, args) -> dict | None:
     try:
         S = hybrid.host_shard_size(grid.grad_group) if by_host else args.shard_group
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError.everywhere(str(e), grid.rank) from None
     grid.layout = grid.layout.but(shard_group=S)
     return hybrid.blocks(grid.grad_group, S, by_host)
 
