@@ -5,6 +5,7 @@ on the host and those that cross to another one (the ledger's bytes_sent_inter).
     inside, across = sent("all_reduce", g, x)       # x: the array (or helpers.shaped's stand-in)
     inside, across = sent("reduce_scatter", g, x)   # x: the whole vector, before the scatter
     inside, across = sent("all_gather", g, piece)   # piece: this rank's part, before the gather
+    inside, across = sent("all_to_all", g, x)       # x: p equal pieces along its first axis
 
 For the equal pieces the mechanisms built on them send (ZeRO pads each unit to a multiple of
 its ranks): n bytes in p pieces of n/p. Per algorithm, to whom:
@@ -14,6 +15,8 @@ its ranks): n bytes in p pieces of n/p. Per algorithm, to whom:
     doubling          all-reduce: n to the partner of each of log2(q) steps (q the largest
                       power of two <= p); with the p-q fix-up ranks, n more to the pair's other
     Bruck             all-gather: at the step that has h pieces, min(h, p-h) of them to r-h
+    all-to-all        pairwise n/p to every other rank; Bruck, at round k, the blocks whose
+                      index has bit k set to r + 2^k; hierarchical: hierarchical_alltoall.sends
     hierarchical      reduce-scatter: to each rank of the host, the pieces it deputises for;
                       across, the host's sum of each piece I deputise for to its owner.
                       all-gather: the same paths backwards (hierarchical.py's table)
@@ -25,10 +28,12 @@ host and on emulated hosts, across every crossover size.
 from __future__ import annotations
 
 from minipar import comm
-from minipar.comm.algorithms import direct, doubling, hierarchical, ring
+from minipar.comm.algorithms import alltoall, direct, doubling, hierarchical, hierarchical_alltoall, ring
 
 
 def _algorithm(op, g, x):
+    if op == "all_to_all":
+        return comm.all_to_all_algorithm(g, x)
     if op == "all_reduce":
         return comm.all_reduce_algorithm(g, x)
     if op == "reduce_scatter":
@@ -49,6 +54,8 @@ def to_peers(op: str, g, x) -> dict:
 
     def add(q, b):
         out[q] = out.get(q, 0) + b
+    if op == "all_to_all":
+        return _all_to_all(algorithm, g, piece)
     if algorithm is hierarchical:
         return _hierarchical(op, g, piece)
     if algorithm is doubling and op == "all_reduce":
@@ -76,6 +83,24 @@ def to_peers(op: str, g, x) -> dict:
     if algorithm is ring:
         return {(r + 1) % p: rounds * (p - 1) * piece}
     raise ValueError(f"sent: no formula for {op} by {algorithm.__name__}")
+
+
+def _all_to_all(algorithm, g, piece):
+    """all_to_all of equal pieces: pairwise a piece to every other rank; Bruck, at round k,
+    the blocks whose index has bit k set to r + 2^k; hierarchical_alltoall.sends."""
+    p, r = g.size, g.rank
+    if algorithm == "hierarchical":
+        out = {}
+        for q, b in hierarchical_alltoall.sends(g.nodes, r, piece):
+            out[q] = out.get(q, 0) + b
+        return out
+    if algorithm == "bruck":
+        out = {}
+        for k in range((p - 1).bit_length()):
+            q = (r + (1 << k)) % p
+            out[q] = out.get(q, 0) + piece * alltoall.bruck_round_blocks(p, k)
+        return out
+    return {q: piece for q in range(p) if q != r}
 
 
 def _hierarchical(op, g, piece):

@@ -96,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--zero 3: release a block's gathered parameters after its forward (on), or "
                         "keep them until its backward (off: the whole model gathered at the end of "
                         "forward, and no all-gather in backward) [on]")
+    g.add_argument("--qwz", type=int, default=None, metavar="B",
+                   help="--zero 3, ZeRO++: all-gather the weights as int8 codes with a float32 scale "
+                        "per block of B (docs/zero.md) [off]")
+    g.add_argument("--qgz", type=int, default=None, metavar="B",
+                   help="--zero 3, ZeRO++: reduce the gradients as int8 blocks of B by an all-to-all "
+                        "inside the host, then across, instead of the reduce-scatter [off]")
+    g.add_argument("--hpz", action="store_true",
+                   help="--zero 3, ZeRO++: keep a secondary copy of the weights sharded inside the host, "
+                        "so that backward's all-gathers stay on the host")
     g.add_argument("--dp-mode", choices=("bucketed", "naive"),
                    help="--zero 0: gradient all-reduce per bucket during backward, "
                         "or per parameter "
@@ -307,6 +316,26 @@ def resolve_gathers(args) -> tuple[int, bool]:
     if K < 0:
         raise ConfigError(f"--prefetch must be a whole number >= 0 of blocks gathered ahead, got {K}")
     return K, args.reshard_after_forward != "off"
+
+
+MAX_QUANT_BLOCK = 1 << 20
+
+
+def resolve_zpp(args) -> tuple[int, bool, int]:
+    """ZeRO++'s flags: ZeRO-3 only; block sizes whole numbers 1..2^20; --hpz serves backward's
+    all-gathers, which --reshard-after-forward off does not make. -> (qwz, hpz, qgz), 0 off."""
+    given = [f for f, v in (("--qwz", args.qwz), ("--qgz", args.qgz), ("--hpz", args.hpz or None)) if v is not None]
+    if given and args.zero != 3:
+        raise ConfigError(f"{given[0]} is ZeRO++, which shrinks ZeRO-3's messages: it needs --zero 3, got "
+                          f"--zero {args.zero}")
+    for flag, B in (("--qwz", args.qwz), ("--qgz", args.qgz)):
+        if B is not None and not 1 <= B <= MAX_QUANT_BLOCK:
+            raise ConfigError(f"{flag} {B}: the quantization block must be a whole number from 1 to "
+                              f"{MAX_QUANT_BLOCK} (each block of B numbers shares one float32 scale)")
+    if args.hpz and args.reshard_after_forward is False:
+        raise ConfigError("--hpz keeps a host-local copy for backward's all-gathers; --reshard-after-forward off "
+                          "keeps the weights gathered and makes none")
+    return args.qwz or 0, bool(args.hpz), args.qgz or 0
 
 
 def check_numbers(args):

@@ -36,7 +36,7 @@ def check_layout(world: int, dp: int | None, tp: int, pp: int, cp: int = 1) -> t
 @dataclass(frozen=True)
 class Layout:
     """The layout flags (dp, cp, cp_layout, cp_impl, cp_ulysses, tp, pp, ep, zero, shard_group,
-    prefetch, reshard_after_forward, micro_batches,
+    prefetch, reshard_after_forward, qwz, hpz, qgz, micro_batches,
     batch_size, precision, dtype, schedule, virtual_stages, dp_mode, bucket_mb, sp, recompute),
     each defaulting to the trainer's default (cp_ulysses: hybrid's Ulysses degree, None until
     the hosts give it; shard_group: --zero's shard group, None flat, "host" until the hosts give
@@ -55,6 +55,9 @@ class Layout:
     shard_group: int | str | None = None
     prefetch: int = 0
     reshard_after_forward: bool = True
+    qwz: int = 0
+    hpz: bool = False
+    qgz: int = 0
     micro_batches: int = 1
     batch_size: int = 16
     precision: str = "fp32"

@@ -50,7 +50,7 @@ from minipar.parallel import data_parallel
 from minipar.parallel.expert import expert_parallel
 from minipar.parallel.pipeline import stage as pipeline
 from minipar.parallel.tensor import tensor_parallel
-from minipar.parallel.zero import build as zero, hybrid
+from minipar.parallel.zero import build as zero, hybrid, zpp
 from minipar.parallel.grid import ProcessGrid
 from minipar.parallel.parallelize import parallelize
 from minipar.plan.peak import keep_freed_memory, matmul_peak_flops
@@ -274,7 +274,7 @@ def zero_gathers_row(sync, w: comm.window) -> dict:
         return {}
     return {"zero_gather_wait_s": {phase: float(w.counted_kind("zero", phase, "waited"))
                                    for phase in ("forward", "backward")},
-            "zero_gathered_peak": sync.gathered_peak}
+            "zero_gathered_peak": sync.gathered_peak, "zero_secondary_peak": sync.secondary_peak}
 
 
 def train_steps(session: Session, start: int, end: int):
@@ -396,9 +396,12 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
     if args.zero:                  # two objects on the same units: the dp synchroniser, the sharded optimizer
         experts = (grid.expert_group, lambda n: expert_parallel.expert_of(n) is not None) if grid.ep_size > 1 \
             else (None, None)
-        gathers = ({"prefetch": args.prefetch, "reshard_after_forward": args.reshard_after_forward}
-                   if args.zero == 3 else {})
-        sync, opt = zero.build(model, opt, grads, args.zero, *experts, blocks=shard_blocks(grid, args), **gathers)
+        gathers = ({"prefetch": args.prefetch, "reshard_after_forward": args.reshard_after_forward,
+                    "wire": zpp.Wire(args.qwz, args.hpz, args.qgz)} if args.zero == 3 else {})
+        try:
+            sync, opt = zero.build(model, opt, grads, args.zero, *experts, blocks=shard_blocks(grid, args), **gathers)
+        except zpp.HostLayoutError as e:
+            raise ConfigError.everywhere(str(e), grid.rank) from None
     elif grid.ep_size > 1:         # experts summed over their replicas, the rest over dp
         sync = expert_parallel.ExpertParallelSync(model, grid, args.dp_mode, args.bucket_mb)
     elif grads.size > 1:

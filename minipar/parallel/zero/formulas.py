@@ -15,7 +15,10 @@ In fp32 (and float64) the same shapes hold with 4 (8)-byte parameters and gradie
 """
 from __future__ import annotations
 
+import numpy as np
+
 from minipar.comm.helpers import shaped
+from minipar.parallel.zero.quantize import wire_bytes
 
 
 def formula(stage: int, P: int, P_pad: int, N: int, itemsize: int, K: int) -> dict:
@@ -65,12 +68,31 @@ def traffic_theory(stage: int, P_pad: int, N: int, itemsize: int, M: int, R: int
     return (calls * (N - 1) / N + 2 * (R - 1) / R / N) * itemsize * P_pad
 
 
-def calls_of(stage: int, u, itemsize: int, M: int, reshard_after_forward: bool = True) -> list:
-    """[(operation, stand-in array, calls per step)] of one unit u (units.Unit) in a step of M
-    micro-batches: its reduce-scatters of the whole (n_pad,) gradient and all-gathers of the
-    (n_pad/N,) shard inside the shard group, and with hybrid sharding the shard's all-reduce
-    across the replicas, once. What comm.sent is asked, to the byte."""
+def calls_of(stage: int, u, itemsize: int, M: int, reshard_after_forward: bool = True, wire=None) -> list:
+    """[(operation, group, stand-in array, calls per step)] of one unit u (units.Unit) in a step
+    of M micro-batches: its reduce-scatters of the whole (n_pad,) gradient and all-gathers of
+    the (n_pad/N,) shard on its group, with hybrid sharding the shard's all-reduce across the
+    replicas, once; with ZeRO++ (wire: zpp.Wire) the all-gathers of qwZ's packed codes, hpZ's
+    backward all-gathers of the n_pad/k secondary shards inside the host, and qgZ's two
+    all-to-alls of packed pieces in place of the reduce-scatter. What comm.sent is asked, to
+    the byte."""
     rs, ag = collectives_per_step(stage, M, reshard_after_forward)
     whole, piece = shaped((u.n_pad,), itemsize), shaped((u.shard_size,), itemsize)
-    return [("reduce_scatter", whole, rs), ("all_gather", piece, ag)] + (
-        [("all_reduce", piece, 1)] if u.replicas is not None else [])
+    out = [("all_reduce", u.replicas, piece, 1)] if u.replicas is not None else []
+    if wire is None or not wire.on:
+        return [("reduce_scatter", u.group, whole, rs), ("all_gather", u.group, piece, ag)] + out
+    codes = _bytes((wire_bytes(u.shard_size, wire.qwz),)) if wire.qwz else piece
+    backward = ag - M                                # stage 3: backward's all-gathers (0 with reshard off)
+    out.append(("all_gather", u.group, codes, ag - (backward if wire.hpz else 0)))
+    if wire.hpz and backward:
+        out.append(("all_gather", u.local, shaped((u.n_pad // u.local.size,), itemsize), backward))
+    if not wire.qgz:
+        return out + [("reduce_scatter", u.group, whole, rs)]
+    w, H = wire_bytes(u.shard_size, wire.qgz), u.group.n_nodes
+    out.append(("all_to_all", u.local, _bytes((u.local.size, H * w)), rs))
+    return out + ([("all_to_all", u.cross, _bytes((H, w)), rs)] if u.cross is not None else [])
+
+
+def _bytes(shape: tuple):
+    """A uint8 stand-in of this shape that holds no memory (packed codes)."""
+    return np.broadcast_to(np.zeros((), dtype=np.uint8), shape)

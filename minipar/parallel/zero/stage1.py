@@ -36,6 +36,7 @@ class Stage1:
     params_sharded = False      # the Unit buffers this stage keeps: full flat parameters
     grads_sharded = False       # and a full flat gradient, kept over the micro-batches
     reshard_after_forward = True    # stage 3's choice (stage3.py); formulas.collectives_per_step reads it
+    wire = None                     # stage 3's ZeRO++ (zpp.Wire); formulas.calls_of reads it
 
     def __init__(self, model, units: list[Unit], group: comm.Group, dtype):
         """units: built with this class's params_sharded and grads_sharded (build.build);
@@ -90,9 +91,9 @@ class Stage1:
         reduce-scatter or all-gather, and the replicas' all-reduce."""
         inside = across = 0
         for u in self.units:
-            for op, x, calls in calls_of(self.stage, u, self.dtype.itemsize, micro_batches,
-                                         self.reshard_after_forward):
-                a, b = sent(op, u.replicas if op == "all_reduce" else u.group, x)
+            for op, group, x, calls in calls_of(self.stage, u, self.dtype.itemsize, micro_batches,
+                                                self.reshard_after_forward, self.wire):
+                a, b = sent(op, group, x)
                 inside, across = inside + calls * a, across + calls * b
         return {"inside": inside, "across": across}
 

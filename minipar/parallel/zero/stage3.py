@@ -46,6 +46,7 @@ from minipar.autograd.tensor import Function, is_grad_enabled
 from minipar.parallel.zero.formulas import gathered_peak
 from minipar.parallel.zero.stage2 import Stage2
 from minipar.parallel.zero.units import Unit, _placeholder
+from minipar.parallel.zero.zpp import Wire
 
 
 class Regather(Function):
@@ -77,9 +78,12 @@ class Stage3(Stage2):
     prefetch = 0                # blocks gathered ahead (LabZero, labs/08_zero, keeps 0)
 
     def __init__(self, model, units: list[Unit], group: comm.Group, dtype, prefetch: int = 0,
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool = True, wire: Wire | None = None):
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
+        self.wire = wire or Wire()                          # plain, or ZeRO++ (zpp.py)
+        self.wire.bind(units)
         self.gathered_bytes = self.gathered_peak = 0        # gathered buffers in use, and their peak this step
+        self.secondary_peak = 0                             # hpZ's secondary shards held, at the peak
         self.in_step = False
         super().__init__(model, units, group, dtype)
         if not isinstance(model.parts.gathers, Gathers):
@@ -110,17 +114,28 @@ class Stage3(Stage2):
         return gathered_peak(size(g.outer), [size(g.blocks[i]) for i in g.order], self.prefetch,
                              self.reshard_after_forward)
 
+    def secondary_formula(self) -> int:
+        """hpZ: the secondary shards held at the end of a forward, every unit's n_pad/k."""
+        if not self.wire.hpz:
+            return 0
+        return sum(u.n_pad // u.local.size for u in self.units) * self.dtype.itemsize
+
     def start_step(self):
         super().start_step()
         self.gathered_peak, self.in_step = self.gathered_bytes, True
+        self.secondary_peak = self.wire.secondary_bytes(self.units)
 
     def finish(self):
         super().finish()
         self.in_step = False
 
     def _unit_ready(self, u: Unit):
-        """Stage 2's reduce-scatter, then backward is done with the unit's parameters."""
-        super()._unit_ready(u)
+        """Stage 2's reduce-scatter (qgZ's quantized all-to-alls), then backward is done with
+        the unit's parameters."""
+        if self.wire.qgz:
+            u.handle = self.wire.reduce_scatter(u, u.grad_staging)
+        else:
+            super()._unit_ready(u)
         self.release(u, after_backward=True)
 
     # --- gathering and releasing parameters ------------------------------------------------
@@ -132,7 +147,7 @@ class Stage3(Stage2):
             return
         if not again or u.param_gathered is None:
             u.param_gathered = np.empty(u.n_pad, dtype=self.dtype)
-        u.gather_handle = comm.all_gather_async(u.group, u.param_shard, out=u.param_gathered)
+        u.gather_handle = self.wire.start_gather(u, again)
         u.live = True
         self.gathered_bytes += u.param_gathered.nbytes
         self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
@@ -147,6 +162,8 @@ class Stage3(Stage2):
                 u.gather_handle.wait()
             comm.count("zero", phase, waited=time.perf_counter() - t0)
             u.gather_handle = None
+            self.wire.landed(u)
+            self.secondary_peak = max(self.secondary_peak, self.wire.secondary_bytes(self.units))
         u.point(u.param_gathered)
 
     def poll(self):
@@ -163,7 +180,9 @@ class Stage3(Stage2):
             return
         if u.gather_handle is not None:          # a prefetch nobody used (an interrupted forward)
             u.gather_handle.wait()
-            u.gather_handle = None
+            u.gather_handle, u.wire_recv = None, None
+        if after_backward or not self.in_step:
+            u.secondary = None                   # hpZ: backward is done with the unit
         for p in u.params:
             p.data = _placeholder(p.shape, self.dtype)
         if u.live:

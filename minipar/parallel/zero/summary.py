@@ -26,10 +26,17 @@ def summary(sync, mem: dict, rows_log: list, micro_batches: int, plain_dp_bytes:
     R = z.get("R", 1)
     replicas = (f" + an all-reduce across R = {R} replicas of the {human_bytes(size / z['N'])} shard, "
                 f"2(R-1)/R x it" if R > 1 else "")
+    wire = getattr(sync, "wire", None)
+    theory_text = (f"theory {calls} of (N-1)/N x {human_bytes(size)}"
+                   f"{' inside a shard group of N = ' + str(z['N']) if R > 1 else ''}{replicas}")
+    if wire is not None and wire.on:              # ZeRO++: the calls of formulas.calls_of
+        z["zpp"] = {"qwz": wire.qwz, "hpz": wire.hpz, "qgz": wire.qgz}
+        theory_text = ("theory, ZeRO++ (" + ", ".join(
+            x for x in (f"qwZ int8 blocks of {wire.qwz}" if wire.qwz else "", "hpZ" if wire.hpz else "",
+                        f"qgZ int8 blocks of {wire.qgz}" if wire.qgz else "") if x)
+            + f"; plain ZeRO would send {human_bytes(plain_zero_bytes(sync, M))})")
     lines = [f"  ZeRO {stage}: sent {human_bytes(z['bytes_per_step'])}/step per rank; "
-             f"theory {calls} of "
-             f"(N-1)/N x {human_bytes(size)}{' inside a shard group of N = ' + str(z['N']) if R > 1 else ''}"
-             f"{replicas} = {human_bytes(z['theory_bytes_per_step'])} (ratio {ratio:.3f}); "
+             f"{theory_text} = {human_bytes(z['theory_bytes_per_step'])} (ratio {ratio:.3f}); "
              f"plain data parallelism would send {human_bytes(theory)}"
              + (f" (x{z['bytes_per_step'] / theory:.2f})" if theory else "")
              + f"; waiting for reduce-scatters{' and all-reduces' if R > 1 else ''} after backward "
@@ -49,6 +56,14 @@ def summary(sync, mem: dict, rows_log: list, micro_batches: int, plain_dp_bytes:
     return z, lines
 
 
+def plain_zero_bytes(sync, M: int) -> float:
+    """What the same units would send per step without ZeRO++ (calls_of without its wire)."""
+    from minipar.comm.sent import sent
+    from minipar.parallel.zero.formulas import calls_of
+    return sum(sum(sent(op, g, x)) * n for u in sync.units
+               for op, g, x, n in calls_of(sync.stage, u, sync.dtype.itemsize, M, sync.reshard_after_forward))
+
+
 def _gathers(sync, z: dict, rows_log: list) -> str:
     """Stage 3's gathers: the exposed waits (forward, backward) and the gathered peak beside
     formulas.gathered_peak, into z; -> the line."""
@@ -58,8 +73,14 @@ def _gathers(sync, z: dict, rows_log: list) -> str:
              gathered_peak_bytes=peak, gathered_peak_formula=formula)
     kept = ("the embedding-side units + every block (reshard after forward off)" if not sync.reshard_after_forward
             else f"the embedding-side units + the largest {sync.prefetch + 1} consecutive block(s)")
-    return (f"  ZeRO 3 gathers: prefetch {sync.prefetch}, reshard after forward "
+    line = (f"  ZeRO 3 gathers: prefetch {sync.prefetch}, reshard after forward "
             f"{'on' if sync.reshard_after_forward else 'off'}; waiting for all-gathers {waits['forward'] * 1e3:.1f} ms "
             f"in forward, {waits['backward'] * 1e3:.1f} ms in backward per step; gathered at the peak "
             f"{human_bytes(peak)}, formula {kept} = {human_bytes(formula)} (ratio "
             + (f"{peak / formula:.3f})" if formula else "-)"))
+    if sync.wire.hpz:
+        held, want = max(r["zero_secondary_peak"] for r in rows_log), sync.secondary_formula()
+        z.update(secondary_peak_bytes=held, secondary_peak_formula=want)
+        line += (f"; hpZ's secondary shards held {human_bytes(held)}, formula every unit's n_pad/k = "
+                 f"{human_bytes(want)} (ratio {held / want:.3f})")
+    return line
