@@ -1,4 +1,4 @@
-"""ZeRO-3's gather flags and the shard group, refused with one line and exit 2 before anything
+"""ZeRO-3's gather flags, ZeRO++'s and the shard group, refused with one line and exit 2 before anything
 runs (in process, one rank): --prefetch and --reshard-after-forward without --zero 3, a
 negative or non-whole --prefetch, --shard-group without --zero, or not dividing dp x cp.
 (Across ranks and hosts: tests/test_zero_hybrid_cli.py.)"""
@@ -15,6 +15,14 @@ CASES = [
     (["--shard-group", "1"], ["--shard-group 1 is how ZeRO shards", "needs --zero 1, 2 or 3"]),
     (["--zero", "1", "--shard-group", "2"], ["--shard-group 2 must be a whole number >= 1 that divides the 1"]),
     (["--zero", "1", "--shard-group", "0"], ["--shard-group 0 must be a whole number >= 1"]),
+    (["--qwz", "256"], ["--qwz is ZeRO++", "needs --zero 3, got --zero 0"]),
+    (["--zero", "2", "--hpz"], ["--hpz is ZeRO++", "needs --zero 3, got --zero 2"]),
+    (["--zero", "1", "--qgz", "64"], ["--qgz is ZeRO++", "needs --zero 3, got --zero 1"]),
+    (["--zero", "3", "--qwz", "0"], ["--qwz 0: the quantization block must be a whole number from 1 to 1048576"]),
+    (["--zero", "3", "--qgz", "-4"], ["--qgz -4: the quantization block"]),
+    (["--zero", "3", "--qgz", "2000000"], ["--qgz 2000000: the quantization block"]),
+    (["--zero", "3", "--hpz", "--reshard-after-forward", "off"], ["--hpz keeps a host-local copy",
+                                                                  "--reshard-after-forward off"]),
 ]
 PARSER = [  # refused by the parser: its usage, then the error, exit 2
     (["--zero", "3", "--prefetch", "1.5"], "argument --prefetch: invalid int value: '1.5'"),

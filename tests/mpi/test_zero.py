@@ -284,3 +284,38 @@ def test_prefetch_starts_the_next_gathers_before_the_block_computes(monkeypatch,
     backward = [e[1] for e in events if e[0] == "start" and e[2] and e[1] is not None]
     assert backward[:2] == [1, 0], backward                             # the last block first, then ahead
     sub.Free()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("qwz,hpz,qgz", [(0, True, 0), (64, False, 0), (0, False, 64), (32, True, 256)])
+def test_zero_plus_plus_bytes_memory_and_distance(twin, qwz, hpz, qgz):
+    """ZeRO++ on one host of 4: hpZ alone computes exactly what plain ZeRO-3 does (the
+    secondary shards are the gathered weights); with qwZ or qgZ the losses stay within one
+    code step (verify.QUANTIZED_RTOL) of the exact twin and are not equal to it. Bytes: the
+    ledger equals traffic_theory (formulas.calls_of through comm.sent), and qwZ's and qgZ's
+    messages are wire_bytes: fewer than plain ZeRO-3's. hpZ's secondary shards at the peak:
+    every unit's n_pad/k."""
+    from minipar.parallel.zero import quantize, zpp
+    from minipar.train.verify import QUANTIZED_RTOL
+    sub = split(4)
+    m = 2
+    out = run(flags("--micro-batches", str(m)), sub, 3, wire=zpp.Wire(qwz, hpz, qgz))
+    z = out["zero"][0]
+    if qwz or qgz:
+        rel = np.abs(np.array(out["losses"]) - twin[m]["losses"]) / np.abs(twin[m]["losses"])
+        assert 0 < rel.max() <= QUANTIZED_RTOL, rel
+    else:
+        assert_twin(out, twin[m], "hpZ alone")
+    n, S = 8 * z.P_pad, 4
+    plain = 3 * m * (S - 1) / S * n
+    for row in out["rows"]:
+        assert row["zero_bytes"] == z.traffic_theory(m)
+    shards = [u.shard_size for u in z.units]
+    flat = m * (S - 1) / S * n                                  # one plain all-gather or reduce-scatter a micro-batch
+    forward = m * (S - 1) * sum(quantize.wire_bytes(s, qwz) for s in shards) if qwz else flat
+    backward = flat if hpz else forward                         # hpZ: the secondary shards, not coded
+    reduce = m * (S - 1) * sum(quantize.wire_bytes(s, qgz) for s in shards) if qgz else flat
+    expect = forward + backward + reduce
+    assert z.traffic_theory(m) == expect and (expect < plain) == bool(qwz or qgz)
+    assert z.secondary_peak == z.secondary_formula() == (n // S if hpz else 0)
+    sub.Free()
