@@ -18,8 +18,10 @@ a rate-limited link per host), in one run:
    (minipar/comm/algorithms/hierarchical_alltoall.py) and MPI's own Alltoall: the slowest rank's time,
    bytes across hosts (all ranks) beside hierarchical_alltoall.bytes_sent, messages across.
    (--parts alltoall: this part alone, about a minute.)
-5. ZeRO-3, flat and hybrid (--shard-group host): step time, ZeRO's bytes per step, and the
-   bytes across hosts beside the trainer's formula (exit 1 unless equal). (--parts zero)
+5. ZeRO-3, flat and hybrid (--shard-group host), each plain and with ZeRO++ (int8 blocks of
+   256: qwZ, qgZ, and hpZ where the shard group spans hosts): step time, ZeRO's bytes per
+   step, and the bytes across hosts beside the trainer's formula (exit 1 unless equal).
+   (--parts zero)
 Beside each training row, the planner's prediction (python -m minipar.plan --ranks-per-host
 --inter-node-gbps --intra-node-gbps) of the bytes across hosts and the link time.
 """
@@ -257,12 +259,15 @@ def train_parts(c, a, gbps):
               f"{r['by_axis'].get('dp', 0) / 1024:16.1f}")
 
 
-ZERO = {"flat ZeRO-3": [], "hybrid (--shard-group host)": ["--shard-group", "host"]}
+ZERO = {"flat ZeRO-3": [], "hybrid (--shard-group host)": ["--shard-group", "host"],
+        "flat + ZeRO++ (qwZ hpZ qgZ)": ["--qwz", "256", "--hpz", "--qgz", "256"],
+        "hybrid + ZeRO++ (qwZ qgZ)": ["--shard-group", "host", "--qwz", "256", "--qgz", "256"]}
 
 
 def zero_part(c, a):
     """Part 5: ZeRO-3 on the two hosts, flat (its collectives hierarchical across the link)
-    and hybrid (shard groups of a host: only the replicas' all-reduce crosses), alternated
+    and hybrid (shard groups of a host: only the replicas' all-reduce crosses), each plain and
+    with ZeRO++'s int8 messages, alternated
     --repeats times; bytes across per step against the trainer's formula (comm.sent)."""
     got = {name: [] for name in ZERO}
     for _ in range(a.repeats):

@@ -259,8 +259,9 @@ def sharding(n, precisions):
     """ZeRO as it is done at scale (docs/zero.md): hybrid sharding (--shard-group S: shard groups
     of 1 and 2, every stage, micro-batches) alone and with tp, pp (1F1B, ZB-H1, interleaved),
     cp, ep and Llama; ZeRO-3's prefetch (1, 2, past the blocks) and --reshard-after-forward
-    off, with --recompute full and hybrid; fp16/bf16. 8 ranks: dp x tp x pp, dp x tp with
-    prefetch, dp x cp x tp."""
+    off, with --recompute full and hybrid; ZeRO++ (hpZ exact; qwZ and qgZ judged on the losses
+    at one code step, 1/127), with tp, hybrid, recomputation, Llama; fp16/bf16. 8 ranks:
+    dp x tp x pp, dp x tp with prefetch, dp x cp x tp, ZeRO++ on dp 8."""
     f64 = ["--dtype", "float64"]
     llama = ["--arch", "llama", "--ffn-hidden", "24", "--n-kv-head", "2"]
     if n == 4:
@@ -284,7 +285,14 @@ def sharding(n, precisions):
         yield n, ["--dp", "4", "--zero", "3", "--reshard-after-forward", "off", "--recompute", "full"] + f64
         yield n, llama + ["--dp", "4", "--zero", "3", "--shard-group", "2", "--prefetch", "1"] + f64
         yield n, llama + ["--dp", "2", "--tp", "2", "--zero", "2", "--shard-group", "1"] + f64
+        for zpp in (["--hpz"], ["--qwz", "64"], ["--qgz", "64"], ["--qwz", "32", "--qgz", "128", "--hpz"]):
+            yield n, ["--dp", "4", "--zero", "3", "--prefetch", "1"] + zpp + f64
+        yield n, ["--dp", "2", "--tp", "2", "--zero", "3", "--qwz", "64", "--qgz", "64"] + f64
+        yield n, ["--dp", "4", "--zero", "3", "--shard-group", "2", "--qwz", "64", "--qgz", "64",
+                  "--recompute", "full"] + f64
+        yield n, llama + ["--dp", "4", "--zero", "3", "--qwz", "64", "--hpz"] + f64
         for precision in set(precisions) - {"fp32"}:
+            yield n, ["--dp", "4", "--zero", "3", "--qwz", "64", "--qgz", "64", "--precision", precision]
             yield n, ["--dp", "4", "--zero", "2", "--shard-group", "2", "--precision", precision]
             yield n, ["--dp", "4", "--zero", "3", "--shard-group", "2", "--prefetch", "1", "--precision", precision]
     else:
@@ -292,6 +300,7 @@ def sharding(n, precisions):
                   "--micro-batches", "2"] + f64
         yield n, ["--dp", "4", "--tp", "2", "--zero", "3", "--shard-group", "2", "--prefetch", "2"] + f64
         yield n, ["--dp", "2", "--cp", "2", "--tp", "2", "--zero", "3", "--shard-group", "2", "--prefetch", "1"] + f64
+        yield n, ["--dp", "8", "--zero", "3", "--qwz", "64", "--qgz", "64", "--hpz"] + f64
 
 
 def past_1f1b(n, dp, tp, pp, zero, precision):
@@ -344,7 +353,8 @@ def main():
         if not ok:
             failed.append((n, flags, code))
         else:
-            key = ("fp32" if "float64" in flags else "fp16/bf16") + (" --sp" if "--sp" in flags else "") \
+            key = ("fp32" if "float64" in flags else "fp16/bf16") \
+                + (" zero++" if {"--qwz", "--qgz"} & set(flags) else "") + (" --sp" if "--sp" in flags else "") \
                 + (" --cp" if "--cp" in flags else "") \
                 + (f" {flags[flags.index('--cp-impl') + 1]}" if "--cp-impl" in flags else "") + (" --moe" if "--moe-experts" in flags else "") \
                 + (" llama" if "llama" in flags else "")

@@ -8,6 +8,8 @@ Read in this order:
     stage3.py           stage 3 adds: parameters sharded (gather, release, Regather; prefetch,
                         reshard after forward)
     hybrid.py           hybrid sharding: shard groups, and the replicas of each shard
+    quantize.py         ZeRO++'s int8 block codes
+    zpp.py              ZeRO++: qwZ, hpZ and qgZ, how stage 3's messages travel
     optimizer.py        the sharded AdamW, sharing the stage's units
     build.py            the one constructor: (synchroniser, optimizer) of a stage
     summary.py          the run summary's ZeRO figures and line
