@@ -335,6 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=default["zero"], metavar="{0,1,2,3}",
                         help="ZeRO stage over the dp group: shard the optimizer state (1), and the gradients "
                              "(2), and the parameters (3) [%(default)s]")
+    layout.add_argument("--shard-group", type=config.shard_group_value, default=None, metavar="S|host",
+                        help="--zero: hybrid sharding, ZeRO inside groups of S consecutive dp x cp ranks "
+                             "(host: the ranks of a host, --ranks-per-host), replicated across the groups; "
+                             "with --ranks-per-host the table compares every shard group [flat: all dp x cp]")
     layout.add_argument("--micro-batches", type=int, default=default["micro_batches"], metavar="M",
                         help="micro-batches per step on each dp rank [%(default)s]")
     layout.add_argument("--batch-size", type=int, default=default["batch_size"], metavar="B",
@@ -405,6 +409,7 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
         config.check_schedule(None, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batches)
         lay = lay.but(cp_layout=config.check_context_split(None, lay))
         config.check_moe(GPTConfig(), moe_args(args), lay.dp)     # --ep needs experts: the trainer's line
+        config.check_shard_group(lay, lay.grad_ranks)
         return None, lay, int(round(args.params))
     preset = PRESETS.get(args.model, {})
     if args.arch is not None and args.arch != preset.get("arch", args.arch):
@@ -426,6 +431,7 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     lay = lay.but(cp_impl=config.check_cp_impl(cfg, lay, lay.tp))
     config.check_moe(cfg, moe_args(args), lay.dp)
     config.check_schedule(cfg, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batches)
+    config.check_shard_group(lay, lay.grad_ranks)
     return cfg, lay, None
 
 
