@@ -101,11 +101,11 @@ from minipar.parallel.context.ring_attention import LAYOUTS
 from minipar.parallel.layout import Layout, LayoutError, check_layout
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.zero import units as zero
-from minipar.plan import activations, context as plan_context, hosts as plan_hosts
+from minipar.plan import activations, context as plan_context, hosts as plan_hosts, shards as plan_shards
 from minipar.plan.comm_bytes import (cp_bytes, ep_bytes, ep_layer_bytes, flat_groups, grad_sync_bytes, other_parts,
                                      pp_bytes, tp_bytes)
 from minipar.plan.flops import flop_components, flops, recompute_flops
-from minipar.plan.layout import active_params, chunks, device_tensors, itemsizes, placed
+from minipar.plan.layout import active_params, chunks, device_tensors, itemsizes, placed, zero_split
 from minipar.plan.memory import ceilings, device_memory, model_states, parse_size
 from minipar.comm.ledger import human_bytes
 from minipar.plan.render import table
@@ -211,10 +211,11 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
                                      "cp_layout": lay.cp_layout, "world": lay.world,
                                      "micro_batch_rows": lay.rows if cfg else None, "bytes_per_param": itemsize,
                                      "optimizer_bytes_per_param": K},
-           "params": params, "params_active": None, "moe": None, "notes": [], "seq_ceiling": None}
+           "params": params, "params_active": None, "moe": None, "notes": [], "seq_ceiling": None,
+           "zero_shard_groups": None}
     if cfg is None:
         P_local = -(-params // (lay.tp * pp))
-        mem = {**model_states(P_local, zero.padded(P_local, N), itemsize, K, lay.zero, N),
+        mem = {**model_states(P_local, zero.padded(P_local, N), itemsize, K, lay.zero, zero_split(lay)[0]),
                "activations": None, "total": None, "stage": None, "micro_batches_in_flight": None,
                "params_local": P_local, "params_padded": zero.padded(P_local, N)}
         out.update(memory=mem, memory_per_stage=[mem], flops=None, flops_per_stage=None, comm=None,
@@ -280,6 +281,8 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
     if memory_budget is not None:
         out["seq_ceiling"] = ceilings(cfg, lay, memory_budget)
     out["cp_impls"] = plan_context.compare(cfg, lay, hosts) if lay.cp > 1 else None
+    shown = hosts.ranks_per_host is not None or lay.shard_group is not None
+    out["zero_shard_groups"] = plan_shards.compare(cfg, lay, hosts, memory_budget) if shown else None
     return out
 
 
@@ -475,6 +478,7 @@ def main(argv=None):
         hosts = plan_hosts.Hosts.from_args(args)
         budget = memory_budget(args, cfg)
         lay = hybrid_layout(cfg, lay, hosts)
+        lay = plan_shards.resolve(lay, hosts)
     except config.ConfigError as e:
         print(f"minipar.plan: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
