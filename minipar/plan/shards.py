@@ -149,6 +149,6 @@ def lines(c: dict, stage_word: str = "ZeRO") -> list[str]:
         out.append(f"  recommended: none: no shard group's peak fits {human_bytes(c['memory_budget'])}")
     else:
         S = c["recommended"]
-        flag = "(flat: no --shard-group)" if S == c["ranks"] else f"--shard-group {S}" + (" (host)" if S == h else "")
+        flag = "flat (no --shard-group)" if S == c["ranks"] else f"--shard-group {S}" + (" (host)" if S == h else "")
         out.append(f"  recommended: {flag}: {key}{budget}")
     return out

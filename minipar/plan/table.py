@@ -7,12 +7,14 @@
     python -m minipar.plan --model gpt2 --moe-experts 8 --moe-every 2 --dp 8 --ep 4   # mixture of experts
     python -m minipar.plan --model llama3-8b --world 64 --tp 8 --pp 2 --precision bf16 # the Llama family
     python -m minipar.plan --model mixtral-8x7b --world 64 --ep 8 --pp 2 --precision bf16   # Mixtral
+    python -m minipar.plan --model llama3-70b --world 64 --tp 2 --zero 3 --ranks-per-host 8 \
+        --inter-node-gbps 400 --memory-budget 80GiB       # ZeRO's shard groups compared (shards.py)
 
 Layout flags are the trainer's (same names, same defaults), so one set of flags describes
 one run; tests/test_plan*.py hold every figure to what minipar measures on such runs.
 Where a mechanism has a formula of its own, the planner calls it rather than restating it:
-pipeline.local_tensors (what a device holds), zero.formula and zero.collectives_per_step
-(ZeRO's memory and collectives), tensor_parallel.megatron_calls, schedules.bubble_theory,
+pipeline.local_tensors (what a device holds), zero.formula and zero.calls_of (ZeRO's
+memory and collectives, flat or in shard groups), tensor_parallel.megatron_calls, schedules.bubble_theory,
 activations.peak_in_flight_bytes, the schedule's instructions (schedules.schedule),
 ring_attention.ring_traffic (context parallelism's bytes), expert_parallel.ep_bytes (the
 all-to-alls'), model.train_flops_per_token (FLOPs per token, active parameters).
