@@ -40,8 +40,8 @@ def table(r: dict, name: str | None = None) -> str:
     S = lay["shard_group"]
     shards = (f" in shard groups of {S} (R = {lay['dp'] * lay['cp'] // S} replicas)"
               if S is not None and S < lay["dp"] * lay["cp"] else "")
-    out.append(f"  layout: dp={lay['dp']}{cp} tp={lay['tp']} pp={lay['pp']}{ep} ({devices}), ZeRO {lay['zero']}{shards}, "
-               f"{prec}: {lay['bytes_per_param']} B per parameter and gradient, "
+    out.append(f"  layout: dp={lay['dp']}{cp} tp={lay['tp']} pp={lay['pp']}{ep} ({devices}), "
+               f"ZeRO {lay['zero']}{shards}, {prec}: {lay['bytes_per_param']} B per parameter and gradient, "
                f"{lay['optimizer_bytes_per_param']} B optimizer state")
     if r["model"] is not None:
         out.append(f"  batch: {lay['batch_size']} sequences; per dp rank {lay['micro_batches']} micro-batch(es) of "
