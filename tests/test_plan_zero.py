@@ -251,6 +251,8 @@ def test_planner_equals_the_trainer_on_two_hosts(capsys, tmp_path):
      "--shard-group host needs as many ranks of each gradient group (dp x cp) on every host; the hosts hold [2, 1]"),
     (["--dp", "2", "--pp", "3", "--n-layer", "3", "--zero", "1", "--shard-group", "host", "--ranks-per-host", "3"],
      "--shard-group host: the pipeline stages' gradient groups sit differently on hosts of 3 ranks"),
+    (["--moe-experts", "4", "--moe-top-k", "2", "--dp", "12", "--ep", "2", "--batch-size", "12", "--zero", "1",
+      "--shard-group", "3"], "--shard-group 3: the shard groups hold unequal numbers [1, 1, 2, 2] of the 6 ranks"),
     (["--params", "1e6", "--dp", "4", "--zero", "2", "--shard-group", "8"],
      "--shard-group 8 must be a whole number >= 1 that divides the 4 dp x cp ranks"),
 ])

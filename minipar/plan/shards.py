@@ -31,7 +31,7 @@ from minipar.config import flags as config
 from minipar.parallel.zero import hybrid
 from minipar.plan import hosts as plan_hosts
 from minipar.plan.comm_bytes import Flat, grad_sync_bytes
-from minipar.plan.layout import device_tensors, itemsizes, placed
+from minipar.plan.layout import device_tensors, itemsizes, placed, sync_groups, zero_split
 from minipar.plan.memory import device_memory
 from minipar.comm.ledger import human_bytes
 
@@ -45,8 +45,11 @@ def host_ranks(lay, hosts: plan_hosts.Hosts, stage: int = 0) -> int:
 def resolve(lay, hosts: plan_hosts.Hosts):
     """lay with --shard-group host made a number (config.ConfigError, one line, when it needs
     --ranks-per-host, or hosts hold unequal shares of a gradient group, or the stages' groups
-    sit differently on them); a whole number S or flat as it is."""
+    sit differently on them); a whole number S or flat as it is. With --ep, the experts'
+    replicas must fall evenly into the shard groups too (layout.zero_split)."""
     if lay.shard_group != "host":
+        for _, gl in sync_groups([], lay):
+            zero_split(lay, gl)
         return lay
     if hosts.ranks_per_host is None:
         raise config.ConfigError("--shard-group host shards over the ranks of a host: give --ranks-per-host K "
@@ -59,7 +62,7 @@ def resolve(lay, hosts: plan_hosts.Hosts):
         raise config.ConfigError(f"--shard-group host: the pipeline stages' gradient groups sit differently on "
                                  f"hosts of {hosts.ranks_per_host} ranks ({sorted(per_stage)} ranks of one on a "
                                  f"host): give --shard-group S")
-    return lay.but(shard_group=per_stage.pop())
+    return resolve(lay.but(shard_group=per_stage.pop()), hosts)
 
 
 def candidates(N: int, h: int | None) -> list:
