@@ -315,6 +315,13 @@ class Placed:
         """The group of this group's first n ranks (tp rank 0's key/value head group)."""
         return Placed(self.world_ranks[:n], self.rank, self.per_host)
 
+    def split(self, S: int) -> tuple:
+        """(its block of S consecutive ranks, the ranks in the same place of every block),
+        placed: a ZeRO shard group and its replicas (zero.hybrid), as comm_bytes.Flat.split."""
+        b, place = divmod(self.rank, S)
+        return (Placed(self.world_ranks[b * S:(b + 1) * S], place, self.per_host),
+                Placed(self.world_ranks[place::S], b, self.per_host))
+
     def all_to_all(self, x) -> Traffic:
         """comm.all_to_all of x in p equal pieces (the dispatcher's algorithm for x here)."""
         p, r, piece = self.size, self.rank, x.nbytes // self.size

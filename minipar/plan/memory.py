@@ -13,12 +13,15 @@ Memory per device (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054, section 3):
              rows first
     P_pad    ZeRO's layout: P_local cut into units (zero.unit_names), each padded to a
              multiple of N = dp*cp (zero.padded)
+    S        the ranks a unit is sharded over: N, or with --shard-group S (hybrid sharding,
+             zero/hybrid.py) the S ranks of a shard group, each shard replicated over R = N/S
+             (layout.zero_split): the table below with S in place of N
                    params        grads         optimizer        (zero.formula)
         zero 0     s P_local     s P_local     K P_local
-        zero 1     s P_pad       s P_pad       K P_pad / N
-        zero 2     s P_pad       s P_pad / N   K P_pad / N
-        zero 3     s P_pad / N   s P_pad / N   K P_pad / N
-    (fp16, no padding: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N.)
+        zero 1     s P_pad       s P_pad       K P_pad / S
+        zero 2     s P_pad       s P_pad / S   K P_pad / S
+        zero 3     s P_pad / S   s P_pad / S   K P_pad / S
+    (fp16, no padding, flat: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N.)
     activations: the bytes minipar's ops save for backward (activation_bytes), per
     micro-batch of b = B/(dp*M) sequences, at the stage's peak: its own instruction list
     walked, + a chunk's bytes at each Forward, - at its Backward (at its WeightGrad with
@@ -46,7 +49,7 @@ from minipar.model.gpt import GPTConfig
 from minipar.parallel.layout import Layout
 from minipar.parallel.zero import formulas as zero
 from minipar.plan import activations
-from minipar.plan.layout import chunks, device_tensors, itemsizes, sync_groups, zero_units
+from minipar.plan.layout import chunks, device_tensors, itemsizes, sync_groups, zero_split, zero_units
 from minipar.comm.ledger import human_bytes
 
 
@@ -66,15 +69,16 @@ def activation_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, it
 
 
 def device_memory(cfg: GPTConfig, lay, stage: int) -> dict:
-    """What a device of `stage` holds at its peak: model states (ZeRO over dp*cp ranks) and
-    the saved activations of the micro-batches its schedule holds at once."""
+    """What a device of `stage` holds at its peak: model states (ZeRO over dp*cp ranks, or
+    over the S of a shard group) and the saved activations of the micro-batches its schedule
+    holds at once."""
     itemsize, compute_itemsize, K = itemsizes(lay)
     V = chunks(lay)
     tensors = device_tensors(cfg, lay, stage)
     states, P_pad = {}, 0
     for ts, g in sync_groups(tensors, lay):          # with --ep, ZeRO's expert units over their replicas
         units = zero_units(ts, g.grad_ranks, cfg.family)
-        part = model_states(sum(n for _, n in ts), sum(units), itemsize, K, lay.zero, g.grad_ranks)
+        part = model_states(sum(n for _, n in ts), sum(units), itemsize, K, lay.zero, zero_split(lay, g)[0])
         states = {k: states.get(k, 0) + v for k, v in part.items()}
         P_pad += sum(units)
     act, held = activations.peak_in_flight_bytes(cfg, lay.schedule, stage, lay.pp, V, lay.micro_batches, lay.tp,
@@ -123,7 +127,8 @@ def check_fits(args, cfg: GPTConfig, lay: Layout):
     """The trainer's memory check (run and --dry-run, every rank, before any message): the
     planner's peak bytes for a rank of this layout (model states and saved activations) against
     what a rank may use; a layout that cannot fit is refused (config.ConfigError) before
-    anything is allocated, instead of ending in a MemoryError."""
+    anything is allocated, instead of ending in a MemoryError. --shard-group host is not
+    resolved yet (the hosts are known once the grid is made): counted flat here."""
     need = peak_memory(cfg, lay)
     limit, source = memory_limit(args)
     if need > limit:
