@@ -345,17 +345,20 @@ def hybrid_context(grid, args, cfg):
     return context
 
 
-def shard_blocks(grid, args) -> dict | None:
+def shard_blocks(grid, args, cfg) -> dict | None:
     """--shard-group: the shard block of each rank of the gradient group (zero.hybrid.blocks),
-    and grid.layout's shard_group resolved (the ranks of a host, known only now). None: flat."""
+    and grid.layout's shard_group resolved (the ranks of a host, known only now: the memory
+    check, which counted it flat, runs again with it). None: flat."""
     if args.shard_group is None:
         return None
     by_host = args.shard_group == "host"
     try:
         S = hybrid.host_shard_size(grid.grad_group) if by_host else args.shard_group
-    except ValueError as e:
+        grid.layout = grid.layout.but(shard_group=S)
+        if by_host:
+            memory.check_fits(args, cfg, grid.layout)
+    except (ValueError, ConfigError) as e:
         raise ConfigError.everywhere(str(e), grid.rank) from None
-    grid.layout = grid.layout.but(shard_group=S)
     return hybrid.blocks(grid.grad_group, S, by_host)
 
 
@@ -398,9 +401,10 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
             else (None, None)
         gathers = ({"prefetch": args.prefetch, "reshard_after_forward": args.reshard_after_forward,
                     "wire": zpp.Wire(args.qwz, args.hpz, args.qgz)} if args.zero == 3 else {})
+        blocks = shard_blocks(grid, args, spec.cfg)
         try:
-            sync, opt = zero.build(model, opt, grads, args.zero, *experts, blocks=shard_blocks(grid, args), **gathers)
-        except zpp.HostLayoutError as e:
+            sync, opt = zero.build(model, opt, grads, args.zero, *experts, blocks=blocks, **gathers)
+        except (zpp.HostLayoutError, hybrid.ShardLayoutError) as e:
             raise ConfigError.everywhere(str(e), grid.rank) from None
     elif grid.ep_size > 1:         # experts summed over their replicas, the rest over dp
         sync = expert_parallel.ExpertParallelSync(model, grid, args.dp_mode, args.bucket_mb)

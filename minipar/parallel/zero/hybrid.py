@@ -29,6 +29,10 @@ from __future__ import annotations
 from minipar.comm import Group
 
 
+class ShardLayoutError(ValueError):
+    """A unit group that the shard blocks cut unevenly (experts' replicas, --ep)."""
+
+
 def blocks(grad_group, S: int | None, by_host: bool = False) -> dict:
     """{world rank: its shard block} over the gradient group (dp x cp ranks, in their order):
     S consecutive ranks per block, or with by_host the ranks of each host (grad_group.nodes).
@@ -59,7 +63,9 @@ def split(group, block_of: dict, axis: str = "zero") -> tuple:
     order = sorted(set(mine), key=mine.index)
     counts = [mine.count(b) for b in order]
     if len(set(counts)) != 1:
-        raise ValueError(f"shard blocks of unequal sizes {counts} over ranks {list(group.world_ranks)}")
+        raise ShardLayoutError(f"--shard-group cuts the ranks of a ZeRO group unevenly: {counts} of its ranks "
+                               f"{list(group.world_ranks)} fall in each shard group (with --ep, the experts' "
+                               f"replicas must split evenly too)")
     if len(order) == 1:
         return group, None
     b = mine[group.rank]
