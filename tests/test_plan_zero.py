@@ -139,9 +139,10 @@ def test_across_hosts_equals_comm_sent(capsys, model, tp):
         shard, replicas = Stand(grad[:S], 0, 4), Stand(grad[::S], 0, 4)
         inside = across = 0
         for n in units:
-            unit = type("U", (), {"n_pad": n, "shard_size": n // S, "replicas": replicas if S < N else None})
-            for op, x, calls in formulas.calls_of(2, unit, 4, 2):
-                a, b = comm_sent.sent(op, replicas if op == "all_reduce" else shard, x)
+            unit = type("U", (), {"n_pad": n, "shard_size": n // S, "group": shard,
+                                  "replicas": replicas if S < N else None})
+            for op, group, x, calls in formulas.calls_of(2, unit, 4, 2):
+                a, b = comm_sent.sent(op, group, x)
                 inside, across = inside + calls * a, across + calls * b
         row = r["comm_per_stage"][0]
         assert (row["dp"] - row["inter_host"]["dp"], row["inter_host"]["dp"]) == (inside, across), (S, tp)

@@ -158,9 +158,9 @@ def zero_bytes(units: list, stage: int, M: int, itemsize: int, g, S: int | None 
     shards, replicas = g.split(S) if S < g.size else (g, None)
     total = 0
     for n in units:
-        unit = SimpleNamespace(n_pad=n, shard_size=n // S, replicas=replicas)    # as units.Unit
-        for op, x, calls in calls_of(stage, unit, itemsize, M):
-            total += calls * getattr(replicas if op == "all_reduce" else shards, op)(x.size, itemsize)
+        unit = SimpleNamespace(n_pad=n, shard_size=n // S, group=shards, replicas=replicas)    # as units.Unit
+        for op, group, x, calls in calls_of(stage, unit, itemsize, M):
+            total += calls * getattr(group, op)(x.size, itemsize)
     return total
 
 
