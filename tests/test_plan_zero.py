@@ -261,3 +261,41 @@ def test_bad_shard_group_flags_exit_2_with_one_line(capsys, flags, message):
     code, out, err = cli(capsys, *flags)
     assert code == 2 and out == "", (code, out)
     assert err.count("\n") == 1 and err.startswith("minipar.plan: error: ") and message in err, err
+
+
+# ---------------------------------------------------------------- ZeRO-3's gathers
+
+@pytest.mark.parametrize("K,reshard", [(0, "on"), (1, "on"), (2, "on"), (9, "on"), (0, "off")])
+def test_the_gathered_peak_is_the_formulas(capsys, K, reshard):
+    """--prefetch K, --reshard-after-forward: the planner's gathered bytes are
+    formulas.gathered_peak of the device's units (C = 18: padding to N matters), and count in
+    its total; reshard off drops backward's all-gathers from the bytes."""
+    base = ["--n-layer", "4", "--n-embd", "18", "--n-head", "2", "--dp", "4", "--zero", "3", "--micro-batches", "2"]
+    r = plan_json(capsys, *base, "--prefetch", str(K), "--reshard-after-forward", reshard)
+    cfg = GPTConfig(n_layer=4, n_embd=18, n_head=2)
+    size = {n: int(np.prod(shape)) for n, shape, _ in param_specs(cfg)}
+    units = zero_units.unit_names(list(size), cfg.family)
+    b = [zero_units.padded(sum(size[n] for n in u), 4) * 4 for u in units]      # float32 bytes
+    expect = formulas.gathered_peak(b[0] + b[-1], b[1:-1], K, reshard == "on")
+    mem = r["memory_per_stage"][0]
+    assert mem["gathered"] == expect and mem["total"] == mem["model_states"] + mem["activations"] + expect
+    calls = (2 if reshard == "on" else 1) * 2 + 2                # all-gathers and reduce-scatters of M = 2
+    assert r["comm_per_stage"][0]["dp"] == calls * 3 / 4 * sum(b)
+
+
+def test_the_planners_gathers_are_the_trainers(tmp_path):
+    """One run of the trainer, --prefetch 1 --reshard-after-forward off: its measured gathered
+    peak and ZeRO bytes are the planner's."""
+    flags = ["--zero", "3", "--prefetch", "1", "--reshard-after-forward", "off", "--micro-batches", "2"]
+    log = str(tmp_path / "log.jsonl")
+    p = subprocess.run([MPIRUN, "-n", "4", sys.executable, "-m", "minipar.train", *TINY_MPI, "--n-layer", "3", *flags,
+                        "--log", log], cwd=REPO, capture_output=True, text=True, timeout=180,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    z = read_log(log)[1]["zero"]
+    args = table.build_parser().parse_args([*TINY_MPI[:8], "--n-layer", "3", "--batch-size", "8", "--dp", "4",
+                                            *flags])
+    cfg, lay, _ = table.resolve(args)
+    r = table.plan(cfg, lay)
+    assert z["gathered_peak_bytes"] == z["gathered_peak_formula"] == r["memory_per_stage"][0]["gathered"]
+    assert z["bytes_per_step"] == z["theory_bytes_per_step"] == r["comm_per_stage"][0]["dp"]

@@ -149,17 +149,18 @@ def flat_groups(lay, stage: int) -> dict:
             "world": Flat(lay.world, stage * lay.grad_ranks * lay.tp)}
 
 
-def zero_bytes(units: list, stage: int, M: int, itemsize: int, g, S: int | None = None):
+def zero_bytes(units: list, stage: int, M: int, itemsize: int, g, S: int | None = None, reshard: bool = True):
     """ZeRO's collectives of one step (formulas.calls_of) for units of these padded sizes, on
     the gradient group g: the reduce-scatters and all-gathers inside the device's shard group
     of S ranks (all of g: flat ZeRO), and with R = g.size/S > 1 each unit's n/S shard
-    all-reduced across its R replicas once (g.split)."""
+    all-reduced across its R replicas once (g.split); reshard: stage 3's
+    --reshard-after-forward (off: no backward all-gather)."""
     S = S or g.size
     shards, replicas = g.split(S) if S < g.size else (g, None)
     total = 0
     for n in units:
         unit = SimpleNamespace(n_pad=n, shard_size=n // S, group=shards, replicas=replicas)    # as units.Unit
-        for op, group, x, calls in calls_of(stage, unit, itemsize, M):
+        for op, group, x, calls in calls_of(stage, unit, itemsize, M, reshard):
             total += calls * getattr(group, op)(x.size, itemsize)
     return total
 
@@ -172,7 +173,7 @@ def dp_bytes(tensors: list, units: list, lay, itemsize: int, g=None, S: int | No
         return 0
     g = Flat(N) if g is None else g
     if lay.zero:
-        return zero_bytes(units, lay.zero, M, itemsize, g, S)
+        return zero_bytes(units, lay.zero, M, itemsize, g, S, lay.reshard_after_forward)
     if lay.dp_mode == "naive":                            # one all-reduce per parameter
         return sum(g.all_reduce(n, itemsize) for _, n in tensors)
     members = data_parallel.bucket_members([n * itemsize for _, n in tensors], lay.bucket_mb)

@@ -48,6 +48,7 @@ from minipar.config import flags as config
 from minipar.model.gpt import GPTConfig
 from minipar.parallel.layout import Layout
 from minipar.parallel.zero import formulas as zero
+from minipar.parallel.zero.units import padded, unit_names
 from minipar.plan import activations
 from minipar.plan.layout import chunks, device_tensors, itemsizes, sync_groups, zero_split, zero_units
 from minipar.comm.ledger import human_bytes
@@ -85,8 +86,30 @@ def device_memory(cfg: GPTConfig, lay, stage: int) -> dict:
                                                  lay.rows, itemsize, compute_itemsize, lay.sp, lay.recompute,
                                                  cp=lay.cp, ep=lay.ep, cp_impl=lay.cp_impl,
                                                  cp_ulysses=lay.cp_ulysses)
-    return {**states, "activations": act, "total": states["model_states"] + act, "stage": stage,
-            "micro_batches_in_flight": held, "params_local": sum(n for _, n in tensors), "params_padded": P_pad}
+    gathered = gathered_bytes(cfg, lay, tensors, itemsize)
+    return {**states, "activations": act, "gathered": gathered, "total": states["model_states"] + act + gathered,
+            "stage": stage, "micro_batches_in_flight": held, "params_local": sum(n for _, n in tensors),
+            "params_padded": P_pad}
+
+
+def gathered_bytes(cfg: GPTConfig, lay, tensors: list, itemsize: int) -> int:
+    """ZeRO-3's gathered parameters at their peak (zero.formulas.gathered_peak, what the
+    trainer's summary measures): the embedding-side units and the largest --prefetch + 1
+    consecutive blocks, or every block with --reshard-after-forward off; 0 below stage 3."""
+    if lay.zero != 3:
+        return 0
+    size, N = dict(tensors), lay.grad_ranks
+    units = unit_names([n for n, _ in tensors], cfg.family)
+    outer, blocks = 0, {}
+    for names in units:
+        b = padded(sum(size[n] for n in names), N) * itemsize
+        i = cfg.family.block_of(names[0])
+        if i is None:
+            outer += b
+        else:
+            blocks[i] = blocks.get(i, 0) + b
+    return zero.gathered_peak(outer, [blocks[i] for i in sorted(blocks)], lay.prefetch,
+                                       lay.reshard_after_forward)
 
 
 def peak_memory(cfg: GPTConfig, lay) -> int:

@@ -65,6 +65,8 @@ def table(r: dict, name: str | None = None) -> str:
         out.append(_row(key.replace("_", " "), [human_bytes(row[key]) for row in mem]))
     if r["model"] is not None:
         out.append(_row("activations", [human_bytes(row["activations"]) for row in mem]))
+        if lay["zero"] == 3:
+            out.append(_row("ZeRO-3 gathered", [human_bytes(row["gathered"]) for row in mem]))
         held = "  micro-batches held" if lay["virtual_stages"] == 1 or lay["pp"] == 1 else "  chunk-micro-batches"
         out.append(_row(held, [row["micro_batches_in_flight"] for row in mem]))
         out.append(_row("total", [human_bytes(row["total"]) for row in mem]))

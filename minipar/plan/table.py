@@ -344,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--zero: hybrid sharding, ZeRO inside groups of S consecutive dp x cp ranks "
                              "(host: the ranks of a host, --ranks-per-host), replicated across the groups; "
                              "with --ranks-per-host the table compares every shard group [flat: all dp x cp]")
+    layout.add_argument("--prefetch", type=int, default=None, metavar="K",
+                        help="--zero 3: the next K blocks gathered ahead; their gathered parameters "
+                             "count in the peak [0]")
+    layout.add_argument("--reshard-after-forward", choices=("on", "off"), default=None,
+                        help="--zero 3: off keeps every block gathered from forward to backward (the "
+                             "whole model at the peak) and makes no all-gather in backward [on]")
     layout.add_argument("--micro-batches", type=int, default=default["micro_batches"], metavar="M",
                         help="micro-batches per step on each dp rank [%(default)s]")
     layout.add_argument("--batch-size", type=int, default=default["batch_size"], metavar="B",
@@ -389,7 +395,8 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
             dp = check_layout(args.world, dp, args.tp, args.pp, args.cp)[0]
         except LayoutError as e:
             raise PlanError(str(e)) from None
-    lay = Layout.from_flags(args, dp=1 if dp is None else dp)
+    prefetch, reshard = config.resolve_gathers(args)       # ConfigError: --zero 3's, as the trainer says
+    lay = Layout.from_flags(args, dp=1 if dp is None else dp, prefetch=prefetch, reshard_after_forward=reshard)
     for flag in ("batch_size", "micro_batches"):
         if getattr(lay, flag) <= 0:
             raise PlanError(f"--{flag.replace('_', '-')} must be positive, got {getattr(lay, flag)}")
