@@ -23,11 +23,10 @@ import numpy as np
 import pytest
 
 from minipar.comm import sent as comm_sent
-from minipar.comm.helpers import shaped
 from minipar.config import flags as config
 from minipar.model.gpt import GPTConfig, param_specs
 from minipar.parallel.zero import formulas, units as zero_units
-from minipar.plan import hosts as plan_hosts, memory, shards, table
+from minipar.plan import memory, shards, table
 
 from test_plan import cli
 from trainer_runs import MPIRUN, REPO, TINY_MPI, read_log
