@@ -31,26 +31,12 @@ import numpy as np
 
 from minipar import comm
 from minipar.comm import Group
+from minipar.comm.calls import Done
 from minipar.parallel.zero import quantize
 
 
 class HostLayoutError(ValueError):
     """The hosts hold unequal numbers of a ZeRO group's ranks: no host groups."""
-
-
-class Done:
-    """A handle whose result is already there (qgZ's reduction runs at once)."""
-
-    done = True
-
-    def __init__(self, value):
-        self.value = value
-
-    def test(self):
-        return True
-
-    def wait(self):
-        return self.value
 
 
 def host_groups(g) -> tuple:
