@@ -14,6 +14,8 @@ in this order:
     ulysses.py          Ulysses attention (context parallelism): its four all-to-alls, the
                         sequence shards turned into head shards and back, a copied KV head's
                         gradient parts summed
+    fsdp.py             ZeRO-3 (FSDP) in the trainer: its all-gathers and reduce-scatters with
+                        and without prefetch and resharding, checked against ZeRO's formulas
 """
 from minipar.explain.cli import build_parser, main, settle
 
