@@ -10,8 +10,8 @@
    comm, memory, timeline}.{png,svg}.
 2. `python -m minipar.explain` for each algorithm it draws, ring attention and Ulysses attention
    on 4 cp ranks, one MoE layer's dispatch and combine on 4 ep ranks with a capacity (and
-   on 2 without one), and ZeRO-3's gathers in three 4-rank trainer runs (fsdp):
-   docs/img/explain-*.{svg,png}.
+   on 2 without one), ZeRO-3's gathers in three 4-rank trainer runs (fsdp) and hybrid
+   sharding's groups in one (hsdp): docs/img/explain-*.{svg,png}.
 3. One 4-stage training run per pipeline schedule (8 layers, 8 micro-batches; interleaved
    with 2 virtual stages), its last step drawn by --timeline: docs/img/schedule-*.svg
    (docs/pipeline.md shows them one above the other).
@@ -35,7 +35,7 @@ EXPLAIN = [("ring-all-reduce", 4), ("reduce-scatter", 4), ("all-gather", 4),
            ("recursive-doubling", 5), ("broadcast", 4), ("reduce", 4), ("megatron-mlp", 2),
            ("1f1b", 4), ("ring-attention", 4), ("moe-dispatch", 4),
            ("moe-dispatch", 2, "--capacity-factor", "0"), ("gqa-tp", 4),
-           ("ulysses", 4), ("fsdp", 4)]                                   # (what, p, its own flags)
+           ("ulysses", 4), ("fsdp", 4), ("hsdp", 4)]                      # (what, p, its own flags)
 SCHEDULE_RUN = ["--pp", "4", "--n-layer", "8", "--micro-batches", "8", "--steps", "6", "--sample", "0"]
 SCHEDULES = [("gpipe", []), ("1f1b", []), ("interleaved", ["--virtual-stages", "2"]), ("zb-h1", []),
              ("zb-h2", [])]

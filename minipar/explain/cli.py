@@ -17,6 +17,8 @@ its trace and draws it).
     ulysses              UlyssesAttention forward and backward: its four all-to-alls   cp 4 (2 or 4)
     fsdp                 python -m minipar.train --zero 3, prefetch 0, K and K without resharding:
                          its measured all-gathers and reduce-scatters   4 ranks (2 or 4)
+    hsdp                 python -m minipar.train --zero 3 --shard-group 2: the shard and replica
+                         groups, each rank's bytes in each             4 ranks
 
 What runs. The launcher starts `mpirun -n P python -m minipar.explain --worker WHAT` (under
 a timeout, MINIPAR_EXPLAIN_TIMEOUT seconds, 120 by default). The trace records with
@@ -26,8 +28,8 @@ back and draws; the PNG beside the SVG is resvg_py's, when it is installed (writ
 
 How a trace becomes a drawing (decoding the values on the wire, matching and replaying
 the messages): collectives.py; the other pictures read theirs in megatron.py, pipeline.py,
-ring_attention.py, moe.py, gqa_tp.py, ulysses.py and fsdp.py (three runs, three traces:
-DIR/explain-fsdp-pP-TAG.json, with the runs' logs beside them).
+ring_attention.py, moe.py, gqa_tp.py, ulysses.py, fsdp.py (three runs, three traces:
+DIR/explain-fsdp-pP-TAG.json, with the runs' logs beside them) and hsdp.py.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from minipar.explain.common import COLLECTIVES, WHATS, ExplainError, UsageError
 from minipar.explain.collectives import collective_picture, grid_svg, grid_text, work
 from minipar.explain.fsdp import FSDP_LAYERS, FSDP_RANKS, fsdp_argv, fsdp_files, fsdp_settings
 from minipar.explain.gqa_tp import gqa_picture, gqa_ranks_ok, gqa_svg, gqa_text
+from minipar.explain.hsdp import HSDP_RANKS, hsdp_argv
 from minipar.explain.megatron import MLP_SHAPE, mlp_picture, mlp_svg, mlp_text
 from minipar.explain.moe import MOE_EXPERTS, MOE_FACTOR, moe_picture, moe_svg, moe_text
 from minipar.explain.pipeline import pipeline_argv, pipeline_picture, pipeline_svg, pipeline_text
@@ -104,6 +107,8 @@ def settle(args) -> tuple[str, int, int]:
                          f"all-to-all; P must be {' or '.join(map(str, ULY_RANKS))}")
     if what == "fsdp" and p not in FSDP_RANKS:
         raise UsageError(f"--p {p}: fsdp runs the trainer on {' or '.join(map(str, FSDP_RANKS))} ranks")
+    if what == "hsdp" and p not in HSDP_RANKS:
+        raise UsageError(f"--p {p}: hsdp runs the trainer on {' or '.join(map(str, HSDP_RANKS))} ranks")
     if args.prefetch is not None and what != "fsdp":
         raise UsageError(f"--prefetch {args.prefetch} is for fsdp")
     if args.prefetch is not None and not 1 <= args.prefetch < FSDP_LAYERS:
@@ -175,6 +180,12 @@ def run(what: str, p: int, n: int, out: str, factor: float = MOE_FACTOR, prefetc
     path = os.path.join(out, f"explain-{what}-p{p}.json")
     if what == "fsdp":
         return run_fsdp(p, out, prefetch)
+    if what == "hsdp":
+        from minipar.explain.hsdp import hsdp_picture, hsdp_svg, hsdp_text                  # noqa: PLC0415
+        log = os.path.join(out, f"explain-{what}-p{p}.jsonl")
+        mpirun(p, ["minipar.train", *hsdp_argv(path, log)])
+        pic = hsdp_picture(path, log)
+        return show(hsdp_text(pic), hsdp_svg(pic), os.path.join(out, f"explain-{what}-p{p}"), [path], pic.problems)
     if what == "1f1b":
         mpirun(p, ["minipar.train", *pipeline_argv(p, path)])
     else:
@@ -246,8 +257,8 @@ def main(argv=None) -> int:
             args.p = size
         what, p, n = settle(args)
         factor = MOE_FACTOR if args.capacity_factor is None else args.capacity_factor
-        if what == "fsdp" and (args.worker or size > 1):
-            raise UsageError("fsdp launches the trainer three times itself: run it without mpirun")
+        if what in ("fsdp", "hsdp") and (args.worker or size > 1):
+            raise UsageError(f"{what} launches the trainer itself: run it without mpirun")
         if args.worker:
             worker(what, n, args.trace_file, factor)
             return 0

@@ -244,9 +244,7 @@ def check_rank(ops: list, m: dict, rank: int, where: str) -> list[str]:
                 inside = next((f"inside {x.piece} {x.kind}" for x in ops if x.kind in ("forward", "backward")
                                and x.start <= o.start <= x.end), "outside every layer span")
                 out.append(f"{where}: block {u.block}'s {o.phase} all-gather starts at {o.start:.2f} ms, "
-                           f"{inside}, not inside {host} {o.phase}: prefetch {K} starts it "
-                           + ("with the first blocks' in embed" if host in ("embed", "head") and
-                              o.phase == "forward" else f"when {host}'s is waited for"))
+                           f"{inside}, not inside {host} {o.phase}, where prefetch {K} starts it")
     order = [(o.piece, o.kind) for o in ops if o.kind in ("forward", "backward")]
     pieces = ["embed", *(f"h.{i}" for i in range(L)), "head"]
     want = ([(x, "forward") for x in pieces] + [(x, "backward") for x in pieces[::-1]]) * M
