@@ -270,7 +270,7 @@ def step_row(session: Session, w: comm.window, routing: moe.collecting, *, step,
 def zero_gathers_row(sync, w: comm.window) -> dict:
     """ZeRO-3's gathers in a step's row: the exposed waits for them, forward and backward
     (the ledger's counts), and the peak of the gathered buffers in use (Stage3.gathered_peak)."""
-    if getattr(sync, "stage", 0) != 3:
+    if not getattr(sync, "tracks_gathers", False):
         return {}
     return {"zero_gather_wait_s": {phase: float(w.counted_kind("zero", phase, "waited"))
                                    for phase in ("forward", "backward")},
@@ -399,11 +399,15 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
     if args.zero:                  # two objects on the same units: the dp synchroniser, the sharded optimizer
         experts = (grid.expert_group, lambda n: expert_parallel.expert_of(n) is not None) if grid.ep_size > 1 \
             else (None, None)
-        gathers = ({"prefetch": args.prefetch, "reshard_after_forward": args.reshard_after_forward,
-                    "wire": zpp.Wire(args.qwz, args.hpz, args.qgz)} if args.zero == 3 else {})
-        blocks = shard_blocks(grid, args, spec.cfg)
+        # only what is set goes to build: its defaults are flat ZeRO with plain gathers, and a
+        # replacement of it (labs/08_zero's) takes no more
+        layout, blocks, wire = {}, shard_blocks(grid, args, spec.cfg), zpp.Wire(args.qwz, args.hpz, args.qgz)
+        if blocks is not None:
+            layout["blocks"] = blocks
+        if args.zero == 3 and (args.prefetch or not args.reshard_after_forward or wire.on):
+            layout.update(prefetch=args.prefetch, reshard_after_forward=args.reshard_after_forward, wire=wire)
         try:
-            sync, opt = zero.build(model, opt, grads, args.zero, *experts, blocks=blocks, **gathers)
+            sync, opt = zero.build(model, opt, grads, args.zero, *experts, **layout)
         except (zpp.HostLayoutError, hybrid.ShardLayoutError) as e:
             raise ConfigError.everywhere(str(e), grid.rank) from None
     elif grid.ep_size > 1:         # experts summed over their replicas, the rest over dp

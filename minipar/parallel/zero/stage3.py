@@ -76,6 +76,7 @@ class Stage3(Stage2):
     stage = 3
     params_sharded = True       # a parameter shard per unit, no full parameter buffer
     prefetch = 0                # blocks gathered ahead (LabZero, labs/08_zero, keeps 0)
+    tracks_gathers = True       # gathered_peak, secondary_peak and the waits are counted (not LabZero's)
 
     def __init__(self, model, units: list[Unit], group: comm.Group, dtype, prefetch: int = 0,
                  reshard_after_forward: bool = True, wire: Wire | None = None):

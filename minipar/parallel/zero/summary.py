@@ -41,7 +41,7 @@ def summary(sync, mem: dict, rows_log: list, micro_batches: int, plain_dp_bytes:
              + (f" (x{z['bytes_per_step'] / theory:.2f})" if theory else "")
              + f"; waiting for reduce-scatters{' and all-reduces' if R > 1 else ''} after backward "
                f"{exposed * 1e3:.1f} ms/step"]
-    if stage == 3:
+    if getattr(sync, "tracks_gathers", False):
         lines.append(_gathers(sync, z, rows_log))
     if hosts > 1:                   # the bytes that cross hosts, beside the formula's (comm.sent)
         split = sync.traffic_split(M)
