@@ -210,11 +210,15 @@ def test_ranked_by_time_on_the_links_else_by_bytes_across(capsys):
 
 # ---------------------------------------------------------------- against the trainer
 
-def test_planner_equals_the_trainer_on_two_hosts(capsys, tmp_path):
-    """--dp 4 --zero 3 --shard-group host on hosts of 2: shard groups of 2, replicated twice;
-    C = 18 pads the blocks to a multiple of 4."""
-    flags = ["--n-embd", "18", "--dtype", "float64", "--dp", "4", "--zero", "3", "--micro-batches", "2",
-             "--shard-group", "host"]
+@pytest.mark.parametrize("extra", [["--shard-group", "host"], ["--qwz", "64", "--qgz", "64", "--hpz"],
+                                   ["--shard-group", "host", "--qwz", "32", "--qgz", "128"]],
+                         ids=["hybrid", "flat zero++", "hybrid zero++"])
+def test_planner_equals_the_trainer_on_two_hosts(capsys, tmp_path, extra):
+    """--dp 4 --zero 3 on hosts of 2, --shard-group host (shard groups of 2, replicated twice)
+    and ZeRO++ (qwZ's codes, hpZ's all-gathers inside the host, qgZ's all-to-alls); C = 18 pads
+    the blocks to a multiple of 4."""
+    flags = ["--n-embd", "18", "--dtype", "float64", "--dp", "4", "--zero", "3", "--micro-batches", "2", *extra]
+    hybrid = "--shard-group" in extra
     log = str(tmp_path / "log.jsonl")
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MINIPAR_COMM_TIMEOUT="60",
                MINIPAR_RANKS_PER_HOST="2")
@@ -223,7 +227,7 @@ def test_planner_equals_the_trainer_on_two_hosts(capsys, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     rows, summary = read_log(log)
     z = summary["zero"]
-    assert (z["N"], z["R"]) == (2, 2) and z["P_padded"] > z["P"]
+    assert (z["N"], z["R"]) == ((2, 2) if hybrid else (4, 1)) and z["P_padded"] > z["P"]
     r = plan_json(capsys, *TINY_MPI[:-4], *flags, "--ranks-per-host", "2")      # without --steps, --sample
     mem, row = r["memory_per_stage"][0], r["comm_per_stage"][0]
     assert {k: mem[k] for k in ("params", "grads", "optimizer")} == {k: summary["memory"][k] for k in
@@ -234,7 +238,9 @@ def test_planner_equals_the_trainer_on_two_hosts(capsys, tmp_path):
         assert (step["bytes_by_axis"], step["inter_host_bytes_by_axis"]) == (row["bytes_by_axis"],
                                                                              row["inter_host_bytes_by_axis"])
     c = r["zero_shard_groups"]
-    assert c["current"] == 2 and {row["S"]: row["inter"] for row in c["rows"]}[2] == z["inter_host_bytes_per_step"]
+    assert c["current"] == (2 if hybrid else 4)
+    if extra == ["--shard-group", "host"]:
+        assert {row["S"]: row["inter"] for row in c["rows"]}[2] == z["inter_host_bytes_per_step"]
 
 
 # ---------------------------------------------------------------- bad flags

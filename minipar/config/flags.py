@@ -332,7 +332,7 @@ def resolve_zpp(args) -> tuple[int, bool, int]:
         if B is not None and not 1 <= B <= MAX_QUANT_BLOCK:
             raise ConfigError(f"{flag} {B}: the quantization block must be a whole number from 1 to "
                               f"{MAX_QUANT_BLOCK} (each block of B numbers shares one float32 scale)")
-    if args.hpz and args.reshard_after_forward is False:
+    if args.hpz and args.reshard_after_forward in (False, "off"):
         raise ConfigError("--hpz keeps a host-local copy for backward's all-gathers; --reshard-after-forward off "
                           "keeps the weights gathered and makes none")
     return args.qwz or 0, bool(args.hpz), args.qgz or 0

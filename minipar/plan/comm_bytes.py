@@ -52,6 +52,7 @@ from minipar.parallel.pipeline import schedules
 from minipar.parallel.tensor import sequence_parallel, tensor_parallel
 from minipar.parallel.zero.formulas import calls_of
 from minipar.parallel.zero.units import padded
+from minipar.parallel.zero.zpp import Wire
 from minipar.plan import hosts as plan_hosts
 from minipar.plan.layout import chunks, rank_layer_count, rank_moe_count, sync_groups, zero_split, zero_units
 
@@ -141,6 +142,15 @@ class Flat:
         a ZeRO shard group and its replicas (zero.hybrid)."""
         return Flat(S, self.rank % S), Flat(self.size // S, self.rank // S)
 
+    def all_to_all(self, x) -> int:
+        """comm.all_to_all of x in p equal pieces, by the algorithm comm picks for it."""
+        return comm.all_to_all_sent(self, x) if self.size > 1 else 0
+
+    def hosts(self) -> tuple:
+        """(its ranks on the device's host, those of the device's place on every host): ZeRO++'s
+        two groups (zpp.host_groups); one host: (the group, None)."""
+        return self, None
+
 
 def flat_groups(lay, stage: int) -> dict:
     """The groups of dp, cp and tp rank 0 of `stage`, all on one host; "dp" is the gradient
@@ -149,19 +159,23 @@ def flat_groups(lay, stage: int) -> dict:
             "world": Flat(lay.world, stage * lay.grad_ranks * lay.tp)}
 
 
-def zero_bytes(units: list, stage: int, M: int, itemsize: int, g, S: int | None = None, reshard: bool = True):
+def zero_bytes(units: list, stage: int, M: int, itemsize: int, g, S: int | None = None, reshard: bool = True,
+               wire=None):
     """ZeRO's collectives of one step (formulas.calls_of) for units of these padded sizes, on
     the gradient group g: the reduce-scatters and all-gathers inside the device's shard group
     of S ranks (all of g: flat ZeRO), and with R = g.size/S > 1 each unit's n/S shard
     all-reduced across its R replicas once (g.split); reshard: stage 3's
-    --reshard-after-forward (off: no backward all-gather)."""
+    --reshard-after-forward (off: no backward all-gather); wire: ZeRO++ (zpp.Wire: qwZ's codes,
+    hpZ's all-gathers inside the host, qgZ's all-to-alls, on the shard group's host groups)."""
     S = S or g.size
     shards, replicas = g.split(S) if S < g.size else (g, None)
+    local, cross = shards.hosts() if wire is not None and wire.on else (shards, None)
     total = 0
     for n in units:
-        unit = SimpleNamespace(n_pad=n, shard_size=n // S, group=shards, replicas=replicas)    # as units.Unit
-        for op, group, x, calls in calls_of(stage, unit, itemsize, M, reshard):
-            total += calls * getattr(group, op)(x.size, itemsize)
+        unit = SimpleNamespace(n_pad=n, shard_size=n // S, group=shards, replicas=replicas, local=local,
+                               cross=cross)                                       # as units.Unit
+        for op, group, x, calls in calls_of(stage, unit, itemsize, M, reshard, wire):
+            total += calls * (group.all_to_all(x) if op == "all_to_all" else getattr(group, op)(x.size, x.itemsize))
     return total
 
 
@@ -173,7 +187,8 @@ def dp_bytes(tensors: list, units: list, lay, itemsize: int, g=None, S: int | No
         return 0
     g = Flat(N) if g is None else g
     if lay.zero:
-        return zero_bytes(units, lay.zero, M, itemsize, g, S, lay.reshard_after_forward)
+        return zero_bytes(units, lay.zero, M, itemsize, g, S, lay.reshard_after_forward,
+                          Wire(lay.qwz, lay.hpz, lay.qgz) if lay.zero == 3 else None)
     if lay.dp_mode == "naive":                            # one all-reduce per parameter
         return sum(g.all_reduce(n, itemsize) for _, n in tensors)
     members = data_parallel.bucket_members([n * itemsize for _, n in tensors], lay.bucket_mb)

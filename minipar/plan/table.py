@@ -350,6 +350,15 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--reshard-after-forward", choices=("on", "off"), default=None,
                         help="--zero 3: off keeps every block gathered from forward to backward (the "
                              "whole model at the peak) and makes no all-gather in backward [on]")
+    layout.add_argument("--qwz", type=int, default=None, metavar="B",
+                        help="--zero 3, ZeRO++: the weights' all-gathers as int8 codes, a float32 scale per "
+                             "block of B [off]")
+    layout.add_argument("--qgz", type=int, default=None, metavar="B",
+                        help="--zero 3, ZeRO++: the gradients reduced as int8 blocks of B by all-to-alls "
+                             "inside the host, then across [off]")
+    layout.add_argument("--hpz", action="store_true",
+                        help="--zero 3, ZeRO++: backward's all-gathers from a secondary copy sharded "
+                             "inside the host")
     layout.add_argument("--micro-batches", type=int, default=default["micro_batches"], metavar="M",
                         help="micro-batches per step on each dp rank [%(default)s]")
     layout.add_argument("--batch-size", type=int, default=default["batch_size"], metavar="B",
@@ -396,7 +405,9 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
         except LayoutError as e:
             raise PlanError(str(e)) from None
     prefetch, reshard = config.resolve_gathers(args)       # ConfigError: --zero 3's, as the trainer says
-    lay = Layout.from_flags(args, dp=1 if dp is None else dp, prefetch=prefetch, reshard_after_forward=reshard)
+    qwz, hpz, qgz = config.resolve_zpp(args)
+    lay = Layout.from_flags(args, dp=1 if dp is None else dp, prefetch=prefetch, reshard_after_forward=reshard,
+                            qwz=qwz, hpz=hpz, qgz=qgz)
     for flag in ("batch_size", "micro_batches"):
         if getattr(lay, flag) <= 0:
             raise PlanError(f"--{flag.replace('_', '-')} must be positive, got {getattr(lay, flag)}")
