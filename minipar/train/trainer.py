@@ -397,8 +397,7 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
     sync = None
     grads = grid.grad_group        # dp x cp: every rank of it has a partial gradient of the same weights
     if args.zero:                  # two objects on the same units: the dp synchroniser, the sharded optimizer
-        experts = (grid.expert_group, lambda n: expert_parallel.expert_of(n) is not None) if grid.ep_size > 1 \
-            else (None, None)
+        experts = (grid.expert_group, lambda n: expert_parallel.expert_of(n) is not None) if grid.ep_size > 1 else ()
         # only what is set goes to build: its defaults are flat ZeRO with plain gathers, and a
         # replacement of it (labs/08_zero's) takes no more
         layout, blocks, wire = {}, shard_blocks(grid, args, spec.cfg), zpp.Wire(args.qwz, args.hpz, args.qgz)
