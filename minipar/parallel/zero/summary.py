@@ -21,7 +21,7 @@ def summary(sync, mem: dict, rows_log: list, micro_batches: int, plain_dp_bytes:
     ratio = (z["bytes_per_step"] / z["theory_bytes_per_step"] if z["theory_bytes_per_step"]
              else float("nan"))
     calls = {1: "reduce-scatter + all-gather", 2: f"{M} reduce-scatter(s) + all-gather",
-             3: f"{M} x ({2 if sync.reshard_after_forward else 1} all-gather(s) + reduce-scatter)"}[stage]
+             3: f"{M} x ({'2 all-gathers' if sync.reshard_after_forward else '1 all-gather'} + reduce-scatter)"}[stage]
     size = z["P_padded"] * sync.dtype.itemsize
     R = z.get("R", 1)
     replicas = (f" + an all-reduce across R = {R} replicas of the {human_bytes(size / z['N'])} shard, "
