@@ -46,3 +46,11 @@ def test_values_the_parser_refuses(capsys, flags, needle):
         train.main(TINY + flags)
     err = capsys.readouterr().err
     assert e.value.code == 2 and needle in err.strip().splitlines()[-1], err
+
+
+def test_the_flag_alone_means_the_ranks_of_a_host():
+    from minipar.plan import table
+    for parser in (train.build_parser(), table.build_parser()):
+        assert parser.parse_args(["--zero", "1", "--shard-group"]).shard_group == "host"
+        assert parser.parse_args(["--zero", "1", "--shard-group", "4"]).shard_group == 4
+        assert parser.parse_args(["--zero", "1"]).shard_group is None

@@ -83,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage over the dp group: shard the optimizer state (1), and the "
                         "gradients (2), and the parameters (3); 0: plain data parallelism "
                         "[%(default)s]")
-    g.add_argument("--shard-group", type=shard_group_value, default=None, metavar="S|host",
+    g.add_argument("--shard-group", type=shard_group_value, nargs="?", const="host", default=None,
+                   metavar="S|host",
                    help="--zero: hybrid sharding, ZeRO inside groups of S consecutive dp x cp ranks "
-                        "(S divides dp x cp; host: the ranks of a host), the shards replicated "
+                        "(S divides dp x cp; host, or the flag alone: the ranks of a host), the shards replicated "
                         "across the groups and their gradients all-reduced across them once a "
                         "step (docs/zero.md) [all dp x cp ranks: flat ZeRO]")
     g.add_argument("--prefetch", type=int, default=None, metavar="K",

@@ -340,9 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=default["zero"], metavar="{0,1,2,3}",
                         help="ZeRO stage over the dp group: shard the optimizer state (1), and the gradients "
                              "(2), and the parameters (3) [%(default)s]")
-    layout.add_argument("--shard-group", type=config.shard_group_value, default=None, metavar="S|host",
+    layout.add_argument("--shard-group", type=config.shard_group_value, nargs="?", const="host", default=None,
+                        metavar="S|host",
                         help="--zero: hybrid sharding, ZeRO inside groups of S consecutive dp x cp ranks "
-                             "(host: the ranks of a host, --ranks-per-host), replicated across the groups; "
+                             "(host, or the flag alone: the ranks of a host, --ranks-per-host), replicated "
+                             "across the groups; "
                              "with --ranks-per-host the table compares every shard group [flat: all dp x cp]")
     layout.add_argument("--prefetch", type=int, default=None, metavar="K",
                         help="--zero 3: the next K blocks gathered ahead; their gathered parameters "
