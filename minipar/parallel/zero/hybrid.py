@@ -70,6 +70,6 @@ def split(group, block_of: dict, axis: str = "zero") -> tuple:
         return group, None
     b = mine[group.rank]
     place = [q for q in range(group.size) if mine[q] == b].index(group.rank)
-    shard = Group(group.comm.Split(color=order.index(b), key=group.rank), axis=axis, host=group.host)
-    replicas = Group(group.comm.Split(color=place, key=order.index(b)), axis=axis, host=group.host)
+    shard = Group.split(group.comm, order.index(b), group.rank, axis=axis, host=group.host)
+    replicas = Group.split(group.comm, place, order.index(b), axis=axis, host=group.host)
     return shard, replicas

@@ -46,8 +46,10 @@ def host_groups(g) -> tuple:
     if len(set(counts)) != 1:
         raise HostLayoutError(f"ZeRO++'s host groups need as many ranks of each ZeRO group on every host; the "
                          f"hosts hold {counts}")
-    local = Group(g.comm.Split(color=g.node, key=g.rank), axis="zero", host=g.host) if g.n_nodes > 1 else g
-    cross = Group(g.comm.Split(color=g.local_rank, key=g.node), axis="zero", host=g.host) if g.n_nodes > 1 else None
+    if g.n_nodes == 1:
+        return g, None
+    local = Group.split(g.comm, g.node, g.rank, axis="zero", host=g.host)
+    cross = Group.split(g.comm, g.local_rank, g.node, axis="zero", host=g.host)
     return local, cross
 
 
