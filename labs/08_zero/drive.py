@@ -107,6 +107,7 @@ class LabZero(stage3.Stage3, zero_optimizer.ShardedAdamW):
     student = None
     calls = [0]
     tracks_gathers = False          # Stage3's prefetch and its gathered-peak count are not the lab's
+    R = 1                           # flat ZeRO: one replica of each shard (hybrid.py is not the lab's)
 
     def _run(self, name, *args):
         self.calls[0] += 1
