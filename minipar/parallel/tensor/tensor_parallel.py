@@ -358,7 +358,7 @@ class TensorParallelGPT(Model):
         self.vocab_valid = min(max(V - self.vocab_start, 0), self.vocab_per_rank)   # real rows here
         kv_group = None
         if self.kv_share > 1:                                         # the ranks holding my KV head
-            kv_group = comm.Group.split(tp_group.comm, self.tp_rank // self.kv_share, self.tp_rank, axis="tp")
+            kv_group = comm.Group(tp_group.comm.Split(self.tp_rank // self.kv_share, self.tp_rank), axis="tp")
         self.split = self.split_class(tp_group, self.vocab_start, self.vocab_valid, kv_group)
         self.full_shapes = {name: tuple(shape) for name, shape, _ in param_specs(cfg)}
         # each rank draws the full tensor from its own generator and keeps its slice
