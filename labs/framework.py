@@ -210,21 +210,6 @@ def rank_groups(sizes):
         sub.Free()
 
 
-class Done:
-    """A comm.Handle that finished when it was made: what a lab's seam returns for the
-    non-blocking collectives when the student's functions block."""
-    done = True
-
-    def __init__(self, value):
-        self.value = value
-
-    def test(self):
-        return True
-
-    def wait(self):
-        return self.value
-
-
 def expect(got, want, what: str, rtol: float = 0.0, atol: float = 0.0):
     """AssertionError naming `what`, the largest difference and the first bad index, unless
     got equals want within the tolerances."""

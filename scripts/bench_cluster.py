@@ -18,6 +18,10 @@ a rate-limited link per host), in one run:
    (minipar/comm/algorithms/hierarchical_alltoall.py) and MPI's own Alltoall: the slowest rank's time,
    bytes across hosts (all ranks) beside hierarchical_alltoall.bytes_sent, messages across.
    (--parts alltoall: this part alone, about a minute.)
+5. ZeRO-3, flat and hybrid (--shard-group host), each plain and with ZeRO++ (int8 blocks of
+   256: qwZ, qgZ, and hpZ where the shard group spans hosts): step time, ZeRO's bytes per
+   step, and the bytes across hosts beside the trainer's formula (exit 1 unless equal).
+   (--parts zero)
 Beside each training row, the planner's prediction (python -m minipar.plan --ranks-per-host
 --inter-node-gbps --intra-node-gbps) of the bytes across hosts and the link time.
 """
@@ -143,8 +147,9 @@ def train(c, flags, env=None, hosts=None):
                      env=env, hosts=hosts, timeout=900)
         if p.returncode != 0:
             sys.exit(f"training failed ({flags}):\n{p.stderr[-3000:]}")
-        rows = [json.loads(line) for line in open(log)][:-1][1:]
-    return {"step_s": statistics.median(r["step_time"] for r in rows),
+        *rows, summary = [json.loads(line) for line in open(log)]
+        rows = rows[1:]
+    return {"step_s": statistics.median(r["step_time"] for r in rows), "zero": summary.get("zero"),
             "exposed_s": statistics.median(r["exposed_comm_s"] for r in rows),
             "inter": statistics.median(sum(r["inter_host_bytes_by_axis"].values()) for r in rows),
             "by_axis": rows[-1]["inter_host_bytes_by_axis"]}
@@ -166,8 +171,8 @@ def main():
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64], metavar="MiB")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--parts", nargs="+", choices=["allreduce", "train", "alltoall"],
-                    default=["allreduce", "train", "alltoall"], help="which parts to run (default: all)")
+    ap.add_argument("--parts", nargs="+", choices=["allreduce", "train", "alltoall", "zero"],
+                    default=["allreduce", "train", "alltoall", "zero"], help="which parts to run (default: all)")
     ap.add_argument("--hosts", type=int, default=2, help="hosts of the cluster (--parts alltoall)")
     ap.add_argument("--ranks-per-host", type=int, default=2, help="ranks on each host (--parts alltoall)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -198,6 +203,8 @@ def main():
             print_allreduce(rows, gbps)
         if "train" in a.parts:
             train_parts(c, a, gbps)
+        if "zero" in a.parts:
+            zero_part(c, a)
 
 
 def print_allreduce(rows, gbps):
@@ -250,6 +257,38 @@ def train_parts(c, a, gbps):
         where = "h0: 0,1  h1: 2,3" if name == "inside" else "h0: 0,2  h1: 1,3"
         print(f"{name:8} {where:22} {r['step_s'] * 1e3:8.1f} {r['by_axis'].get('tp', 0) / 1024:16.1f} "
               f"{r['by_axis'].get('dp', 0) / 1024:16.1f}")
+
+
+ZERO = {"flat ZeRO-3": [], "hybrid (--shard-group host)": ["--shard-group", "host"],
+        "flat + ZeRO++ (qwZ hpZ qgZ)": ["--qwz", "256", "--hpz", "--qgz", "256"],
+        "hybrid + ZeRO++ (qwZ qgZ)": ["--shard-group", "host", "--qwz", "256", "--qgz", "256"]}
+
+
+def zero_part(c, a):
+    """Part 5: ZeRO-3 on the two hosts, flat (its collectives hierarchical across the link)
+    and hybrid (shard groups of a host: only the replicas' all-reduce crosses), each plain and
+    with ZeRO++'s int8 messages, alternated
+    --repeats times; bytes across per step against the trainer's formula (comm.sent)."""
+    got = {name: [] for name in ZERO}
+    for _ in range(a.repeats):
+        for name, flags in ZERO.items():
+            got[name].append(train(c, ["--dp", "4", "--zero", "3", "--steps", str(a.steps), *flags]))
+    print(f"\n5. ZeRO-3 on 2 hosts x 2 ranks (default model, float32): step (median over {a.repeats} alternated "
+          f"runs), ZeRO's bytes per step and rank: in all, and across hosts (rank 0) beside the formula")
+    print(f"{'sharding':30} {'step ms':>8} {'zero MiB':>9} {'across MiB':>11} {'formula':>9} {'ratio':>6} "
+          f"{'vs flat':>8}")
+    flat = None
+    exact = True
+    for name, runs in got.items():
+        z = runs[-1]["zero"]
+        across, formula = z["inter_host_bytes_per_step"], z["theory_inter_host_bytes_per_step"]
+        exact &= all(r["zero"]["inter_host_bytes_per_step"] == formula for r in runs)
+        flat = flat or across
+        print(f"{name:30} {statistics.median(r['step_s'] for r in runs) * 1e3:8.1f} "
+              f"{z['bytes_per_step'] / MiB:9.2f} {across / MiB:11.3f} {formula / MiB:9.3f} "
+              f"{across / formula:6.3f} {across / flat:8.3f}")
+    if not exact:
+        sys.exit("bench_cluster: ZeRO's bytes across hosts differ from the formula (ratio above)")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ with 2 virtual stages, ZB-H1 and ZB-H2. fp32 runs in float64 and must agree to 1
 losses and every parameter tensor; fp16/bf16 must agree on the losses to 5e-2, as --verify
 judges them. The Llama family (llama): 1, 2 and 4 key/value heads across dp, ZeRO, tp (split and
 shared heads), sp, pp, cp, recomputation, tied embeddings, fp16/bf16 and its mixture of experts.
+Sharding at scale (sharding): hybrid shard groups, ZeRO-3's prefetch and reshard-after-forward.
 The model is tiny (2 layers, or 4 with pp = 4; C = 16; 3 steps; gradient clipping on) so that the matrix runs in minutes. Every run also writes a --trace, which must
 pass minipar.show.traceview.audit (a valid trace; a process row per rank; comm events equal to
 each rank's ledger; forwards and backwards in the schedule's order). Prints one row per run
@@ -79,6 +80,7 @@ def cases(ranks, precisions):
         yield from cp_impls(n, precisions)
         yield from experts(n, precisions)
         yield from llama(n, precisions)
+        yield from sharding(n, precisions)
 
 
 def experts(n, precisions):
@@ -253,6 +255,54 @@ def llama(n, precisions):
         yield n, kv(2) + ["--dp", "2", "--cp", "2", "--tp", "2", "--zero", "3"] + f64
 
 
+def sharding(n, precisions):
+    """ZeRO as it is done at scale (docs/zero.md): hybrid sharding (--shard-group S: shard groups
+    of 1 and 2, every stage, micro-batches) alone and with tp, pp (1F1B, ZB-H1, interleaved),
+    cp, ep and Llama; ZeRO-3's prefetch (1, 2, past the blocks) and --reshard-after-forward
+    off, with --recompute full and hybrid; ZeRO++ (hpZ exact; qwZ and qgZ judged on the losses
+    at one code step, 1/127), with tp, hybrid, recomputation, Llama; fp16/bf16. 8 ranks:
+    dp x tp x pp, dp x tp with prefetch, dp x cp x tp, ZeRO++ on dp 8."""
+    f64 = ["--dtype", "float64"]
+    llama = ["--arch", "llama", "--ffn-hidden", "24", "--n-kv-head", "2"]
+    if n == 4:
+        for zero, S, m in itertools.product(("1", "2", "3"), ("1", "2"), ("1", "2")):
+            yield n, ["--dp", "4", "--zero", zero, "--shard-group", S, "--micro-batches", m] + f64
+        for zero in ("1", "2", "3"):
+            yield n, ["--dp", "2", "--tp", "2", "--zero", zero, "--shard-group", "1"] + f64
+            yield n, ["--dp", "2", "--cp", "2", "--zero", zero, "--shard-group", "2" if zero == "3" else "1"] + f64
+        for schedule in ("1f1b", "zb-h1"):
+            yield n, ["--dp", "2", "--pp", "2", "--zero", "2", "--shard-group", "1", "--schedule", schedule,
+                      "--micro-batches", "2"] + f64
+        yield n, ["--dp", "2", "--pp", "2", "--n-layer", "4", "--zero", "1", "--shard-group", "1", "--schedule",
+                  "interleaved", "--virtual-stages", "2", "--micro-batches", "2"] + f64
+        moe = ["--moe-experts", "4", "--moe-top-k", "2"]
+        for zero in ("1", "3"):
+            yield n, moe + ["--dp", "4", "--ep", "2", "--zero", zero, "--shard-group", "2"] + f64
+        for K, reshard in (("1", "on"), ("2", "off"), ("5", "on"), ("0", "off")):
+            yield n, ["--dp", "4", "--zero", "3", "--prefetch", K, "--reshard-after-forward", reshard,
+                      "--micro-batches", "2"] + f64
+        yield n, ["--dp", "4", "--zero", "3", "--shard-group", "2", "--prefetch", "1", "--recompute", "full"] + f64
+        yield n, ["--dp", "4", "--zero", "3", "--reshard-after-forward", "off", "--recompute", "full"] + f64
+        yield n, llama + ["--dp", "4", "--zero", "3", "--shard-group", "2", "--prefetch", "1"] + f64
+        yield n, llama + ["--dp", "2", "--tp", "2", "--zero", "2", "--shard-group", "1"] + f64
+        for zpp in (["--hpz"], ["--qwz", "64"], ["--qgz", "64"], ["--qwz", "32", "--qgz", "128", "--hpz"]):
+            yield n, ["--dp", "4", "--zero", "3", "--prefetch", "1"] + zpp + f64
+        yield n, ["--dp", "2", "--tp", "2", "--zero", "3", "--qwz", "64", "--qgz", "64"] + f64
+        yield n, ["--dp", "4", "--zero", "3", "--shard-group", "2", "--qwz", "64", "--qgz", "64",
+                  "--recompute", "full"] + f64
+        yield n, llama + ["--dp", "4", "--zero", "3", "--qwz", "64", "--hpz"] + f64
+        for precision in set(precisions) - {"fp32"}:
+            yield n, ["--dp", "4", "--zero", "3", "--qwz", "64", "--qgz", "64", "--precision", precision]
+            yield n, ["--dp", "4", "--zero", "2", "--shard-group", "2", "--precision", precision]
+            yield n, ["--dp", "4", "--zero", "3", "--shard-group", "2", "--prefetch", "1", "--precision", precision]
+    else:
+        yield n, ["--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1", "--shard-group", "1",
+                  "--micro-batches", "2"] + f64
+        yield n, ["--dp", "4", "--tp", "2", "--zero", "3", "--shard-group", "2", "--prefetch", "2"] + f64
+        yield n, ["--dp", "2", "--cp", "2", "--tp", "2", "--zero", "3", "--shard-group", "2", "--prefetch", "1"] + f64
+        yield n, ["--dp", "8", "--zero", "3", "--qwz", "64", "--qgz", "64", "--hpz"] + f64
+
+
 def past_1f1b(n, dp, tp, pp, zero, precision):
     """The schedules past 1F1B on a pipelined layout: interleaved (V = 2, so 2p layers and p
     micro-batches), ZB-H1 and ZB-H2 (2 micro-batches, as the others)."""
@@ -303,7 +353,8 @@ def main():
         if not ok:
             failed.append((n, flags, code))
         else:
-            key = ("fp32" if "float64" in flags else "fp16/bf16") + (" --sp" if "--sp" in flags else "") \
+            key = ("fp32" if "float64" in flags else "fp16/bf16") \
+                + (" zero++" if {"--qwz", "--qgz"} & set(flags) else "") + (" --sp" if "--sp" in flags else "") \
                 + (" --cp" if "--cp" in flags else "") \
                 + (f" {flags[flags.index('--cp-impl') + 1]}" if "--cp-impl" in flags else "") + (" --moe" if "--moe-experts" in flags else "") \
                 + (" llama" if "llama" in flags else "")

@@ -11,7 +11,8 @@ import os
 
 import numpy as np
 
-from labs.framework import Done, extra_cases, rank_groups
+from labs.framework import extra_cases, rank_groups
+from minipar.comm.calls import Done
 from labs.results import key
 from minipar import comm
 

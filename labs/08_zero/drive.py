@@ -53,6 +53,8 @@ class LabUnit(zero_units.Unit):
     docstring lists (param_flat, param_shard, grad_flat, grad_shard: None when not held;
     grad_flat is the lab's one name for stage 1's grad_full and stages 2/3's grad_staging)."""
 
+    replicas, R = None, 1           # flat ZeRO: no replicas of a shard (hybrid.py is not the lab's)
+
     def __init__(self, names, params, N: int, rank: int, group, bounds, *, m, v, params_sharded: bool):
         """group: the ranks minipar's calls spread this unit over; m, v: the full optimizer's
         per-parameter arrays; params_sharded: stage 3 keeps the shard of the parameters only."""
@@ -104,6 +106,8 @@ class LabZero(stage3.Stage3, zero_optimizer.ShardedAdamW):
 
     student = None
     calls = [0]
+    tracks_gathers = False          # Stage3's prefetch and its gathered-peak count are not the lab's
+    R = 1                           # flat ZeRO: one replica of each shard (hybrid.py is not the lab's)
 
     def _run(self, name, *args):
         self.calls[0] += 1
@@ -226,7 +230,7 @@ class LabZero(stage3.Stage3, zero_optimizer.ShardedAdamW):
         return adamw
 
     # --- stage 3 ------------------------------------------------------------------------------
-    def gather(self, u, again: bool = False):
+    def gather(self, u, again: bool = False, phase: str = "forward"):
         self._run("gather", self.group, u)
         if np.shape(u.param_flat) != (u.n_pad,):
             raise ValueError(f"after gather unit {u.label} holds param_flat {describe(u.param_flat)}; "
@@ -239,6 +243,9 @@ class LabZero(stage3.Stage3, zero_optimizer.ShardedAdamW):
             u.kept[...] = u.param_flat
             u.param_flat = u.kept
         u.point(u.param_flat)
+
+    def poll(self):
+        """Stage3's prefetch is not the lab's: every gather is the student's, blocking."""
 
     def release(self, u, after_backward: bool = False):
         """The student's release, then Stage3.release's NumPy rule: a buffer the forward's
@@ -279,7 +286,11 @@ def install(student):
     calls = [0]
     cls = lab_zero(student, calls)
 
-    def build(model, opt, group, stage):
+    def build(model, opt, group, stage, **layout):
+        """zero.build's place: flat ZeRO with plain gathers (the trainer passes the defaults of
+        --shard-group, --prefetch, --reshard-after-forward and ZeRO++ only when they are set)."""
+        if layout:
+            raise ValueError(f"lab 08 builds flat ZeRO with plain gathers; drop {', '.join(sorted(layout))}")
         z = cls(model, opt, group, stage)
         return z, z
     zero_build.build = build

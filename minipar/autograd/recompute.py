@@ -31,6 +31,13 @@ from minipar.autograd import backward_split
 from minipar.autograd.tensor import Function, Tensor, enable_grad, is_grad_enabled, no_grad
 
 MODES = ("none", "selective", "full")
+_replaying = 0              # > 0 while Recompute.backward runs a block's forward again
+
+
+def replaying() -> bool:
+    """Is a block's forward running again, inside backward (--recompute full)? ZeRO-3's gathers
+    ask (zero/stage3.py): the parameters gathered for it stay for the backward that follows."""
+    return _replaying > 0
 
 
 def added_flops(L: int, B: int, T: int, C: int, mode: str) -> int:
@@ -56,8 +63,13 @@ class Recompute(Function):
     def backward(self, g):
         (x,) = self.saved
         leaf = Tensor(x, requires_grad=True)
-        with enable_grad():
-            y = self.run(leaf)
+        global _replaying
+        _replaying += 1
+        try:
+            with enable_grad():
+                y = self.run(leaf)
+        finally:
+            _replaying -= 1
         if backward_split.running():            # B of a zero-bubble schedule: W comes later
             backward_split.defer(self.seq, backward_split.backward_b(y, g, inputs=[leaf]))
         else:

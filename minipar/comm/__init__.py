@@ -7,7 +7,9 @@ and non-blocking drivers of an algorithm's generator), ledger.py (the traffic le
 p2p.py (send/recv and their async forms), protocol.py (tags, the dtype-and-shape header),
 helpers.py (argument checks and array helpers shared by the algorithms), errors.py
 (CommError and its kinds; ending the whole job on an uncaught error), algorithms/ (one
-algorithm per file) and static_check.py (no library file calls MPI's own collectives).
+algorithm per file), static_check.py (no library file calls MPI's own collectives) and
+sent.py (the bytes each collective sends from this rank to each peer, by the algorithm
+chosen below, inside the host and across: the formulas of the mechanisms built on them).
 
     g = Group(MPI.COMM_WORLD)                 # or any sub-communicator, of any size
     g = Group(sub_comm, axis="dp")            # its messages counted under "dp" (default None)

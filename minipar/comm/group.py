@@ -67,6 +67,16 @@ class Group:
         self.remote = (False,) * self.size           # until the hosts are known
         self.set_nodes(_exchange_hosts(self))
 
+    @classmethod
+    def split(cls, comm, color: int, key: int, **kw) -> "Group":
+        """Group(comm.Split(color, key)), the split communicator freed once the Group has its
+        own duplicate (a process may hold only so many: MPICH's 2048)."""
+        sub = comm.Split(color=color, key=key)
+        try:
+            return cls(sub, **kw)
+        finally:
+            sub.Free()
+
     def set_nodes(self, hosts):
         """The topology from every group rank's host name (in group order)."""
         first = {}

@@ -115,6 +115,7 @@ class window:
         w.mark(name)            inside the block: remember the ledger now; then
         w.sent_until(name)      {axis: bytes sent} from the start of the block up to the mark
         w.counted(owner, field) how much `field` of owner's counts (count()) grew
+        w.counted_kind(owner, kind, field)  the same, of one kind of owner's counts
     """
 
     def __enter__(self):
@@ -145,6 +146,12 @@ class window:
     def counted(self, owner: str, field: str):
         def total(snapshot):
             return sum(v.get(field, 0) for (o, _), v in snapshot[3].items() if o == owner)
+        return total(self._end) - total(self._start)
+
+    def counted_kind(self, owner: str, kind: str, field: str):
+        """How much `field` of owner's counts of one kind grew."""
+        def total(snapshot):
+            return snapshot[3].get((owner, kind), {}).get(field, 0)
         return total(self._end) - total(self._start)
 
 

@@ -35,6 +35,14 @@ class ConfigError(ValueError):
         self.quiet = quiet
         self.agreed = False
 
+    @classmethod
+    def everywhere(cls, msg, rank: int) -> "ConfigError":
+        """An error every rank finds by itself from what all know (the hosts, after the grid):
+        agreed without a message, and said once, by rank 0."""
+        e = cls(msg, quiet=rank != 0)
+        e.agreed = True
+        return e
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -75,6 +83,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage over the dp group: shard the optimizer state (1), and the "
                         "gradients (2), and the parameters (3); 0: plain data parallelism "
                         "[%(default)s]")
+    g.add_argument("--shard-group", type=shard_group_value, nargs="?", const="host", default=None,
+                   metavar="S|host",
+                   help="--zero: hybrid sharding, ZeRO inside groups of S consecutive dp x cp ranks "
+                        "(S divides dp x cp; host, or the flag alone: the ranks of a host), the shards replicated "
+                        "across the groups and their gradients all-reduced across them once a "
+                        "step (docs/zero.md) [all dp x cp ranks: flat ZeRO]")
+    g.add_argument("--prefetch", type=int, default=None, metavar="K",
+                   help="--zero 3: start the all-gathers of the next K blocks when a block's is "
+                        "waited for, so that they travel while it computes (forward and backward) "
+                        "[0]")
+    g.add_argument("--reshard-after-forward", choices=("on", "off"), default=None,
+                   help="--zero 3: release a block's gathered parameters after its forward (on), or "
+                        "keep them until its backward (off: the whole model gathered at the end of "
+                        "forward, and no all-gather in backward) [on]")
+    g.add_argument("--qwz", type=int, default=None, metavar="B",
+                   help="--zero 3, ZeRO++: all-gather the weights as int8 codes with a float32 scale "
+                        "per block of B (docs/zero.md) [off]")
+    g.add_argument("--qgz", type=int, default=None, metavar="B",
+                   help="--zero 3, ZeRO++: reduce the gradients as int8 blocks of B by an all-to-all "
+                        "inside the host, then across, instead of the reduce-scatter [off]")
+    g.add_argument("--hpz", action="store_true",
+                   help="--zero 3, ZeRO++: keep a secondary copy of the weights sharded inside the host, "
+                        "so that backward's all-gathers stay on the host")
     g.add_argument("--dp-mode", choices=("bucketed", "naive"),
                    help="--zero 0: gradient all-reduce per bucket during backward, "
                         "or per parameter "
@@ -249,6 +280,63 @@ def check_family(args, cfg: GPTConfig):
         cfg.family.check(cfg)
     except ValueError as e:
         raise ConfigError(f"--arch {cfg.arch}: {e}") from None
+
+
+def shard_group_value(text: str):
+    """--shard-group's value: "host", or a whole number of ranks (argparse's type)."""
+    if text.strip().lower() == "host":
+        return "host"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of ranks or 'host', got {text!r}") from None
+
+
+def check_shard_group(args, grad_ranks: int):
+    """--shard-group needs --zero; a number of ranks must be >= 1 and divide the dp x cp
+    ranks ZeRO shards over (grad_ranks). "host" is checked once the hosts are known
+    (zero.hybrid.host_shard_size)."""
+    S = args.shard_group
+    if S is None:
+        return
+    if not args.zero:
+        raise ConfigError(f"--shard-group {S} is how ZeRO shards: it needs --zero 1, 2 or 3")
+    if S != "host" and (S < 1 or grad_ranks % S):
+        raise ConfigError(f"--shard-group {S} must be a whole number >= 1 that divides the {grad_ranks} dp x cp "
+                          f"ranks ZeRO shards over")
+
+
+def resolve_gathers(args) -> tuple[int, bool]:
+    """--prefetch and --reshard-after-forward belong to ZeRO-3's gathers: refused without
+    --zero 3, K >= 0. -> (prefetch, reshard_after_forward); args is not changed."""
+    for flag, v in (("--prefetch", args.prefetch), ("--reshard-after-forward", args.reshard_after_forward)):
+        if v is not None and args.zero != 3:
+            raise ConfigError(f"{flag} {v} is about ZeRO-3's all-gathers of the parameters: it needs --zero 3, "
+                              f"got --zero {args.zero}")
+    K = 0 if args.prefetch is None else args.prefetch
+    if K < 0:
+        raise ConfigError(f"--prefetch must be a whole number >= 0 of blocks gathered ahead, got {K}")
+    return K, args.reshard_after_forward != "off"
+
+
+MAX_QUANT_BLOCK = 1 << 20
+
+
+def resolve_zpp(args) -> tuple[int, bool, int]:
+    """ZeRO++'s flags: ZeRO-3 only; block sizes whole numbers 1..2^20; --hpz serves backward's
+    all-gathers, which --reshard-after-forward off does not make. -> (qwz, hpz, qgz), 0 off."""
+    given = [f for f, v in (("--qwz", args.qwz), ("--qgz", args.qgz), ("--hpz", args.hpz or None)) if v is not None]
+    if given and args.zero != 3:
+        raise ConfigError(f"{given[0]} is ZeRO++, which shrinks ZeRO-3's messages: it needs --zero 3, got "
+                          f"--zero {args.zero}")
+    for flag, B in (("--qwz", args.qwz), ("--qgz", args.qgz)):
+        if B is not None and not 1 <= B <= MAX_QUANT_BLOCK:
+            raise ConfigError(f"{flag} {B}: the quantization block must be a whole number from 1 to "
+                              f"{MAX_QUANT_BLOCK} (each block of B numbers shares one float32 scale)")
+    if args.hpz and args.reshard_after_forward in (False, "off"):
+        raise ConfigError("--hpz keeps a host-local copy for backward's all-gathers; --reshard-after-forward off "
+                          "keeps the weights gathered and makes none")
+    return args.qwz or 0, bool(args.hpz), args.qgz or 0
 
 
 def check_numbers(args):

@@ -14,6 +14,10 @@ in this order:
     ulysses.py          Ulysses attention (context parallelism): its four all-to-alls, the
                         sequence shards turned into head shards and back, a copied KV head's
                         gradient parts summed
+    fsdp.py             ZeRO-3 (FSDP) in the trainer: its all-gathers and reduce-scatters with
+                        and without prefetch and resharding, checked against ZeRO's formulas
+    hsdp.py             hybrid sharding (--shard-group): the shard and replica groups each
+                        collective ran on, and each rank's bytes in each
 """
 from minipar.explain.cli import build_parser, main, settle
 

@@ -15,6 +15,10 @@ its trace and draws it).
     moe-dispatch         one MoE layer, its experts over the ranks (expert parallelism)  ep 4 (2 or 4)
     gqa-tp               a Llama block's query and key/value heads over tp ranks   tp 4 (2, 4 or 8)
     ulysses              UlyssesAttention forward and backward: its four all-to-alls   cp 4 (2 or 4)
+    fsdp                 python -m minipar.train --zero 3, prefetch 0, K and K without resharding:
+                         its measured all-gathers and reduce-scatters   4 ranks (2 or 4)
+    hsdp                 python -m minipar.train --zero 3 --shard-group 2: the shard and replica
+                         groups, each rank's bytes in each             4 ranks
 
 What runs. The launcher starts `mpirun -n P python -m minipar.explain --worker WHAT` (under
 a timeout, MINIPAR_EXPLAIN_TIMEOUT seconds, 120 by default). The trace records with
@@ -24,7 +28,8 @@ back and draws; the PNG beside the SVG is resvg_py's, when it is installed (writ
 
 How a trace becomes a drawing (decoding the values on the wire, matching and replaying
 the messages): collectives.py; the other pictures read theirs in megatron.py, pipeline.py,
-ring_attention.py, moe.py, gqa_tp.py and ulysses.py.
+ring_attention.py, moe.py, gqa_tp.py, ulysses.py, fsdp.py (three runs, three traces:
+DIR/explain-fsdp-pP-TAG.json, with the runs' logs beside them) and hsdp.py.
 """
 from __future__ import annotations
 
@@ -37,7 +42,9 @@ import sys
 
 from minipar.explain.common import COLLECTIVES, WHATS, ExplainError, UsageError
 from minipar.explain.collectives import collective_picture, grid_svg, grid_text, work
+from minipar.explain.fsdp import FSDP_LAYERS, FSDP_RANKS, fsdp_argv, fsdp_files, fsdp_settings
 from minipar.explain.gqa_tp import gqa_picture, gqa_ranks_ok, gqa_svg, gqa_text
+from minipar.explain.hsdp import HSDP_RANKS, hsdp_argv
 from minipar.explain.megatron import MLP_SHAPE, mlp_picture, mlp_svg, mlp_text
 from minipar.explain.moe import MOE_EXPERTS, MOE_FACTOR, moe_picture, moe_svg, moe_text
 from minipar.explain.pipeline import pipeline_argv, pipeline_picture, pipeline_svg, pipeline_text
@@ -57,8 +64,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m minipar.explain", allow_abbrev=False,
-                 description="Run a collective, Megatron's MLP, a 1F1B pipeline, ring attention, Ulysses "
-                             "attention, a MoE layer or grouped-query attention under tensor parallelism "
+                 description="Run a collective, Megatron's MLP, a 1F1B pipeline, ZeRO-3's gathers, ring attention, "
+                             "Ulysses attention, a MoE layer or grouped-query attention under tensor parallelism "
                              "on P ranks (mpirun) with the trace on, and draw each message it sent: in the terminal, "
                              "as DIR/explain-WHAT-pP.svg and, with resvg_py, .png.",
                  epilog=f"WHAT: {', '.join(WHATS)}")
@@ -73,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--capacity-factor", type=float, metavar="F",
                     help=f"moe-dispatch: each expert takes ceil(F N K / E) of a rank's N tokens' assignments; "
                          f"0: no capacity [{MOE_FACTOR:g}]")
+    ap.add_argument("--prefetch", type=int, metavar="K",
+                    help="fsdp: the blocks ZeRO-3 gathers ahead in the second and third runs [1]")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--trace-file", help=argparse.SUPPRESS)
     return ap
@@ -96,6 +105,15 @@ def settle(args) -> tuple[str, int, int]:
     if what == "ulysses" and not uly_ranks_ok(p):
         raise UsageError(f"--p {p}: ulysses splits 8 query heads and 2 key/value heads with the pairwise "
                          f"all-to-all; P must be {' or '.join(map(str, ULY_RANKS))}")
+    if what == "fsdp" and p not in FSDP_RANKS:
+        raise UsageError(f"--p {p}: fsdp runs the trainer on {' or '.join(map(str, FSDP_RANKS))} ranks")
+    if what == "hsdp" and p not in HSDP_RANKS:
+        raise UsageError(f"--p {p}: hsdp runs the trainer on {' or '.join(map(str, HSDP_RANKS))} ranks")
+    if args.prefetch is not None and what != "fsdp":
+        raise UsageError(f"--prefetch {args.prefetch} is for fsdp")
+    if args.prefetch is not None and not 1 <= args.prefetch < FSDP_LAYERS:
+        raise UsageError(f"--prefetch {args.prefetch}: need 1 <= K <= {FSDP_LAYERS - 1} (the model has {FSDP_LAYERS} "
+                         f"blocks; prefetch 0 is always the first run)")
     if what == "moe-dispatch" and MOE_EXPERTS % p:
         raise UsageError(f"--p {p}: moe-dispatch splits E = {MOE_EXPERTS} experts over the ranks; P must divide it")
     if args.capacity_factor is not None and what != "moe-dispatch":
@@ -156,10 +174,18 @@ def mpirun(p: int, argv: list[str]) -> None:
         raise ExplainError(f"`{shown}` exited {proc.returncode} (its stderr is above)")
 
 
-def run(what: str, p: int, n: int, out: str, factor: float = MOE_FACTOR) -> list[str]:
+def run(what: str, p: int, n: int, out: str, factor: float = MOE_FACTOR, prefetch: int = 1) -> list[str]:
     """Launch WHAT on P ranks, then draw its trace: print the text, write the files. -> problems."""
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"explain-{what}-p{p}.json")
+    if what == "fsdp":
+        return run_fsdp(p, out, prefetch)
+    if what == "hsdp":
+        from minipar.explain.hsdp import hsdp_picture, hsdp_svg, hsdp_text                  # noqa: PLC0415
+        log = os.path.join(out, f"explain-{what}-p{p}.jsonl")
+        mpirun(p, ["minipar.train", *hsdp_argv(path, log)])
+        pic = hsdp_picture(path, log)
+        return show(hsdp_text(pic), hsdp_svg(pic), os.path.join(out, f"explain-{what}-p{p}"), [path], pic.problems)
     if what == "1f1b":
         mpirun(p, ["minipar.train", *pipeline_argv(p, path)])
     else:
@@ -197,12 +223,29 @@ def draw(path: str, out: str) -> list[str]:
     else:
         pic = collective_picture(trace)
         problems, text, svg = pic.problems, grid_text(pic), grid_svg(pic)
+    return show(text, svg, os.path.join(out, f"explain-{what}-p{p}"), [path], problems)
+
+
+def run_fsdp(p: int, out: str, prefetch: int) -> list[str]:
+    """fsdp: the trainer three times (fsdp.fsdp_settings), then the three runs drawn together."""
+    from minipar.explain.fsdp import fsdp_picture, fsdp_svg, fsdp_text, load_run      # noqa: PLC0415
+    runs = []
+    for s in fsdp_settings(prefetch):
+        trace, log = fsdp_files(out, p, s)
+        mpirun(p, ["minipar.train", *fsdp_argv(s, trace, log)])
+        runs.append((s, trace, log))
+    pic = fsdp_picture([load_run(*r) for r in runs])
+    return show(fsdp_text(pic), fsdp_svg(pic), os.path.join(out, f"explain-fsdp-p{p}"),
+                [t for _, t, _ in runs], pic.problems)
+
+
+def show(text: str, svg: str, stem: str, traces: list, problems: list) -> list[str]:
+    """Print the text, write STEM.svg (and .png), say where the files are. -> problems."""
     print(text)
-    stem = os.path.join(out, f"explain-{what}-p{p}")
     with open(stem + ".svg", "w") as f:
         f.write(svg)
     png = write_png(svg, stem + ".png")
-    print(f"\ntrace: {path}\nsvg:   {stem}.svg\npng:   {png or '(pip install resvg_py to get one)'}")
+    print(f"\ntrace: {', '.join(traces)}\nsvg:   {stem}.svg\npng:   {png or '(pip install resvg_py to get one)'}")
     return problems
 
 
@@ -214,12 +257,14 @@ def main(argv=None) -> int:
             args.p = size
         what, p, n = settle(args)
         factor = MOE_FACTOR if args.capacity_factor is None else args.capacity_factor
+        if what in ("fsdp", "hsdp") and (args.worker or size > 1):
+            raise UsageError(f"{what} launches the trainer itself: run it without mpirun")
         if args.worker:
             worker(what, n, args.trace_file, factor)
             return 0
         if size > 1:                            # already under mpirun: be the worker, rank 0 draws
             return in_place(what, p, n, size, args.out, factor)
-        problems = run(what, p, n, args.out, factor)
+        problems = run(what, p, n, args.out, factor, 1 if args.prefetch is None else args.prefetch)
     except UsageError as e:
         if launched_rank() == 0:                # under mpirun: said once
             print(f"minipar.explain: error: {e}", file=sys.stderr)

@@ -37,6 +37,8 @@ WHATS = {
     "moe-dispatch": Spec("MoE dispatch and combine", 4),
     "gqa-tp": Spec("grouped-query attention under tensor parallelism", 4),
     "ulysses": Spec("Ulysses attention", 4),
+    "fsdp": Spec("ZeRO-3's all-gathers and reduce-scatters", 4),
+    "hsdp": Spec("hybrid sharding's shard and replica groups", 4),
 }
 COLLECTIVES = [w for w, s in WHATS.items() if s.algorithm]
 

@@ -70,23 +70,21 @@ class ProcessGrid:
         self.pp_rank = r // (dp * cp * tp)
         t, c, d, p = self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank
         # Split: same color -> same group; key orders ranks inside it
-        self.tp_group = Group(comm.Split(color=(p * dp + d) * cp + c, key=t), axis="tp")
-        self.dp_group = Group(comm.Split(color=(p * cp + c) * tp + t, key=d), axis="dp")
-        self.pp_group = Group(comm.Split(color=(d * cp + c) * tp + t, key=p), axis="pp")
+        self.tp_group = Group.split(comm, (p * dp + d) * cp + c, t, axis="tp")
+        self.dp_group = Group.split(comm, (p * cp + c) * tp + t, d, axis="dp")
+        self.pp_group = Group.split(comm, (d * cp + c) * tp + t, p, axis="pp")
         self.cp_group, self.grad_group = None, self.dp_group      # cp = 1: no ring, grads over dp
         if cp > 1:
-            self.cp_group = Group(comm.Split(color=(p * dp + d) * tp + t, key=c), axis="cp")
-            self.grad_group = Group(comm.Split(color=p * tp + t, key=d * cp + c), axis="dp")
+            self.cp_group = Group.split(comm, (p * dp + d) * tp + t, c, axis="cp")
+            self.grad_group = Group.split(comm, p * tp + t, d * cp + c, axis="dp")
         self.world = Group(comm, axis="world")
         # expert parallelism: the dp group cut into dp/ep groups of ep consecutive dp ranks, each
         # holding all experts between them; an expert's replicas: the dp ranks of the same ep rank
         self.ep_rank = d % ep
         self.ep_group, self.expert_group = None, self.grad_group
         if ep > 1:
-            self.ep_group = Group(comm.Split(color=((p * (dp // ep) + d // ep) * cp + c) * tp + t, key=d % ep),
-                                  axis="ep")
-            self.expert_group = Group(comm.Split(color=((p * ep + d % ep) * cp + c) * tp + t, key=d // ep),
-                                      axis="dp")
+            self.ep_group = Group.split(comm, ((p * (dp // ep) + d // ep) * cp + c) * tp + t, d % ep, axis="ep")
+            self.expert_group = Group.split(comm, ((p * ep + d % ep) * cp + c) * tp + t, d // ep, axis="dp")
 
     @property
     def dp_size(self) -> int:

@@ -35,10 +35,12 @@ def check_layout(world: int, dp: int | None, tp: int, pp: int, cp: int = 1) -> t
 
 @dataclass(frozen=True)
 class Layout:
-    """The layout flags (dp, cp, cp_layout, cp_impl, cp_ulysses, tp, pp, ep, zero, micro_batches,
+    """The layout flags (dp, cp, cp_layout, cp_impl, cp_ulysses, tp, pp, ep, zero, shard_group,
+    prefetch, reshard_after_forward, qwz, hpz, qgz, micro_batches,
     batch_size, precision, dtype, schedule, virtual_stages, dp_mode, bucket_mb, sp, recompute),
     each defaulting to the trainer's default (cp_ulysses: hybrid's Ulysses degree, None until
-    the hosts give it); rows = B/(dp*M), the micro-batch of one device (of
+    the hosts give it; shard_group: --zero's shard group, None flat, "host" until the hosts give
+    it); rows = B/(dp*M), the micro-batch of one device (of
     T/cp tokens each with --cp)."""
 
     dp: int = 1
@@ -50,6 +52,12 @@ class Layout:
     pp: int = 1
     ep: int = 1
     zero: int = 0
+    shard_group: int | str | None = None
+    prefetch: int = 0
+    reshard_after_forward: bool = True
+    qwz: int = 0
+    hpz: bool = False
+    qgz: int = 0
     micro_batches: int = 1
     batch_size: int = 16
     precision: str = "fp32"
@@ -64,8 +72,9 @@ class Layout:
     @classmethod
     def from_flags(cls, args, **changes) -> Layout:
         """The record of parsed flags (the trainer's or the planner's), with `changes` (dp=...,
-        the resolved data-parallel size, when --dp was left unset) over them."""
-        return cls(**{**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}, **changes})
+        the resolved data-parallel size, when --dp was left unset) over them. A flag a tool does
+        not have (the planner's parser lacks a few of the trainer's) takes the trainer's default."""
+        return cls(**{**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)}, **changes})
 
     @property
     def rows(self) -> int:

@@ -9,6 +9,7 @@
     comm_bytes.py       bytes a device sends per step, axis by axis, as minipar.comm sends them
     hosts.py            a layout on hosts: bytes inside and across hosts, time under the link model
     context.py          the four ways a cp group attends, side by side, the cheapest marked
+    shards.py           ZeRO's shard groups (--shard-group): "host" resolved, every candidate S side by side
     render.py           the table: plan()'s dict, human-readable
     peak.py             the machine: a matmul's peak FLOP/s, freed memory, human-readable bytes
 """

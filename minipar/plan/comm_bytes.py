@@ -6,7 +6,10 @@ minipar.comm's ledger counts them (all_reduce_sent and friends below follow comm
            recursive doubling's log2(p) n up to 64 KiB); with ZeRO, unit by unit of its
            padded size: zero 1 reduce-scatter + all-gather once, zero 2 a reduce-scatter
            per micro-batch + one all-gather, zero 3 per micro-batch 2 all-gathers + 1
-           reduce-scatter, (p-1)/p n each (formulas.collectives_per_step)
+           reduce-scatter, (p-1)/p n each (formulas.collectives_per_step); with
+           --shard-group S these inside the device's shard group of S ranks, (S-1)/S n,
+           and once a step the n/S shard all-reduced across its R = p/S replicas
+           (formulas.calls_of: zero_bytes)
     tp     per micro-batch Megatron's 4 all-reduces per layer of b*T*C, the embedding's g,
            the head's f and the vocab-parallel cross-entropy's 3 of b*T (4L + 5 in all,
            tensor_parallel.megatron_calls), and the 8-byte gradient-norm all-reduce once
@@ -34,6 +37,7 @@ comm picks (the hierarchical all-to-all for small ones on an ep group that spans
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 
 from minipar import comm
 from minipar.comm.algorithms import direct, tree
@@ -46,10 +50,11 @@ from minipar.parallel.context import context_parallel
 from minipar.parallel.expert import expert_parallel
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.tensor import sequence_parallel, tensor_parallel
-from minipar.parallel.zero.formulas import collectives_per_step
+from minipar.parallel.zero.formulas import calls_of
 from minipar.parallel.zero.units import padded
+from minipar.parallel.zero.zpp import Wire
 from minipar.plan import hosts as plan_hosts
-from minipar.plan.layout import chunks, rank_layer_count, rank_moe_count, sync_groups, zero_units
+from minipar.plan.layout import chunks, rank_layer_count, rank_moe_count, sync_groups, zero_split, zero_units
 
 INT64 = 8                 # token ids, and the 8-byte scalars (loss, norms, flags) on the wire
 
@@ -132,6 +137,20 @@ class Flat:
         """The group of this group's first n ranks (tp rank 0's key/value head group)."""
         return Flat(n, self.rank)
 
+    def split(self, S: int) -> tuple:
+        """(its block of S consecutive ranks, the ranks in the same place of every block):
+        a ZeRO shard group and its replicas (zero.hybrid)."""
+        return Flat(S, self.rank % S), Flat(self.size // S, self.rank // S)
+
+    def all_to_all(self, x) -> int:
+        """comm.all_to_all of x in p equal pieces, by the algorithm comm picks for it."""
+        return comm.all_to_all_sent(self, x) if self.size > 1 else 0
+
+    def hosts(self) -> tuple:
+        """(its ranks on the device's host, those of the device's place on every host): ZeRO++'s
+        two groups (zpp.host_groups); one host: (the group, None)."""
+        return self, None
+
 
 def flat_groups(lay, stage: int) -> dict:
     """The groups of dp, cp and tp rank 0 of `stage`, all on one host; "dp" is the gradient
@@ -140,18 +159,36 @@ def flat_groups(lay, stage: int) -> dict:
             "world": Flat(lay.world, stage * lay.grad_ranks * lay.tp)}
 
 
-def dp_bytes(tensors: list, units: list, lay, itemsize: int, g=None):
+def zero_bytes(units: list, stage: int, M: int, itemsize: int, g, S: int | None = None, reshard: bool = True,
+               wire=None):
+    """ZeRO's collectives of one step (formulas.calls_of) for units of these padded sizes, on
+    the gradient group g: the reduce-scatters and all-gathers inside the device's shard group
+    of S ranks (all of g: flat ZeRO), and with R = g.size/S > 1 each unit's n/S shard
+    all-reduced across its R replicas once (g.split); reshard: stage 3's
+    --reshard-after-forward (off: no backward all-gather); wire: ZeRO++ (zpp.Wire: qwZ's codes,
+    hpZ's all-gathers inside the host, qgZ's all-to-alls, on the shard group's host groups)."""
+    S = S or g.size
+    shards, replicas = g.split(S) if S < g.size else (g, None)
+    local, cross = shards.hosts() if wire is not None and wire.on else (shards, None)
+    total = 0
+    for n in units:
+        unit = SimpleNamespace(n_pad=n, shard_size=n // S, group=shards, replicas=replicas, local=local,
+                               cross=cross)                                       # as units.Unit
+        for op, group, x, calls in calls_of(stage, unit, itemsize, M, reshard, wire):
+            total += calls * (group.all_to_all(x) if op == "all_to_all" else getattr(group, op)(x.size, x.itemsize))
+    return total
+
+
+def dp_bytes(tensors: list, units: list, lay, itemsize: int, g=None, S: int | None = None):
     """Gradient synchronisation over the dp group g (data_parallel.py, or ZeRO's units): the
-    dp*cp ranks of ProcessGrid.grad_group."""
+    dp*cp ranks of ProcessGrid.grad_group; S: ZeRO's shard group (zero_bytes)."""
     N, M = lay.grad_ranks, lay.micro_batches
     if N == 1:
         return 0
     g = Flat(N) if g is None else g
     if lay.zero:
-        rs = sum(g.reduce_scatter(n, itemsize) for n in units)
-        ag = sum(g.all_gather(n // N, itemsize) for n in units)
-        rs_calls, ag_calls = collectives_per_step(lay.zero, M)
-        return rs_calls * rs + ag_calls * ag
+        return zero_bytes(units, lay.zero, M, itemsize, g, S, lay.reshard_after_forward,
+                          Wire(lay.qwz, lay.hpz, lay.qgz) if lay.zero == 3 else None)
     if lay.dp_mode == "naive":                            # one all-reduce per parameter
         return sum(g.all_reduce(n, itemsize) for _, n in tensors)
     members = data_parallel.bucket_members([n * itemsize for _, n in tensors], lay.bucket_mb)
@@ -163,9 +200,10 @@ def grad_sync_bytes(tensors: list, lay, itemsize: int, g=None, family=None):
     """The dp axis: dp_bytes of each of sync_groups' sets, the non-expert tensors on the dp
     group g, the experts' (with --ep) on their dp/ep replicas: ExpertParallelSync's two
     bucketed synchronisers, or ZeRO's expert units sharded over the replicas. family: the
-    model family whose names the tensors carry (ZeRO's units; default GPT-2's)."""
+    model family whose names the tensors carry (ZeRO's units; default GPT-2's). With
+    --shard-group, each set's shard groups (layout.zero_split)."""
     return sum(dp_bytes(ts, zero_units(ts, gl.grad_ranks, family), gl, itemsize,
-                        g if gl is lay else Flat(gl.grad_ranks))
+                        g if gl is lay else Flat(gl.grad_ranks), zero_split(lay, gl)[0])
                for ts, gl in sync_groups(tensors, lay))
 
 
@@ -246,7 +284,7 @@ def pp_bytes(cfg: GPTConfig, stage: int, lay, itemsize: int, g=None):
     if cfg.tie_embeddings and stage in (0, pp - 1):       # the embedding's gradient to the other end (ZeRO: its shard)
         n = tensor_parallel.local_size(cfg.family.embedding, (cfg.vocab_size, cfg.n_embd), lay.tp, cfg)
         N = lay.grad_ranks
-        sent += g.send((padded(n, N) // N if lay.zero else n) * itemsize, pp - 1 - stage)
+        sent += g.send((padded(n, N) // zero_split(lay)[0] if lay.zero else n) * itemsize, pp - 1 - stage)
     return sent + g.broadcast(1, INT64, pp - 1)
 
 

@@ -315,6 +315,24 @@ class Placed:
         """The group of this group's first n ranks (tp rank 0's key/value head group)."""
         return Placed(self.world_ranks[:n], self.rank, self.per_host)
 
+    def split(self, S: int) -> tuple:
+        """(its block of S consecutive ranks, the ranks in the same place of every block),
+        placed: a ZeRO shard group and its replicas (zero.hybrid), as comm_bytes.Flat.split."""
+        b, place = divmod(self.rank, S)
+        return (Placed(self.world_ranks[b * S:(b + 1) * S], place, self.per_host),
+                Placed(self.world_ranks[place::S], b, self.per_host))
+
+    def hosts(self) -> tuple:
+        """(its ranks on the device's host, those of the device's place on every host, one a
+        host), placed: ZeRO++'s two groups (zpp.host_groups); one host: (the group, None)."""
+        if self.n_nodes == 1:
+            return self, None
+        mine = [q for q in range(self.size) if self.nodes[q] == self.nodes[self.rank]]
+        place = mine.index(self.rank)
+        across = [[q for q in range(self.size) if self.nodes[q] == h][place] for h in range(self.n_nodes)]
+        return (Placed([self.world_ranks[q] for q in mine], place, self.per_host),
+                Placed([self.world_ranks[q] for q in across], self.nodes[self.rank], self.per_host))
+
     def all_to_all(self, x) -> Traffic:
         """comm.all_to_all of x in p equal pieces (the dispatcher's algorithm for x here)."""
         p, r, piece = self.size, self.rank, x.nbytes // self.size

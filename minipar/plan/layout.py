@@ -1,18 +1,21 @@
 """What a layout (minipar/parallel/layout.py: Layout) puts on a device: the bytes per
 element and per parameter its flags imply, and what a device of each stage holds: its tensors
 (pipeline.local_tensors, with --ep its ep rank's experts), its blocks, the ranks its
-gradients are summed over, ZeRO's units.
+gradients are summed over, ZeRO's units and the ranks they are sharded over (--shard-group).
 """
 from __future__ import annotations
 
 import math
+from collections import Counter
+from types import SimpleNamespace
 
+from minipar.config import flags as config
 from minipar.model.gpt import GPTConfig, param_specs
 from minipar.optim import mixed_precision
 from minipar.parallel.expert import expert_parallel
 from minipar.parallel.layout import Layout
 from minipar.parallel.pipeline import stage as pipeline, schedules
-from minipar.parallel.zero import units as zero
+from minipar.parallel.zero import hybrid, units as zero
 
 
 def placed(lay) -> Layout:
@@ -62,6 +65,27 @@ def sync_groups(tensors: list, lay) -> list:
     experts = [(n, k) for n, k in tensors if expert_parallel.expert_of(n) is not None]
     others = [(n, k) for n, k in tensors if expert_parallel.expert_of(n) is None]
     return [(others, lay), (experts, lay.but(dp=lay.dp // lay.ep))]
+
+
+def zero_split(lay, gl=None) -> tuple[int, int]:
+    """(S, R) of the ZeRO units of a sync_groups set gl (default: lay's own, the dp x cp
+    ranks): the ranks each unit is sharded over and the replicas of each shard (its units
+    padded for S*R, zero_units). Flat ZeRO, no --shard-group (or "host" not yet resolved, as
+    memory.check_fits gets it): (all of gl's ranks, 1). Hybrid: the gradient group cut into
+    blocks of S consecutive ranks (zero.hybrid.blocks); of gl's ranks (with --ep the experts'
+    dp/ep replicas, ep apart) those in the device's block and the blocks they fall in;
+    ConfigError when the blocks hold unequal numbers (what zero.hybrid.split refuses)."""
+    gl = gl or lay
+    n, S = gl.grad_ranks, lay.shard_group
+    if not lay.zero or not isinstance(S, int):
+        return n, 1
+    stride = lay.grad_ranks // n
+    block = hybrid.blocks(SimpleNamespace(world_ranks=range(lay.grad_ranks)), S)
+    counts = Counter(block[i * stride] for i in range(n))
+    if len(set(counts.values())) != 1:
+        raise config.ConfigError(f"--shard-group {S}: the shard groups hold unequal numbers {sorted(counts.values())} "
+                                 f"of the {n} ranks each expert is summed over ({stride} apart)")
+    return counts[block[0]], len(counts)
 
 
 def zero_units(tensors: list, N: int, family=None) -> list:

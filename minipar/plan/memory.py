@@ -13,12 +13,15 @@ Memory per device (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054, section 3):
              rows first
     P_pad    ZeRO's layout: P_local cut into units (zero.unit_names), each padded to a
              multiple of N = dp*cp (zero.padded)
+    S        the ranks a unit is sharded over: N, or with --shard-group S (hybrid sharding,
+             zero/hybrid.py) the S ranks of a shard group, each shard replicated over R = N/S
+             (layout.zero_split): the table below with S in place of N
                    params        grads         optimizer        (zero.formula)
         zero 0     s P_local     s P_local     K P_local
-        zero 1     s P_pad       s P_pad       K P_pad / N
-        zero 2     s P_pad       s P_pad / N   K P_pad / N
-        zero 3     s P_pad / N   s P_pad / N   K P_pad / N
-    (fp16, no padding: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N.)
+        zero 1     s P_pad       s P_pad       K P_pad / S
+        zero 2     s P_pad       s P_pad / S   K P_pad / S
+        zero 3     s P_pad / S   s P_pad / S   K P_pad / S
+    (fp16, no padding, flat: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N.)
     activations: the bytes minipar's ops save for backward (activation_bytes), per
     micro-batch of b = B/(dp*M) sequences, at the stage's peak: its own instruction list
     walked, + a chunk's bytes at each Forward, - at its Backward (at its WeightGrad with
@@ -45,8 +48,9 @@ from minipar.config import flags as config
 from minipar.model.gpt import GPTConfig
 from minipar.parallel.layout import Layout
 from minipar.parallel.zero import formulas as zero
+from minipar.parallel.zero.units import padded, unit_names
 from minipar.plan import activations
-from minipar.plan.layout import chunks, device_tensors, itemsizes, sync_groups, zero_units
+from minipar.plan.layout import chunks, device_tensors, itemsizes, sync_groups, zero_split, zero_units
 from minipar.comm.ledger import human_bytes
 
 
@@ -66,23 +70,46 @@ def activation_bytes(cfg: GPTConfig, stage: int, pp: int, tp: int, rows: int, it
 
 
 def device_memory(cfg: GPTConfig, lay, stage: int) -> dict:
-    """What a device of `stage` holds at its peak: model states (ZeRO over dp*cp ranks) and
-    the saved activations of the micro-batches its schedule holds at once."""
+    """What a device of `stage` holds at its peak: model states (ZeRO over dp*cp ranks, or
+    over the S of a shard group) and the saved activations of the micro-batches its schedule
+    holds at once."""
     itemsize, compute_itemsize, K = itemsizes(lay)
     V = chunks(lay)
     tensors = device_tensors(cfg, lay, stage)
     states, P_pad = {}, 0
     for ts, g in sync_groups(tensors, lay):          # with --ep, ZeRO's expert units over their replicas
         units = zero_units(ts, g.grad_ranks, cfg.family)
-        part = model_states(sum(n for _, n in ts), sum(units), itemsize, K, lay.zero, g.grad_ranks)
+        part = model_states(sum(n for _, n in ts), sum(units), itemsize, K, lay.zero, zero_split(lay, g)[0])
         states = {k: states.get(k, 0) + v for k, v in part.items()}
         P_pad += sum(units)
     act, held = activations.peak_in_flight_bytes(cfg, lay.schedule, stage, lay.pp, V, lay.micro_batches, lay.tp,
                                                  lay.rows, itemsize, compute_itemsize, lay.sp, lay.recompute,
                                                  cp=lay.cp, ep=lay.ep, cp_impl=lay.cp_impl,
                                                  cp_ulysses=lay.cp_ulysses)
-    return {**states, "activations": act, "total": states["model_states"] + act, "stage": stage,
-            "micro_batches_in_flight": held, "params_local": sum(n for _, n in tensors), "params_padded": P_pad}
+    gathered = gathered_bytes(cfg, lay, tensors, itemsize)
+    return {**states, "activations": act, "gathered": gathered, "total": states["model_states"] + act + gathered,
+            "stage": stage, "micro_batches_in_flight": held, "params_local": sum(n for _, n in tensors),
+            "params_padded": P_pad}
+
+
+def gathered_bytes(cfg: GPTConfig, lay, tensors: list, itemsize: int) -> int:
+    """ZeRO-3's gathered parameters at their peak (zero.formulas.gathered_peak, what the
+    trainer's summary measures): the embedding-side units and the largest --prefetch + 1
+    consecutive blocks, or every block with --reshard-after-forward off; 0 below stage 3."""
+    if lay.zero != 3:
+        return 0
+    size, N = dict(tensors), lay.grad_ranks
+    units = unit_names([n for n, _ in tensors], cfg.family)
+    outer, blocks = 0, {}
+    for names in units:
+        b = padded(sum(size[n] for n in names), N) * itemsize
+        i = cfg.family.block_of(names[0])
+        if i is None:
+            outer += b
+        else:
+            blocks[i] = blocks.get(i, 0) + b
+    return zero.gathered_peak(outer, [blocks[i] for i in sorted(blocks)], lay.prefetch,
+                                       lay.reshard_after_forward)
 
 
 def peak_memory(cfg: GPTConfig, lay) -> int:
@@ -123,7 +150,8 @@ def check_fits(args, cfg: GPTConfig, lay: Layout):
     """The trainer's memory check (run and --dry-run, every rank, before any message): the
     planner's peak bytes for a rank of this layout (model states and saved activations) against
     what a rank may use; a layout that cannot fit is refused (config.ConfigError) before
-    anything is allocated, instead of ending in a MemoryError."""
+    anything is allocated, instead of ending in a MemoryError. --shard-group host is not
+    resolved yet (the hosts are known once the grid is made): counted flat here."""
     need = peak_memory(cfg, lay)
     limit, source = memory_limit(args)
     if need > limit:

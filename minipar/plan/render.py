@@ -3,7 +3,7 @@ bytes sent by stage, the MoE, activations per layer, the sequence-length ceiling
 """
 from __future__ import annotations
 
-from minipar.plan import context as plan_context, hosts as plan_hosts
+from minipar.plan import context as plan_context, hosts as plan_hosts, shards as plan_shards
 from minipar.comm.ledger import human_bytes
 
 
@@ -37,8 +37,11 @@ def table(r: dict, name: str | None = None) -> str:
     U = f", U={lay['cp_ulysses']}" if impl == "hybrid" else ""
     cp = f" cp={lay['cp']} ({impl}{U}, {lay['cp_layout']})" if lay["cp"] > 1 else ""
     ep = f" ep={lay['ep']}" if lay["ep"] > 1 else ""
-    out.append(f"  layout: dp={lay['dp']}{cp} tp={lay['tp']} pp={lay['pp']}{ep} ({devices}), ZeRO {lay['zero']}, "
-               f"{prec}: {lay['bytes_per_param']} B per parameter and gradient, "
+    S = lay["shard_group"]
+    shards = (f" in shard groups of {S} (R = {lay['dp'] * lay['cp'] // S} replicas)"
+              if S is not None and S < lay["dp"] * lay["cp"] else "")
+    out.append(f"  layout: dp={lay['dp']}{cp} tp={lay['tp']} pp={lay['pp']}{ep} ({devices}), "
+               f"ZeRO {lay['zero']}{shards}, {prec}: {lay['bytes_per_param']} B per parameter and gradient, "
                f"{lay['optimizer_bytes_per_param']} B optimizer state")
     if r["model"] is not None:
         out.append(f"  batch: {lay['batch_size']} sequences; per dp rank {lay['micro_batches']} micro-batch(es) of "
@@ -62,6 +65,8 @@ def table(r: dict, name: str | None = None) -> str:
         out.append(_row(key.replace("_", " "), [human_bytes(row[key]) for row in mem]))
     if r["model"] is not None:
         out.append(_row("activations", [human_bytes(row["activations"]) for row in mem]))
+        if lay["zero"] == 3:
+            out.append(_row("ZeRO-3 gathered", [human_bytes(row["gathered"]) for row in mem]))
         held = "  micro-batches held" if lay["virtual_stages"] == 1 or lay["pp"] == 1 else "  chunk-micro-batches"
         out.append(_row(held, [row["micro_batches_in_flight"] for row in mem]))
         out.append(_row("total", [human_bytes(row["total"]) for row in mem]))
@@ -103,6 +108,8 @@ def table(r: dict, name: str | None = None) -> str:
         budget = r["seq_ceiling"]["memory_budget"] if r["seq_ceiling"] else None
         out += plan_context.lines(r["cp_impls"], lay["cp_impl"] or "ring", r["hosts"]["inter_node_gbps"] is not None
                                   or r["hosts"]["intra_node_gbps"] is not None, budget)
+    if r.get("zero_shard_groups"):
+        out += plan_shards.lines(r["zero_shard_groups"])
     out += [f"  note: {n}" for n in r["notes"]]
     return "\n".join(out)
 

@@ -7,12 +7,14 @@
     python -m minipar.plan --model gpt2 --moe-experts 8 --moe-every 2 --dp 8 --ep 4   # mixture of experts
     python -m minipar.plan --model llama3-8b --world 64 --tp 8 --pp 2 --precision bf16 # the Llama family
     python -m minipar.plan --model mixtral-8x7b --world 64 --ep 8 --pp 2 --precision bf16   # Mixtral
+    python -m minipar.plan --model llama3-70b --world 64 --tp 2 --zero 3 --ranks-per-host 8 \
+        --inter-node-gbps 400 --memory-budget 80GiB       # ZeRO's shard groups compared (shards.py)
 
 Layout flags are the trainer's (same names, same defaults), so one set of flags describes
 one run; tests/test_plan*.py hold every figure to what minipar measures on such runs.
 Where a mechanism has a formula of its own, the planner calls it rather than restating it:
-pipeline.local_tensors (what a device holds), zero.formula and zero.collectives_per_step
-(ZeRO's memory and collectives), tensor_parallel.megatron_calls, schedules.bubble_theory,
+pipeline.local_tensors (what a device holds), zero.formula and zero.calls_of (ZeRO's
+memory and collectives, flat or in shard groups), tensor_parallel.megatron_calls, schedules.bubble_theory,
 activations.peak_in_flight_bytes, the schedule's instructions (schedules.schedule),
 ring_attention.ring_traffic (context parallelism's bytes), expert_parallel.ep_bytes (the
 all-to-alls'), model.train_flops_per_token (FLOPs per token, active parameters).
@@ -101,11 +103,11 @@ from minipar.parallel.context.ring_attention import LAYOUTS
 from minipar.parallel.layout import Layout, LayoutError, check_layout
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.zero import units as zero
-from minipar.plan import activations, context as plan_context, hosts as plan_hosts
+from minipar.plan import activations, context as plan_context, hosts as plan_hosts, shards as plan_shards
 from minipar.plan.comm_bytes import (cp_bytes, ep_bytes, ep_layer_bytes, flat_groups, grad_sync_bytes, other_parts,
                                      pp_bytes, tp_bytes)
 from minipar.plan.flops import flop_components, flops, recompute_flops
-from minipar.plan.layout import active_params, chunks, device_tensors, itemsizes, placed
+from minipar.plan.layout import active_params, chunks, device_tensors, itemsizes, placed, zero_split
 from minipar.plan.memory import ceilings, device_memory, model_states, parse_size
 from minipar.comm.ledger import human_bytes
 from minipar.plan.render import table
@@ -211,10 +213,11 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
                                      "cp_layout": lay.cp_layout, "world": lay.world,
                                      "micro_batch_rows": lay.rows if cfg else None, "bytes_per_param": itemsize,
                                      "optimizer_bytes_per_param": K},
-           "params": params, "params_active": None, "moe": None, "notes": [], "seq_ceiling": None}
+           "params": params, "params_active": None, "moe": None, "notes": [], "seq_ceiling": None,
+           "zero_shard_groups": None}
     if cfg is None:
         P_local = -(-params // (lay.tp * pp))
-        mem = {**model_states(P_local, zero.padded(P_local, N), itemsize, K, lay.zero, N),
+        mem = {**model_states(P_local, zero.padded(P_local, N), itemsize, K, lay.zero, zero_split(lay)[0]),
                "activations": None, "total": None, "stage": None, "micro_batches_in_flight": None,
                "params_local": P_local, "params_padded": zero.padded(P_local, N)}
         out.update(memory=mem, memory_per_stage=[mem], flops=None, flops_per_stage=None, comm=None,
@@ -280,6 +283,8 @@ def plan(cfg: GPTConfig | None, lay, params: int | None = None, device_tflops: f
     if memory_budget is not None:
         out["seq_ceiling"] = ceilings(cfg, lay, memory_budget)
     out["cp_impls"] = plan_context.compare(cfg, lay, hosts) if lay.cp > 1 else None
+    shown = hosts.ranks_per_host is not None or lay.shard_group is not None
+    out["zero_shard_groups"] = plan_shards.compare(cfg, lay, hosts, memory_budget) if shown else None
     return out
 
 
@@ -335,6 +340,27 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=default["zero"], metavar="{0,1,2,3}",
                         help="ZeRO stage over the dp group: shard the optimizer state (1), and the gradients "
                              "(2), and the parameters (3) [%(default)s]")
+    layout.add_argument("--shard-group", type=config.shard_group_value, nargs="?", const="host", default=None,
+                        metavar="S|host",
+                        help="--zero: hybrid sharding, ZeRO inside groups of S consecutive dp x cp ranks "
+                             "(host, or the flag alone: the ranks of a host, --ranks-per-host), replicated "
+                             "across the groups; "
+                             "with --ranks-per-host the table compares every shard group [flat: all dp x cp]")
+    layout.add_argument("--prefetch", type=int, default=None, metavar="K",
+                        help="--zero 3: the next K blocks gathered ahead; their gathered parameters "
+                             "count in the peak [0]")
+    layout.add_argument("--reshard-after-forward", choices=("on", "off"), default=None,
+                        help="--zero 3: off keeps every block gathered from forward to backward (the "
+                             "whole model at the peak) and makes no all-gather in backward [on]")
+    layout.add_argument("--qwz", type=int, default=None, metavar="B",
+                        help="--zero 3, ZeRO++: the weights' all-gathers as int8 codes, a float32 scale per "
+                             "block of B [off]")
+    layout.add_argument("--qgz", type=int, default=None, metavar="B",
+                        help="--zero 3, ZeRO++: the gradients reduced as int8 blocks of B by all-to-alls "
+                             "inside the host, then across [off]")
+    layout.add_argument("--hpz", action="store_true",
+                        help="--zero 3, ZeRO++: backward's all-gathers from a secondary copy sharded "
+                             "inside the host")
     layout.add_argument("--micro-batches", type=int, default=default["micro_batches"], metavar="M",
                         help="micro-batches per step on each dp rank [%(default)s]")
     layout.add_argument("--batch-size", type=int, default=default["batch_size"], metavar="B",
@@ -380,7 +406,10 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
             dp = check_layout(args.world, dp, args.tp, args.pp, args.cp)[0]
         except LayoutError as e:
             raise PlanError(str(e)) from None
-    lay = Layout.from_flags(args, dp=1 if dp is None else dp)
+    prefetch, reshard = config.resolve_gathers(args)       # ConfigError: --zero 3's, as the trainer says
+    qwz, hpz, qgz = config.resolve_zpp(args)
+    lay = Layout.from_flags(args, dp=1 if dp is None else dp, prefetch=prefetch, reshard_after_forward=reshard,
+                            qwz=qwz, hpz=hpz, qgz=qgz)
     for flag in ("batch_size", "micro_batches"):
         if getattr(lay, flag) <= 0:
             raise PlanError(f"--{flag.replace('_', '-')} must be positive, got {getattr(lay, flag)}")
@@ -405,6 +434,7 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
         config.check_schedule(None, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batches)
         lay = lay.but(cp_layout=config.check_context_split(None, lay))
         config.check_moe(GPTConfig(), moe_args(args), lay.dp)     # --ep needs experts: the trainer's line
+        config.check_shard_group(lay, lay.grad_ranks)
         return None, lay, int(round(args.params))
     preset = PRESETS.get(args.model, {})
     if args.arch is not None and args.arch != preset.get("arch", args.arch):
@@ -426,6 +456,7 @@ def resolve(args) -> tuple[GPTConfig | None, Layout, int | None]:
     lay = lay.but(cp_impl=config.check_cp_impl(cfg, lay, lay.tp))
     config.check_moe(cfg, moe_args(args), lay.dp)
     config.check_schedule(cfg, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batches)
+    config.check_shard_group(lay, lay.grad_ranks)
     return cfg, lay, None
 
 
@@ -469,6 +500,7 @@ def main(argv=None):
         hosts = plan_hosts.Hosts.from_args(args)
         budget = memory_budget(args, cfg)
         lay = hybrid_layout(cfg, lay, hosts)
+        lay = plan_shards.resolve(lay, hosts)
     except config.ConfigError as e:
         print(f"minipar.plan: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -458,7 +458,8 @@ def optimizer_shard(model, opt) -> dict:
     1..size shifted by the parameter's canonical offset, minus 1, so tensor parallelism's
     zero padding of the vocabulary rows comes out as -1; with ZeRO each unit is then
     flattened and padded like the parameters (Unit.flatten, zeros -> -1 again) and cut to
-    this rank's [lo, hi)."""
+    this rank's [lo, hi). With hybrid sharding only the first replica of a shard writes it
+    (the others hold the same)."""
     where, off = {}, 0                                  # {name: (canonical offset, full shape)}
     for name, shape, _ in param_specs(model.cfg):
         where[name], off = (off, shape), off + math.prod(shape)
@@ -467,8 +468,11 @@ def optimizer_shard(model, opt) -> dict:
         start, shape = where[name]
         full = np.arange(start + 1, start + math.prod(shape) + 1, dtype=np.int64).reshape(shape)
         index[name] = np.asarray(model.shard(name, full))
-    if isinstance(opt, ShardedAdamW):                      # its flat shard of every unit
-        parts = [(u.flatten([index[n] for n in u.names])[u.lo:u.hi], u.m, u.v) for u in opt.units]
+    if isinstance(opt, ShardedAdamW):                      # its flat shard of every unit (hybrid: the first replica's)
+        parts = [(u.flatten([index[n] for n in u.names])[u.lo:u.hi], u.m, u.v) for u in opt.units
+                 if u.replicas is None or u.replicas.rank == 0]
+        if not parts:                                      # a later replica of every unit: an empty shard
+            parts = [(np.zeros(0, np.int64), u.m[:0], u.v[:0]) for u in opt.units[:1]]
     else:
         parts = [(index[n].ravel(), m.ravel(), v.ravel())
                  for (n, _), m, v in zip(model.named_parameters(), opt.m, opt.v)]
@@ -495,7 +499,8 @@ def save_run(path: str, session, next_step: int):
         meta = {"config": session.cfg.to_dict(), "step": next_step, "dtype": args.dtype, "precision": args.precision,
                 **({"loss_scaler": scaler.state_dict()} if scaler is not None else {}),
                 "layout": {"dp": grid.dp_size, "cp": grid.cp_size, "tp": grid.tp_size, "pp": grid.pp_size,
-                           "zero": args.zero},
+                           "zero": args.zero, **({"shard_group": grid.layout.shard_group}
+                                                 if grid.layout.shard_group is not None else {})},
                 "data": {"source": args.data or data.BUILTIN_NAME, "tokens": int(len(tokens)),
                          "sha256_16": data.tokens_digest(tokens), "position": next_step},
                 "seed": args.seed, "batch_size": args.batch_size}
@@ -520,12 +525,16 @@ def restore(model, opt, state: dict, ostate: dict, path: str):
         opt.load_master([model.shard(n, state[n]) for n in names])
 
 
-def summary(directory: str, step: int, *, world: int, zero: int, grad_ranks: int, cp: int) -> tuple[None, list[str]]:
+def summary(directory: str, step: int, *, world: int, zero: int, grad_ranks: int, cp: int,
+            replicas: int = 1) -> tuple[None, list[str]]:
     """The summary's checkpoint line (no figures): where the run's last checkpoint went and
     who wrote its optimizer shards (save_run: every rank with ZeRO, else dp rank 0, and cp
-    rank 0, of each (tp, pp); grad_ranks: dp x cp)."""
+    rank 0, of each (tp, pp); grad_ranks: dp x cp; replicas: hybrid ZeRO's R, whose later
+    replicas write empty shards)."""
     writers = world if zero else world // grad_ranks
-    who = ("one process" if world == 1 else "every rank" if writers == world
+    who = ("one process" if world == 1 else
+           f"every rank, the {world // replicas} of the first shard group(s) holding the state (the other "
+           f"replicas' shards are empty)" if replicas > 1 else "every rank" if writers == world
            else "dp rank 0 of each (tp, pp)" if cp == 1 else "dp rank 0, cp rank 0 of each (tp, pp)")
     return None, [f"  checkpoint: {directory} (step {step}): model.npz and "
                   f"{writers} optimizer shard(s) in "

@@ -218,14 +218,18 @@ def describe(session) -> list[str]:
                      + f"); {args.schedule} schedule over {M} micro-batch(es), bubble in theory "
                        f"{session.pipe.bubble_theory:.3f}")
     if args.zero:
-        shards = grid.grad_group.size
+        shards, z = grid.grad_group.size, session.sync
+        hybrid = (f"; hybrid: sharded inside groups of {z.N}" + (" (the ranks of a host)" if args.shard_group == "host"
+                                                                else "")
+                  + f", replicated across {z.R}" if z.R > 1 else "")
         lines.append(f"  ZeRO stage {args.zero} over {shards} rank(s) (dp x cp"
-                     + (f"; experts over their {grid.expert_group.size} replica(s)" if grid.ep_size > 1 else "") + "): "
+                     + (f"; experts over their {grid.expert_group.size} replica(s)" if grid.ep_size > 1 else "")
+                     + hybrid + "): "
                      + {1: "optimizer state", 2: "optimizer state and gradients",
                         3: "optimizer state, gradients and parameters"}[args.zero]
-                     + f" sharded in {len(session.sync.units)} units (wte, each block, the rest), "
+                     + f" sharded in {len(z.units)} units (wte, each block, the rest), "
                        f"each padded to a "
-                       f"multiple of {shards} ({session.sync.padding} padding elements on this rank)")
+                       f"multiple of {shards} ({z.padding} padding elements on this rank)")
     lines.append(f"  batch: {B} x {T} tokens; each dp rank {B // dp} sequences in "
                  f"{M} micro-batch(es) of "
                  f"{B // dp // M}")
@@ -326,7 +330,7 @@ def in_use(session, rows_log, mem, digest, stages, tp_ledger):
         yield "precision", mixed_precision.summary(args.precision, session.opt.dtype.name, session.opt.scaler,
                                                    session.opt.step_count, rows_log)
     if args.zero:
-        yield "zero", zero_summary.summary(sync, mem, rows_log, M, theory)
+        yield "zero", zero_summary.summary(sync, mem, rows_log, M, theory, g.world.n_nodes)
     yield "data_parallel", data_parallel.summary(
         rows_log, mode=f"zero{args.zero}" if args.zero else args.dp_mode if session.has_dp else None,
         buckets=(len(sync.units) if args.zero
@@ -359,7 +363,7 @@ def in_use(session, rows_log, mem, digest, stages, tp_ledger):
             moe_layers=sum(cfg.is_moe(i) for i in layers), micro_batches=M, recompute=args.recompute)
     if args.save:
         yield None, checkpoint.summary(args.save, args.steps, world=session.world, zero=args.zero, grad_ranks=n_sum,
-                                       cp=g.cp_size)
+                                       cp=g.cp_size, replicas=getattr(sync, "R", 1) if args.zero else 1)
 
 
 def json_safe(row: dict) -> dict:

@@ -15,8 +15,9 @@ import numpy as np
 from minipar import comm
 from minipar.config import outputs
 from minipar.config.flags import (DTYPES, ConfigError, check_context_split, check_cp_impl, check_moe, check_numbers,
-                                  check_schedule, check_sequence_split, check_split, resolve_dp_flags,
-                                  resolve_model, validate)
+                                  check_schedule, check_sequence_split, check_shard_group, check_split,
+                                  resolve_dp_flags, resolve_gathers, resolve_model, resolve_zpp,
+                                  validate)
 from minipar.model.gpt import GPTConfig, param_specs
 from minipar.parallel.layout import Layout, LayoutError, check_layout
 from minipar.train import checkpoint, data, faults
@@ -105,6 +106,9 @@ def prepare(args, world: int) -> RunSpec:
     check_moe(cfg, args, dp)
     check_schedule(cfg, pp, args.schedule, args.virtual_stages, args.micro_batches)
     args.dp_mode, args.bucket_mb = resolve_dp_flags(args)
+    check_shard_group(args, dp * args.cp)
+    args.prefetch, args.reshard_after_forward = resolve_gathers(args)
+    args.qwz, args.hpz, args.qgz = resolve_zpp(args)
     if args.zero == 3 and pp > 1:
         raise ConfigError(f"--zero 3 does not combine with --pp {pp}: it would all-gather and "
                           f"release every stage's parameters around every micro-batch's forward "

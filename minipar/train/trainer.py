@@ -50,7 +50,7 @@ from minipar.parallel import data_parallel
 from minipar.parallel.expert import expert_parallel
 from minipar.parallel.pipeline import stage as pipeline
 from minipar.parallel.tensor import tensor_parallel
-from minipar.parallel.zero import build as zero
+from minipar.parallel.zero import build as zero, hybrid, zpp
 from minipar.parallel.grid import ProcessGrid
 from minipar.parallel.parallelize import parallelize
 from minipar.plan.peak import keep_freed_memory, matmul_peak_flops
@@ -263,7 +263,18 @@ def step_row(session: Session, w: comm.window, routing: moe.collecting, *, step,
             "bytes_by_axis": {str(axis): n for axis, n in step_sent.items() if n},
             "inter_host_bytes_by_axis": {str(axis): n for axis, n in w.inter_host_by_axis.items() if n},
             "exposed_comm_s": session.sync.exposed_seconds, "cp_wait_s": float(w.counted("ring", "waited")),
+            **zero_gathers_row(session.sync, w),
             "step_time": step_time, "loss_scale": loss_scale, "skipped": skipped, **routing.row()}
+
+
+def zero_gathers_row(sync, w: comm.window) -> dict:
+    """ZeRO-3's gathers in a step's row: the exposed waits for them, forward and backward
+    (the ledger's counts), and the peak of the gathered buffers in use (Stage3.gathered_peak)."""
+    if not getattr(sync, "tracks_gathers", False):
+        return {}
+    return {"zero_gather_wait_s": {phase: float(w.counted_kind("zero", phase, "waited"))
+                                   for phase in ("forward", "backward")},
+            "zero_gathered_peak": sync.gathered_peak, "zero_secondary_peak": sync.secondary_peak}
 
 
 def train_steps(session: Session, start: int, end: int):
@@ -328,9 +339,27 @@ def hybrid_context(grid, args, cfg):
         context = context_parallel.ContextSplit(grid.cp_group, args.cp_layout, "hybrid", args.cp_ulysses)
         head_split(cfg.n_head // grid.tp_size, max(1, cfg.kv_heads // grid.tp_size), context.ulysses)
     except ValueError as e:
-        raise ConfigError(f"{e} (--n-head {cfg.n_head}, {cfg.kv_heads} key/value heads, --tp {grid.tp_size}, "
-                          f"Ulysses over {args.cp_ulysses or 'the cp ranks of a host'})") from None
+        raise ConfigError.everywhere(f"{e} (--n-head {cfg.n_head}, {cfg.kv_heads} key/value heads, --tp "
+                                     f"{grid.tp_size}, Ulysses over {args.cp_ulysses or 'the cp ranks of a host'})",
+                                     grid.rank) from None
     return context
+
+
+def shard_blocks(grid, args, cfg) -> dict | None:
+    """--shard-group: the shard block of each rank of the gradient group (zero.hybrid.blocks),
+    and grid.layout's shard_group resolved (the ranks of a host, known only now: the memory
+    check, which counted it flat, runs again with it). None: flat."""
+    if args.shard_group is None:
+        return None
+    by_host = args.shard_group == "host"
+    try:
+        S = hybrid.host_shard_size(grid.grad_group) if by_host else args.shard_group
+        grid.layout = grid.layout.but(shard_group=S)
+        if by_host:
+            memory.check_fits(args, cfg, grid.layout)
+    except (ValueError, ConfigError) as e:
+        raise ConfigError.everywhere(str(e), grid.rank) from None
+    return hybrid.blocks(grid.grad_group, S, by_host)
 
 
 def set_up(args, requests: stop.Requests | None = None) -> Session:
@@ -369,7 +398,17 @@ def set_up(args, requests: stop.Requests | None = None) -> Session:
     grads = grid.grad_group        # dp x cp: every rank of it has a partial gradient of the same weights
     if args.zero:                  # two objects on the same units: the dp synchroniser, the sharded optimizer
         experts = (grid.expert_group, lambda n: expert_parallel.expert_of(n) is not None) if grid.ep_size > 1 else ()
-        sync, opt = zero.build(model, opt, grads, args.zero, *experts)
+        # only what is set goes to build: its defaults are flat ZeRO with plain gathers, and a
+        # replacement of it (labs/08_zero's) takes no more
+        layout, blocks, wire = {}, shard_blocks(grid, args, spec.cfg), zpp.Wire(args.qwz, args.hpz, args.qgz)
+        if blocks is not None:
+            layout["blocks"] = blocks
+        if args.zero == 3 and (args.prefetch or not args.reshard_after_forward or wire.on):
+            layout.update(prefetch=args.prefetch, reshard_after_forward=args.reshard_after_forward, wire=wire)
+        try:
+            sync, opt = zero.build(model, opt, grads, args.zero, *experts, **layout)
+        except (zpp.HostLayoutError, hybrid.ShardLayoutError) as e:
+            raise ConfigError.everywhere(str(e), grid.rank) from None
     elif grid.ep_size > 1:         # experts summed over their replicas, the rest over dp
         sync = expert_parallel.ExpertParallelSync(model, grid, args.dp_mode, args.bucket_mb)
     elif grads.size > 1:

@@ -31,6 +31,12 @@ from minipar.train.checkpoint import canonical_state
 # 1e-2 to 2e-2 over 100 to 400 steps, while the whole-model parameter difference grows from
 # 1e-4 to 1e-1. So the losses are judged, at 5e-2, and the parameters only reported.
 VERIFY_RTOL = {"float64": 1e-10, "float32": 1e-4, "fp16": 5e-2, "bf16": 5e-2}
+# ZeRO++'s qwZ and qgZ (zero/zpp.py) compute with int8-coded weights and gradients: each
+# number within half its block's scale, max|block|/127, of the exact one. The twin computes
+# with the exact ones, so the run is judged like fp16/bf16, on the losses, at the codes'
+# resolution: a loss further than one code step, 1/127 relative, from the twin's is no
+# rounding. (docs/zero.md gives the distances measured.)
+QUANTIZED_RTOL = 1 / 127
 
 
 def judged(name: str, a: np.ndarray) -> np.ndarray:
@@ -90,13 +96,16 @@ def compare(losses, ref_losses, state, ref_state, norms=(), ref_norms=()) -> dic
 
 
 def verdict(session, rows_log, ref_losses, ref_norms, state, ref_state) -> tuple[dict, str]:
-    """compare() judged at VERIFY_RTOL (fp16/bf16: the losses judged, the gradient norms and
-    parameters only reported), and the line that says so."""
+    """compare() judged at VERIFY_RTOL (fp16/bf16, and ZeRO++'s quantized messages at
+    QUANTIZED_RTOL: the losses judged, the gradient norms and parameters only reported), and
+    the line that says so."""
     args = session.args
-    mixed = args.precision != "fp32"
+    quantized = bool(getattr(args, "qwz", 0) or getattr(args, "qgz", 0))
+    mixed = args.precision != "fp32" or quantized
     d = compare([r["loss"] for r in rows_log], ref_losses, state, ref_state,
                 [r["grad_norm"] for r in rows_log], ref_norms)
-    tol = VERIFY_RTOL[args.precision if mixed else args.dtype]
+    tol = max(VERIFY_RTOL[args.precision if args.precision != "fp32" else args.dtype],
+              QUANTIZED_RTOL if quantized else 0)
     d["tolerance"] = tol
     d["ok"] = d["loss_rel"] <= tol and (mixed or (d["norm_rel"] <= tol and d["param_rel"] <= tol))
     zero = f" zero={args.zero}" if args.zero else ""
@@ -107,6 +116,7 @@ def verdict(session, rows_log, ref_losses, ref_norms, state, ref_state) -> tuple
             + (f"; whole model rel {d['param_rel_global']:.3e}, not judged" if mixed else "")
             + f"; key biases, not judged: max |diff| {d['key_bias_abs']:.1e}"
             + f"); tolerance {tol:g} relative" + (" on losses" if mixed else "")
+            + (" (ZeRO++'s int8 codes: one code step)" if quantized else "")
             + f" -> {'OK' if d['ok'] else 'FAILED'}")
     return d, line
 

@@ -53,8 +53,8 @@ class ContextSplit:
         if impl == "hybrid":
             U = self.ulysses = hybrid_degree(group, ulysses)
             c = group.rank
-            self.ulysses_group = Group(group.comm.Split(color=c // U, key=c % U), axis="cp")
-            self.ring_group = Group(group.comm.Split(color=c % U, key=c // U), axis="cp")
+            self.ulysses_group = Group.split(group.comm, c // U, c % U, axis="cp")
+            self.ring_group = Group.split(group.comm, c % U, c // U, axis="cp")
 
     @property
     def size(self) -> int:

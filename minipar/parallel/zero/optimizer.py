@@ -52,12 +52,13 @@ class ShardedAdamW:
         itemsize = self.dtype.itemsize
         K = optimizer_bytes_per_param(self.mixed, itemsize)
         f = formula(z.stage, z.P, z.P_pad, z.N, itemsize, K)
-        f["text"] = f"{f['text']} (P = {z.P:,} on this rank, N = {z.N}, padded to {z.P_pad:,})"
+        hybrid = f", shard groups of N ranks, R = {z.R} replicas of each shard" if z.R > 1 else ""
+        f["text"] = f"{f['text']} (P = {z.P:,} on this rank, N = {z.N}{hybrid}, padded to {z.P_pad:,})"
         spread = [u for u in self.units if u.N != z.N]              # experts: over their replicas
         if spread:
             f = self._formula_with_experts(spread, itemsize, K)
         return {"params": z.param_bytes(), "grads": z.grad_bytes(), "optimizer": self.state_bytes(), "formula": f,
-                "zero": {"stage": z.stage, "N": z.N, "P": z.P, "P_padded": z.P_pad,
+                "zero": {"stage": z.stage, "N": z.N, "R": z.R, "P": z.P, "P_padded": z.P_pad,
                          "padding": z.padding, "units": len(self.units)}}
 
     def _formula_with_experts(self, spread, itemsize, K) -> dict:

@@ -19,7 +19,8 @@ import numpy as np
 
 from minipar import comm
 from minipar.optim.adamw import sum_of_squares
-from minipar.parallel.zero.formulas import traffic_theory
+from minipar.comm.sent import sent
+from minipar.parallel.zero.formulas import calls_of
 from minipar.parallel.zero.units import Unit
 
 
@@ -34,17 +35,21 @@ class Stage1:
     stage = 1
     params_sharded = False      # the Unit buffers this stage keeps: full flat parameters
     grads_sharded = False       # and a full flat gradient, kept over the micro-batches
+    reshard_after_forward = True    # stage 3's choice (stage3.py); formulas.collectives_per_step reads it
+    wire = None                     # stage 3's ZeRO++ (zpp.Wire); formulas.calls_of reads it
 
     def __init__(self, model, units: list[Unit], group: comm.Group, dtype):
         """units: built with this class's params_sharded and grads_sharded (build.build);
         group: the dp group (clipping's norm: a dp all-reduce, not ZeRO's own); dtype: the
         parameters' storage dtype."""
         self.model, self.units, self.dp_group = model, units, group
-        self.N, self.rank = group.size, group.rank
+        # the ranks a (non-expert) unit is sharded over, and its replicas with hybrid sharding
+        self.N, self.R = (units[0].N, units[0].R) if units else (group.size, 1)
         self.dtype = np.dtype(dtype)
         self.unit_of = {id(p): u for u in units for p in u.params}
         self.talk_now = True        # does the coming backward reduce-scatter (sync_now)?
         self.exposed_seconds = 0.0
+        self.started = []           # units whose reduce-scatter is in flight, in the order started
         for u in units:
             self.adopt(u)
             for p in u.params:
@@ -76,8 +81,21 @@ class Stage1:
         return sum(u.grad_full.nbytes for u in self.units)
 
     def traffic_theory(self, micro_batches: int) -> float:
-        return sum(traffic_theory(self.stage, u.n_pad, u.N, self.dtype.itemsize, micro_batches)
-                   for u in self.units)
+        """Bytes a rank sends per step by formula: traffic_split's, inside and across hosts."""
+        return sum(self.traffic_split(micro_batches).values())
+
+    def traffic_split(self, micro_batches: int) -> dict:
+        """{"inside", "across"}: the bytes a rank sends per step that stay on its host and
+        those that cross to another: each unit's calls (formulas.calls_of) as sent by the
+        algorithm comm runs for each (comm.sent): formulas.traffic_theory's (N-1)/N per
+        reduce-scatter or all-gather, and the replicas' all-reduce."""
+        inside = across = 0
+        for u in self.units:
+            for op, group, x, calls in calls_of(self.stage, u, self.dtype.itemsize, micro_batches,
+                                                self.reshard_after_forward, self.wire):
+                a, b = sent(op, group, x)
+                inside, across = inside + calls * a, across + calls * b
+        return {"inside": inside, "across": across}
 
     # --- the data-parallel interface (train.train_step, pipeline.PipelineEngine) ------------
     def zero_grad(self):
@@ -86,6 +104,7 @@ class Stage1:
                 p.set_grad_buffer(view)                      # the next backward overwrites
 
     def start_step(self):
+        self.started = []
         for u in self.units:
             u.pending, u.handle, u.received = len(u.params), None, 0
 
@@ -100,9 +119,15 @@ class Stage1:
         u.pending -= 1
         if u.pending == 0:
             self._unit_ready(u)
-        for other in self.units:                 # push every reduce-scatter in flight along
-            if other.handle is not None:
-                other.handle.test()
+            self.started.append(u)
+        for other in self.units:                 # push every message in flight along
+            for h in (other.handle, other.replica_handle):
+                if h is not None:
+                    h.test()
+        # land the finished reduce-scatters in the order they were started, the same on every
+        # rank, so that the replicas' all-reduces (calls on one group) start in one order too
+        while self.started and self.started[0].handle.done:
+            self._landed(self.started.pop(0))
 
     def _count(self, u: Unit, p) -> bool:
         """Does p's gradient count towards its unit being ready? Stage 1: it already lies in
@@ -113,15 +138,25 @@ class Stage1:
         """Start the unit's reduce-scatter. The shard lands in its own place in grad_full: no new array."""
         u.handle = comm.reduce_scatter_async(u.group, u.grad_full, out=u.grad_full[u.lo:u.hi])
 
+    def _landed(self, u: Unit):
+        """The unit's reduce-scatter is over (or is waited for): add its piece into the gradient
+        shard. Hybrid sharding, in the backward that ends the step: start the all-reduce of the
+        summed shard across its replicas (in place)."""
+        piece = u.handle.wait()                                          # (shard,)
+        self._receive(u, piece)
+        u.received += 1
+        u.handle, u.pending = None, len(u.params)
+        if u.replicas is not None and self.talk_now:
+            u.replica_handle = comm.all_reduce_async(u.replicas, u.grad_shard, out=u.grad_shard)
+
     def _drain(self):
-        """Finish the reduce-scatters in flight; add each piece into the gradient shard."""
+        """Finish the reduce-scatters in flight, then the replicas' all-reduces they started."""
+        while self.started:
+            self._landed(self.started.pop(0))
         for u in self.units:
-            if u.handle is None:
-                continue
-            piece = u.handle.wait()                                      # (shard,)
-            self._receive(u, piece)
-            u.received += 1
-            u.handle, u.pending = None, len(u.params)
+            if u.replica_handle is not None:
+                u.replica_handle.wait()
+                u.replica_handle = None
 
     def _receive(self, u: Unit, piece: np.ndarray):
         """The unit's summed gradient shard: stage 1's one piece, a view of grad_full."""
@@ -147,10 +182,12 @@ class Stage1:
         over dp, then over tp and pp as the model counts them (model.reduce_norm_sq)."""
         local = 0.0
         for u in self.units:
+            if u.replicas is not None and u.replicas.rank != 0:
+                continue                         # hybrid: the first replica counts the shard
             for p, sh, _ in u.segments:
                 if self.model.counts_in_norm(p.name):
                     local += sum_of_squares(u.grad_shard[sh])
-        total = comm.all_reduce(self.dp_group, np.array([local]))[0] if self.N > 1 else local
+        total = comm.all_reduce(self.dp_group, np.array([local]))[0] if self.dp_group.size > 1 else local
         return self.model.reduce_norm_sq(float(total))
 
     def local_found_inf(self, model=None) -> bool:

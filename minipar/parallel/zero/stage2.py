@@ -32,9 +32,11 @@ class Stage2(Stage1):
                 p.grad = None
 
     def sync_now(self, on: bool):
-        """Stages 2 and 3 reduce-scatter in every backward: first finish the previous one's."""
-        super().sync_now(on)
+        """Stages 2 and 3 reduce-scatter in every backward: first finish the previous one's
+        (before talk_now turns to the coming backward's: a hybrid shard is all-reduced across
+        its replicas only once it holds every micro-batch's sum)."""
         self._drain()
+        super().sync_now(on)
 
     def _count(self, u: Unit, p) -> bool:
         """Keep a copy of p's gradient in the unit's transient flat buffer only; it counts in

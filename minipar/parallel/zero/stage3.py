@@ -18,42 +18,74 @@ read-only NaN placeholder of their shape (no memory), so any use of a released p
 or a backward without its re-gather, turns the loss or the gradients into NaN; the re-gather
 writes into the same buffer, and after the unit's backward the buffer is dropped. The
 persistent state of a rank (what the summary's `memory` counts) is its shards only.
+
+Hiding the gathers (FSDP2's prefetch and reshard_after_forward):
+  prefetch K     when block i's gather is waited for, the gathers of the next K blocks are
+                 started too (non-blocking messages), so they travel while block i computes:
+                 in forward blocks i+1..i+K, in backward i-1..i-K. A gather that has not
+                 arrived when its block starts is waited for: the exposed wait, counted per
+                 phase (comm.count("zero", "forward"/"backward", waited=s)).
+  reshard off    the forward does not release a block's parameters: they stay gathered until
+                 its backward has used them, so backward gathers nothing (1 all-gather per
+                 micro-batch instead of 2) and the whole model is gathered at the end of forward.
+  Gathered bytes at the peak (formulas.gathered_peak, measured as gathered_peak here): the
+  embedding-side units, which stay from embed to head, plus the largest K+1 consecutive blocks
+  (reshard on), or every block (off).
+With --recompute full a block's forward runs again inside backward (recompute.replaying): its
+units are gathered for it (the second all-gather) and kept for the backward that follows it.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minipar import comm
+import time
+
+from minipar import comm, trace
+from minipar.autograd import recompute
 from minipar.autograd.tensor import Function, is_grad_enabled
+from minipar.parallel.zero.formulas import gathered_peak
 from minipar.parallel.zero.stage2 import Stage2
 from minipar.parallel.zero.units import Unit, _placeholder
+from minipar.parallel.zero.zpp import Wire
 
 
 class Regather(Function):
-    """Identity in value. Forward: the units' parameters are released (their forward is
-    over). Backward: they are all-gathered again, before the ops that produced x run
-    their backward with them."""
+    """Identity in value, placed after a piece of the model (block i, or the head for the
+    embedding-side units). Forward: the piece's units are released (their forward is over;
+    with --reshard-after-forward off, kept). Backward: they are gathered again, before the
+    ops that produced x run their backward with them, and the next pieces' gathers are
+    prefetched (Gathers.backward_enter)."""
 
-    def forward(self, x, sync, units):
-        self.sync, self.units = sync, units
-        for u in units:
-            sync.release(u)
+    def forward(self, x, gathers, key, keep=False):
+        self.gathers, self.key = gathers, key
+        if not keep:
+            for u in gathers.units_of(key):
+                gathers.sync.release(u)
         return x
 
     def backward(self, g):
-        for u in self.units:
-            self.sync.gather(u, again=True)
-        return g, None, None
+        self.gathers.backward_enter(self.key)
+        return g, None, None, None
 
 
 class Stage3(Stage2):
     """Stage 2, plus: the parameters sharded. They are gathered around each piece of the
-    model's forward and backward (gather, release, Regather) and live as shards between."""
+    model's forward and backward (gather, release, Regather) and live as shards between.
+    prefetch: the K pieces gathered ahead; reshard_after_forward: release after forward."""
 
     stage = 3
     params_sharded = True       # a parameter shard per unit, no full parameter buffer
+    prefetch = 0                # blocks gathered ahead (LabZero, labs/08_zero, keeps 0)
+    tracks_gathers = True       # gathered_peak, secondary_peak and the waits are counted (not LabZero's)
 
-    def __init__(self, model, units: list[Unit], group: comm.Group, dtype):
+    def __init__(self, model, units: list[Unit], group: comm.Group, dtype, prefetch: int = 0,
+                 reshard_after_forward: bool = True, wire: Wire | None = None):
+        self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
+        self.wire = wire or Wire()                          # plain, or ZeRO++ (zpp.py)
+        self.wire.bind(units)
+        self.gathered_bytes = self.gathered_peak = 0        # gathered buffers in use, and their peak this step
+        self.secondary_peak = 0                             # hpZ's secondary shards held, at the peak
+        self.in_step = False
         super().__init__(model, units, group, dtype)
         if not isinstance(model.parts.gathers, Gathers):
             raise ValueError("ZeRO-3 gathers each unit around its piece of the forward: build the model with "
@@ -62,6 +94,7 @@ class Stage3(Stage2):
 
     def adopt(self, u: Unit):
         """The unit's parameters start released: placeholders until the first gather."""
+        u.gather_handle, u.live = None, False
         for p in u.params:
             p.data = _placeholder(p.shape, self.dtype)
 
@@ -76,26 +109,86 @@ class Stage3(Stage2):
     def after_update(self, u: Unit, w_shard: np.ndarray):
         """Nothing is gathered after the update: the next forward gathers."""
 
+    def gathered_formula(self) -> int:
+        """formulas.gathered_peak for this rank's units: what gathered_peak should reach."""
+        g, size = self.model.parts.gathers, lambda us: sum(u.n_pad for u in us) * self.dtype.itemsize
+        return gathered_peak(size(g.outer), [size(g.blocks[i]) for i in g.order], self.prefetch,
+                             self.reshard_after_forward)
+
+    def secondary_formula(self) -> int:
+        """hpZ: the secondary shards held at the end of a forward, every unit's n_pad/k."""
+        if not self.wire.hpz:
+            return 0
+        return sum(u.n_pad // u.local.size for u in self.units) * self.dtype.itemsize
+
+    def start_step(self):
+        super().start_step()
+        self.gathered_peak, self.in_step = self.gathered_bytes, True
+        self.secondary_peak = self.wire.secondary_bytes(self.units)
+
+    def finish(self):
+        super().finish()
+        self.in_step = False
+
     def _unit_ready(self, u: Unit):
-        """Stage 2's reduce-scatter, then backward is done with the unit's parameters."""
-        super()._unit_ready(u)
+        """Stage 2's reduce-scatter (qgZ's quantized all-to-alls), then backward is done with
+        the unit's parameters."""
+        if self.wire.qgz:
+            u.handle = self.wire.reduce_scatter(u, u.grad_staging)
+        else:
+            super()._unit_ready(u)
         self.release(u, after_backward=True)
 
     # --- gathering and releasing parameters ------------------------------------------------
-    def gather(self, u: Unit, again: bool = False):
-        """All-gather the unit's parameters and point them at the result. again: backward's
-        re-gather, into the buffer the forward's ops kept (see the module docstring)."""
+    def start(self, u: Unit, again: bool = False):
+        """Start the unit's all-gather (non-blocking), unless its parameters are gathered or on
+        their way. again: backward's, into the buffer the forward's ops kept (the module
+        docstring); else into a new one."""
+        if u.live:
+            return
         if not again or u.param_gathered is None:
-            u.param_gathered = comm.all_gather(u.group, u.param_shard)          # (n_pad,)
-        else:
-            comm.all_gather(u.group, u.param_shard, out=u.param_gathered)
+            u.param_gathered = np.empty(u.n_pad, dtype=self.dtype)
+        u.gather_handle = self.wire.start_gather(u, again)
+        u.live = True
+        self.gathered_bytes += u.param_gathered.nbytes
+        self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
+
+    def gather(self, u: Unit, again: bool = False, phase: str = "forward"):
+        """The unit's parameters, there: start its all-gather if nobody has, wait for it (the
+        exposed wait of `phase`), and point the parameters at the result."""
+        self.start(u, again)
+        if u.gather_handle is not None:
+            t0 = time.perf_counter()
+            with trace.span(f"wait for all-gather {u.names[0]}", "zero", phase=phase, unit=u.names[0]):
+                u.gather_handle.wait()
+            comm.count("zero", phase, waited=time.perf_counter() - t0)
+            u.gather_handle = None
+            self.wire.landed(u)
+            self.secondary_peak = max(self.secondary_peak, self.wire.secondary_bytes(self.units))
         u.point(u.param_gathered)
+
+    def poll(self):
+        """Push every gather in flight along (between pieces of the model)."""
+        for u in self.units:
+            if u.gather_handle is not None:
+                u.gather_handle.test()
 
     def release(self, u: Unit, after_backward: bool = False):
         """Forward is done with the unit (poison the buffer, keep it for the re-gather when a
-        graph holds it), or backward is (drop it)."""
+        graph holds it; with reshard_after_forward off, in a training step, keep it as it is),
+        or backward is (drop it)."""
+        if not after_backward and not self.reshard_after_forward and self.in_step:
+            return
+        if u.gather_handle is not None:          # a prefetch nobody used (an interrupted forward)
+            u.gather_handle.wait()
+            u.gather_handle, u.wire_recv = None, None
+        if after_backward or not self.in_step:
+            u.secondary = None                   # hpZ: backward is done with the unit
         for p in u.params:
             p.data = _placeholder(p.shape, self.dtype)
+        if u.live:
+            self.gathered_bytes -= u.param_gathered.nbytes
+            u.live = False
         if u.param_gathered is None:
             return
         if after_backward or not is_grad_enabled():
@@ -108,13 +201,17 @@ class Gathers:
     """Parts.gathers under ZeRO-3: the gathers around the model's pieces (embed, block i,
     head). The embedding-side units are gathered before embed and released after head; a
     block's units before the block and released after it (Regather gathers them again in
-    backward). Built with the model (parallelize), before the units exist; Stage3 binds its
-    units when it is built, and until then the pieces run as they are."""
+    backward); with prefetch K the next K blocks' gathers start when a block's is waited for.
+    Built with the model (parallelize), before the units exist; Stage3 binds its units when
+    it is built, and until then the pieces run as they are."""
+
+    OUTER = "outer"
 
     def __init__(self):
         self.sync = None
         self.blocks = {}                             # block i -> its units (with experts: two)
         self.outer = []                              # the embedding-side units
+        self.order = []                              # the block indices, in forward order
 
     def bind(self, sync: Stage3):
         self.sync = sync
@@ -124,18 +221,50 @@ class Gathers:
             if i is not None:
                 self.blocks.setdefault(i, []).append(u)
         self.outer = [u for u in sync.units if family.block_of(u.names[0]) is None]
+        self.order = sorted(self.blocks)
+
+    def units_of(self, key) -> list:
+        return self.outer if key == self.OUTER else self.blocks[key]
+
+    def _ahead(self, i, step: int) -> list:
+        """The K blocks after block i in forward (step 1) or backward (step -1) order; i None:
+        the first K of that order."""
+        order = self.order if step > 0 else self.order[::-1]
+        at = 0 if i is None else order.index(i) + 1
+        return order[at:at + self.sync.prefetch]
+
+    def _prefetch(self, i, step: int):
+        for j in self._ahead(i, step):
+            for u in self.blocks[j]:
+                self.sync.start(u, again=step < 0)
 
     def embed(self, run, idx):
-        for u in self.outer if self.sync is not None else ():
-            self.sync.gather(u)
+        if self.sync is not None:
+            for u in self.outer:
+                self.sync.gather(u)
+            self._prefetch(None, 1)
         return run(idx)
 
     def block(self, run, i: int, x):
         if self.sync is None:
             return run(i, x)
+        replay = recompute.replaying()               # --recompute full: the forward again, in backward
         for u in self.blocks[i]:
-            self.sync.gather(u)
-        return Regather.apply(run(i, x), self.sync, self.blocks[i])
+            self.sync.gather(u, again=replay, phase="backward" if replay else "forward")
+        if replay:
+            self._prefetch(i, -1)
+        else:
+            self._prefetch(i, 1)
+        self.sync.poll()
+        return Regather.apply(run(i, x), self, i, replay)
 
     def head(self, run, x):
-        return run(x) if self.sync is None else Regather.apply(run(x), self.sync, self.outer)
+        return run(x) if self.sync is None else Regather.apply(run(x), self, self.OUTER, False)
+
+    def backward_enter(self, key):
+        """Backward reaches the piece `key`: its units gathered again (unless kept), the next
+        K blocks of backward prefetched."""
+        for u in self.units_of(key):
+            self.sync.gather(u, again=True, phase="backward")
+        self._prefetch(None if key == self.OUTER else key, -1)
+        self.sync.poll()

@@ -43,18 +43,23 @@ class Unit:
     keeps (stage1.py, stage2.py, stage3.py) and the optimizer state of the shard."""
 
     def __init__(self, names, params, N: int, rank: int, group=None, *, m, v, master=None, grad_dtype=None,
-                 params_sharded: bool = False, grads_sharded: bool = False):
-        """m, v, master: the full optimizer's per-parameter arrays (master None without mixed
+                 params_sharded: bool = False, grads_sharded: bool = False, replicas=None):
+        """N, rank, group: the shard group (all the unit's ranks in flat ZeRO); replicas: with
+        hybrid sharding (hybrid.py) the group of the ranks that hold the same shard, else None.
+        The unit is padded to a multiple of N x R, so that its shards (n_pad/N) cut into R
+        equal pieces too. m, v, master: the full optimizer's per-parameter arrays (master None without mixed
         precision), of which the unit keeps its shard. params_sharded: keep only the shard of
         the parameters (stage 3), else the full flat buffer the parameters view; grads_sharded:
         keep a gradient shard (stages 2, 3), else a full flat gradient buffer (stage 1), both
         in grad_dtype (the storage dtype)."""
         self.names, self.params = names, params
         self.group, self.N = group, N           # the ranks its shards are spread over ("zero" axis)
+        self.replicas = replicas                # hybrid: the R ranks holding the same shard, else None
+        self.R = 1 if replicas is None else replicas.size
         self.sizes = [p.size for p in params]
         self.offsets = np.cumsum([0] + self.sizes)[:-1].tolist()
         self.n = sum(self.sizes)
-        self.n_pad = padded(self.n, N)
+        self.n_pad = padded(self.n, N * self.R)
         self.shard_size = self.n_pad // N
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
         self.dtype = params[0].data.dtype
@@ -68,6 +73,7 @@ class Unit:
         self.pending = len(params)
         self.received = 0           # reduce-scatters finished this step
         self.handle = None          # the reduce-scatter in flight
+        self.replica_handle = None  # hybrid: the shard's all-reduce across the replicas in flight
         own = slice(self.lo, self.hi)
         self.m = self.flatten(m)[own].copy()                            # (shard,) optimizer state
         self.v = self.flatten(v)[own].copy()
