@@ -42,8 +42,11 @@ run: bytecode
 
 test: test-serial labs-check test-mpi
 
+# The serial tests in JOBS worker processes (pytest-xdist): most of them wait on an mpirun or a
+# sandboxed grader, so two workers keep both cores of a small machine busy. JOBS=0: one process.
+JOBS ?= 2
 test-serial: bytecode
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(if $(filter-out 0,$(JOBS)),-n $(JOBS),) tests
 
 # MPI tests: 4 ranks, a hard timeout, and any failing rank aborts the world (tests/mpi/conftest.py).
 test-mpi: bytecode
