@@ -7,7 +7,10 @@ _heads_of, _to_heads, _to_tokens = ulysses.heads_of, ulysses.to_heads, ulysses.t
 
 
 def heads_of(j, H, Hkv, C):
-    return [int(h) for h in _heads_of(j, H, Hkv, C)]
+    try:
+        return [int(h) for h in _heads_of(j, H, Hkv, C)]
+    except ValueError as e:         # the trainer adds the flags' values to head_split's line; so here
+        raise ValueError(f"{e} (H={H}, Hkv={Hkv}, C={C})") from None
 
 
 def to_heads(g, x, heads):
