@@ -55,13 +55,13 @@ test-mpi: bytecode
 # The teaching labs (labs/README.md): every grader passes the hand-written solution, fails the
 # stub and catches a planted mistake (labs-check-full: minipar's code too, and every mistake).
 labs-check: bytecode
-	timeout -k 10 600 $(PY) -m labs.check_all --quick
+	timeout -k 10 600 $(PY) -m labs.check_all --quick --jobs $(if $(filter-out 0,$(JOBS)),$(JOBS),1)
 
 # Every mutant of every lab, then the whole hostile corpus (tests/hostile/), with the hand
 # solution graded after each hostile file, and every command the handouts print, run as printed
 # (run before changing a lab or the grader).
 labs-check-full: install
-	timeout -k 10 1800 $(PY) -m labs.check_all
+	timeout -k 10 3600 $(PY) -m labs.check_all --jobs $(if $(filter-out 0,$(JOBS)),$(JOBS),1)
 	MINIPAR_HOSTILE_ALL=1 MINIPAR_HANDOUTS_RUN=1 timeout -k 10 3600 $(PY) -m pytest -q -p no:cacheprovider \
 		tests/test_hostile.py tests/test_handouts.py
 

@@ -10,7 +10,8 @@ For every lab folder:
     and `raise NotImplementedError(...)` (compared on the syntax tree);
   - every minipar name a hint mentions exists.
 Prints one line per lab and a total; exit 1 on any finding. `python -m labs.check_all 02 07`
-checks only those labs; --quick grades one mutant per lab (the first by name) instead of all,
+checks only those labs; --jobs N checks N labs at once, each in a worker process with a sandbox
+of its own; --quick grades one mutant per lab (the first by name) instead of all,
 and not reference.py (minipar's own code, which tests/ checks): what `make labs-check` runs
 inside `make test`. `make labs-check-full` runs every mutant.
 """
@@ -149,28 +150,64 @@ def check_lab(lab_dir: str, say, sandbox: Sandbox, quick: bool = False) -> tuple
     return findings, caught, solution_seconds
 
 
+_worker_sandbox = None
+
+
+def _worker_start():
+    global _worker_sandbox
+    _worker_sandbox = Sandbox()                 # a uid and scratch of its own (labs/sandbox.py)
+
+
+def _worker_check(args):
+    """One lab in a worker process of --jobs: (folder, findings, caught, its line)."""
+    d, quick = args
+    lines = []
+    findings, n, _ = check_lab(d, say=lines.append, sandbox=_worker_sandbox, quick=quick)
+    return d, findings, n, "\n".join(lines)
+
+
+def check_labs(dirs, quick: bool, jobs: int, say) -> tuple[list, int]:
+    """(findings, mutants caught) over the labs, `jobs` labs at once (each worker process its
+    own sandbox); lines in the labs' order when jobs is 1, as each lab ends otherwise."""
+    results = []
+    if jobs <= 1:
+        sandbox = Sandbox()
+        say(sandbox.mode_line())
+        try:
+            for d in dirs:
+                findings, n, _ = check_lab(d, say=say, sandbox=sandbox, quick=quick)
+                results.append((d, findings, n))
+        finally:
+            sandbox.close()
+    else:
+        import multiprocessing                  # noqa: PLC0415
+        probe = Sandbox()
+        say(probe.mode_line() + f"; {jobs} labs at once")
+        probe.close()
+        with multiprocessing.get_context("fork").Pool(jobs, initializer=_worker_start) as pool:
+            for d, findings, n, lines in pool.imap_unordered(_worker_check, [(d, quick) for d in dirs]):
+                say(lines)
+                results.append((d, findings, n))
+    results.sort(key=lambda r: dirs.index(r[0]))
+    return [f"{os.path.basename(d)}: {f}" for d, fs, _ in results for f in fs], sum(n for _, _, n in results)
+
+
 def main(argv=None):
     import argparse  # noqa: PLC0415
     ap = argparse.ArgumentParser(prog="python -m labs.check_all", description=__doc__.split("\n\n")[0])
     ap.add_argument("labs", nargs="*", metavar="NN", help="only these labs (02, 07_schedules, ...) [all]")
     ap.add_argument("--quick", action="store_true", help="one mutant per lab, and not reference.py")
+    ap.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="check N labs at once, each in a worker process with a sandbox of its own [1]")
     a = ap.parse_args(argv)
-    quick = a.quick
+    if a.jobs < 1:
+        ap.error(f"--jobs {a.jobs}: want 1 or more")
     try:
         dirs = [framework.find(w) for w in a.labs] if a.labs else framework.lab_dirs()
     except ValueError as e:
         ap.error(str(e))
     start = time.monotonic()
-    all_findings, caught = [], 0
-    sandbox = Sandbox()
-    print(sandbox.mode_line(), flush=True)
-    try:
-        for d in dirs:
-            findings, n, _ = check_lab(d, say=lambda line: print(line, flush=True), sandbox=sandbox, quick=quick)
-            all_findings += [f"{os.path.basename(d)}: {f}" for f in findings]
-            caught += n
-    finally:
-        sandbox.close()
+    all_findings, caught = check_labs(dirs, a.quick, min(a.jobs, len(dirs)), say=lambda line: print(line, flush=True))
     for f in all_findings:
         print(f"  FINDING {f}")
     print(f"labs-check: {len(dirs)} lab(s), {caught} mutants caught, {len(all_findings)} finding(s), "

@@ -100,10 +100,10 @@ ulysses.kv_heads_of = lambda j, Hkv, C: np.array([0])
     "ulysses order": (["--cp-impl", "ulysses"], """
 import numpy as np
 from minipar.parallel.context import ulysses
-def to_sequence(self, got):
-    C, B, t, w = got.shape
-    return np.moveaxis(got, 0, 1).reshape(B, C * t, w)
-ulysses.UlyssesAttention._to_sequence = to_sequence
+def positions(self, got):
+    B, n, k, hs = got.shape
+    return got.reshape(B, n, k * hs)
+ulysses.UlyssesAttention._positions = positions
 """),
     # all-gather: the gathered keys masked as if rank order were position order
     "allgather mask": (["--cp-impl", "allgather"], """

@@ -4,10 +4,10 @@ rank attends over the WHOLE sequence for H/C of the heads, and a second all-to-a
 back. Attention is then the single process's (ops.CausalSelfAttention), on fewer heads.
 
 On rank r of C, with its t = T/C tokens at positions pos_r (ring_attention.positions):
-    forward   all_to_all  q, k, v (B, t, heads)  ->  (B, T, heads / C)   rank j gets heads j
+    forward   to_heads    q, k, v (B, t, heads)  ->  (B, T, heads / C)   rank j gets heads j
               attention of the whole sequence, causal, on those heads
-              all_to_all  y (B, T, H/C hs)       ->  (B, t, H hs)        back to the tokens' owners
-    backward  the same two all-to-alls on the gradients, in reverse order
+              to_tokens   y (B, T, H/C hs)       ->  (B, t, H hs)        back to the tokens' owners
+    backward  to_heads on dy, to_tokens on dq, dk, dv (to_tokens is to_heads' adjoint)
 Query heads: rank j holds [j H/C, (j + 1) H/C), so C must divide H (after tp: H/tp). Key and
 value heads: when C divides Hkv, rank j holds [j Hkv/C, (j + 1) Hkv/C); when Hkv divides C
 (fewer KV heads than ranks, grouped-query attention), rank j gets the one KV head its query
@@ -51,11 +51,63 @@ def kv_heads_of(j: int, Hkv: int, C: int) -> np.ndarray:
     return np.array([j // (C // Hkv)])
 
 
+def heads_of(j: int, H: int, Hkv: int, C: int) -> np.ndarray:
+    """The heads of the packed projection, viewed as (B, t, H + 2 Hkv, hs) = [q | k | v], that
+    rank j of C attends with: its query heads, then the keys and the values of its KV heads
+    (kv_heads_of), as indices into those H + 2 Hkv."""
+    Hq, _ = head_split(H, Hkv, C)
+    kvs = kv_heads_of(j, Hkv, C)
+    return np.concatenate([np.arange(j * Hq, (j + 1) * Hq), H + kvs, H + Hkv + kvs])
+
+
+def _piece(heads) -> int:
+    """m: how many heads each rank gets (the same for every rank: no sizes travel)."""
+    m = {len(h) for h in heads}
+    if len(m) != 1:
+        raise ValueError(f"Ulysses' all-to-alls give every rank as many heads; got {[len(h) for h in heads]}")
+    return m.pop()
+
+
+def to_heads(group, x: np.ndarray, heads) -> np.ndarray:
+    """The sequence-to-head all-to-all. x (B, t, n, hs): this rank's t tokens of n heads;
+    heads[j] the m heads rank j gets (the same lists on every rank, as many for each). ->
+    (B, C t, m, hs): my heads of rank 0's t tokens, then rank 1's, ... (rank order, not
+    position order). One all-to-all of equal pieces: piece j is x[:, :, heads[j]].
+
+        y[:, i t:(i + 1) t] = x_i[:, :, heads[me]]        x_i: rank i's x"""
+    B, t, _, hs = x.shape
+    m = _piece(heads)
+    send = np.empty((group.size, B, t, m, hs), dtype=x.dtype)
+    for j, h in enumerate(heads):
+        send[j] = x[:, :, np.asarray(h, dtype=np.int64)]
+    got = comm.all_to_all(group, send)                                 # (C, B, t, m, hs)
+    return np.moveaxis(got, 0, 1).reshape(B, group.size * t, m, hs)
+
+
+def to_tokens(group, y: np.ndarray, heads, n: int) -> np.ndarray:
+    """The way back, to_heads' adjoint. y (B, C t, m, hs): my heads heads[me] of every rank's
+    tokens, in rank order. -> (B, t, n, hs): my tokens of all n heads, head h the sum of the
+    pieces of every rank that holds it (a KV head copied to C/Hkv ranks: their gradients
+    summed; a query head: its one owner's output); a head no rank holds: zeros.
+
+        out[:, :, heads[j]] += y_j[:, me t:(me + 1) t]     y_j: rank j's y"""
+    B, Ct, m, hs = y.shape
+    _piece(heads)
+    C = group.size
+    t = Ct // C
+    got = comm.all_to_all(group, np.ascontiguousarray(np.moveaxis(y.reshape(B, C, t, m, hs), 1, 0)))
+    out = np.zeros((B, t, n, hs), dtype=y.dtype)
+    for j, h in enumerate(heads):
+        out[:, :, np.asarray(h, dtype=np.int64)] += got[j]
+    return out
+
+
 class UlyssesAttention(Function):
     """Causal self-attention of the whole sequence on the packed projection qkv (B, t, (H +
     2 Hkv) hs) of this rank's tokens -> y (B, t, H hs), as ops.CausalSelfAttention takes and
     gives them. Keeps what the inner attention keeps: q, k, v of its heads over all T tokens
-    (the softmax made again in backward).
+    (the softmax made again in backward). Its head lists are heads_of's and its four
+    all-to-alls to_heads and to_tokens (labs/20_ulysses puts a student's there).
 
     ring: None, or the ring group of --cp-impl hybrid (context_parallel.ContextSplit): `group` is then one of its
     ranks' Ulysses group, whose U ranks' tokens the all-to-all brings together, and the
@@ -71,15 +123,10 @@ class UlyssesAttention(Function):
         Hq, kv = head_split(H, Hkv, U)
         T = t * U * R
         self.group, self.dims, self.where = group, (B, t, H, Hkv, hs, Hq, kv), (m, R, T, layout)
-        q = qkv[..., :H * hs].reshape(B, t, U, Hq * hs)
-        k = qkv[..., H * hs:(H + Hkv) * hs].reshape(B, t, Hkv, hs)
-        v = qkv[..., (H + Hkv) * hs:].reshape(B, t, Hkv, hs)
-        send = np.empty((U, B, t, (Hq + 2 * kv) * hs), dtype=qkv.dtype)
-        for j in range(U):
-            heads = kv_heads_of(j, Hkv, U)
-            send[j] = np.concatenate([q[:, :, j], k[:, :, heads].reshape(B, t, -1),
-                                      v[:, :, heads].reshape(B, t, -1)], axis=-1)
-        gathered = self._to_sequence(waited("forward", comm.all_to_all, group, send))   # (B, U t, w)
+        self.heads = [heads_of(j, H, Hkv, U) for j in range(U)]
+        self.queries = [h[:Hq] for h in self.heads]
+        x = qkv.reshape(B, t, H + 2 * Hkv, hs)
+        gathered = self._positions(waited("forward", to_heads, group, x, self.heads))   # (B, U t, w)
         if ring is None:
             self.inner = CausalSelfAttention()
             y = self.inner.forward(gathered, Hq, True, kv)            # keeps q, k, v; P made again
@@ -87,27 +134,19 @@ class UlyssesAttention(Function):
             self.inner = RingSelfAttention()
             y = self.inner.forward(gathered, Hq, ring, layout, kv)
         self.saved, self.inner.saved = self.inner.saved, ()
-        back = waited("forward", comm.all_to_all, group, self._to_owners(y))      # (U, B, t, Hq hs): heads j
-        return store(np.moveaxis(back, 0, 2).reshape(B, t, H * hs), self.dtype)
+        back = waited("forward", to_tokens, group, self._ranks(y, Hq), self.queries, H)   # (B, t, H, hs)
+        return store(back.reshape(B, t, H * hs), self.dtype)
 
     def backward(self, g):
         B, t, H, Hkv, hs, Hq, kv = self.dims
-        U, g = self.group.size, compute(g)
-        dy = np.ascontiguousarray(np.moveaxis(g.reshape(B, t, U, Hq * hs), 2, 0))
-        dy = self._to_sequence(waited("backward", comm.all_to_all, self.group, dy))   # (B, U t, Hq hs)
+        g = compute(g).reshape(B, t, H, hs)
+        dy = self._positions(waited("backward", to_heads, self.group, g, self.queries))  # (B, U t, Hq hs)
         self.inner.saved = self.saved
         dmine = self.inner.backward(dy)[0]                             # (B, U t, (Hq + 2 kv) hs)
         self.inner.saved = ()
-        got = waited("backward", comm.all_to_all, self.group, self._to_owners(dmine))   # (U, B, t, w)
-        dq = np.moveaxis(got[..., :Hq * hs], 0, 2).reshape(B, t, H * hs)
-        dk = np.zeros((B, t, Hkv, hs), dtype=got.dtype)
-        dv = np.zeros_like(dk)
-        for j in range(U):                                             # a replicated head: summed
-            heads = kv_heads_of(j, Hkv, U)
-            dk[:, :, heads] += got[j][..., Hq * hs:(Hq + kv) * hs].reshape(B, t, kv, hs)
-            dv[:, :, heads] += got[j][..., (Hq + kv) * hs:].reshape(B, t, kv, hs)
-        dqkv = np.concatenate([dq, dk.reshape(B, t, -1), dv.reshape(B, t, -1)], axis=-1)
-        return store(dqkv, self.dtype), None, None, None, None, None
+        dqkv = waited("backward", to_tokens, self.group, self._ranks(dmine, Hq + 2 * kv), self.heads,
+                      H + 2 * Hkv)                                     # a copied KV head: summed
+        return store(dqkv.reshape(B, t, -1), self.dtype), None, None, None, None, None
 
     @property
     def order(self) -> np.ndarray:
@@ -117,18 +156,17 @@ class UlyssesAttention(Function):
         mine = positions(m, R, T, layout)                             # sorted
         return np.searchsorted(mine, np.concatenate([positions(m * U + i, U * R, T, layout) for i in range(U)]))
 
-    def _to_sequence(self, got):
-        """(U, B, t, w) received, rank i's tokens at got[i] -> (B, U t, w) in position order."""
-        U, B, t, w = got.shape
-        out = np.empty((B, U * t, w), dtype=got.dtype)
-        out[:, self.order] = np.moveaxis(got, 0, 1).reshape(B, U * t, w)
+    def _positions(self, got):
+        """(B, U t, k, hs) in rank order (to_heads') -> (B, U t, k hs) in position order."""
+        B, n, k, hs = got.shape
+        out = np.empty((B, n, k * hs), dtype=got.dtype)
+        out[:, self.order] = got.reshape(B, n, k * hs)
         return out
 
-    def _to_owners(self, a):
-        """(B, U t, w) in position order -> (U, B, t, w), rank i's tokens at [i]: to send home."""
-        U = self.group.size
+    def _ranks(self, a, k):
+        """(B, U t, k hs) in position order -> (B, U t, k, hs) in rank order: for to_tokens."""
         B, n, w = a.shape
-        return np.ascontiguousarray(np.moveaxis(a[:, self.order].reshape(B, U, n // U, w), 1, 0))
+        return a[:, self.order].reshape(B, n, k, w // k)
 
 
 def ulysses_traffic(rows_t: int, Hq: int, kv: int, hs: int, C: int, itemsize: int, forwards: int = 1) -> int:
