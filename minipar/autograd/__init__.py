@@ -6,6 +6,7 @@ apart. Nothing here knows of ranks or messages. Read in this order:
     ops.py              every op the models use, each a Function with its backward beside
                         the plain NumPy it computes (the reference ops)
     attention.py        causal self-attention, multi-head and grouped-query
+    tiled_attention.py  FlashAttention-2's tiled forward and backward: no T x T scores held
     llama_ops.py        the Llama family's RMSNorm, rotary embedding and SwiGLU
     backward_split.py   a backward split into B (input gradients) and W (weight gradients),
                         for the zero-bubble pipeline schedules

@@ -186,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one JSON object per step, then a summary object")
     io.add_argument("--timeline", metavar="FILE.svg",
                     help="with --pp: draw the last step's pipeline timeline")
+    t.add_argument("--attention", choices=("plain", "tiled"), default="plain",
+                   help="how each process computes attention: plain (every score of a head at once, "
+                        "T x T) or tiled (FlashAttention-2's blocks with an online softmax, no T x T array: "
+                        "minipar/autograd/tiled_attention.py); --verify's twin attends plainly [%(default)s]")
+    t.add_argument("--attn-block", type=int, default=None, metavar="B",
+                   help="--attention tiled: queries and keys per block [32]")
     t.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
                     help="activation recomputation: selective keeps all but the attention "
                          "softmax, full only each block's input (docs/recompute.md) [%(default)s]")
@@ -485,6 +491,22 @@ def check_context_split(cfg: GPTConfig | None, args) -> str:
                           f"{cfg.block_size} / --cp {cp}) over --tp {tp}: {cfg.block_size // cp} is not "
                           f"divisible by {tp}")
     return cp_layout
+
+
+def resolve_attention(args) -> int | None:
+    """--attn-block belongs to --attention tiled and is >= 1; tiled attention is one process's
+    (not --cp, whose ranks attend by their own implementation). -> the block size (None with
+    plain attention); args is not changed."""
+    if args.attn_block is not None and args.attention != "tiled":
+        raise ConfigError(f"--attn-block {args.attn_block} is the block size of --attention tiled, "
+                          f"got --attention {args.attention}")
+    block = 32 if args.attn_block is None else args.attn_block
+    if block < 1:
+        raise ConfigError(f"--attn-block must be a whole number >= 1 of queries and keys, got {block}")
+    if args.attention == "tiled" and args.cp > 1:
+        raise ConfigError(f"--attention tiled is how one process attends: --cp {args.cp} attends as "
+                          f"--cp-impl says")
+    return block if args.attention == "tiled" else None
 
 
 def check_cp_impl(cfg: GPTConfig, args, tp: int) -> str:

@@ -3,7 +3,8 @@ in one place and in order (docs/design.md §6). The model itself knows nothing o
 split; each mechanism gives it one of its Parts (model/contract.py) or builds its layers:
 
     1. recomputation      how each block runs (--recompute full: again in backward) and how
-                          attention keeps its scores (selective: not at all)
+                          attention keeps its scores (selective: not at all; --attention
+                          tiled: in blocks, never whole, kept as o and its log-sum-exp)
     2. context            the ring over the cp group as attention, and this rank's positions
     3. experts            the routing settings with this rank's experts placed, and only
                           their parameters held
@@ -19,9 +20,12 @@ Nothing is set on the model after it is built; everything it is given is in its 
 from __future__ import annotations
 
 import dataclasses
+import functools
+
 import numpy as np
 
 from minipar.autograd import recompute
+from minipar.autograd.tiled_attention import tiled_attention
 from minipar.model.contract import (Model, Parts, Resident, every_parameter, recomputed_attention, whole_attention,
                                     whole_positions)
 from minipar.model.gpt import GPT, GPTConfig
@@ -35,9 +39,11 @@ from minipar.parallel.zero import stage3
 
 
 def parts(recompute_mode: str = "none", context: ContextSplit | None = None, moe=None,
-          holds=None, gathers=None) -> Parts:
-    """The Parts of a layout: steps 1 to 5 above, for a model on one rank or many."""
+          holds=None, gathers=None, attn_block: int | None = None) -> Parts:
+    """The Parts of a layout: steps 1 to 5 above, for a model on one rank or many. attn_block:
+    --attention tiled's block size (None: plain attention)."""
     attention = (context.attention if context is not None
+                 else functools.partial(tiled_attention, block=attn_block) if attn_block is not None
                  else recomputed_attention if recompute_mode == "selective"
                  else whole_attention)
     positions = context.global_positions if context is not None else whole_positions
@@ -47,10 +53,10 @@ def parts(recompute_mode: str = "none", context: ContextSplit | None = None, moe
 
 def parallelize(cfg: GPTConfig, grid, seed: int, dtype, recompute_mode: str = "none", sp: bool = False,
                 context: ContextSplit | None = None, moe=None, virtual_stages: int = 1,
-                zero_stage: int = 0) -> Model:
+                zero_stage: int = 0, attn_block: int | None = None) -> Model:
     """This rank's model on `grid` (a ProcessGrid, or None: one process, never sharded).
     context: this rank's ContextSplit (--cp), moe: the routing settings of a MoE model (else
-    None), zero_stage: --zero."""
+    None), zero_stage: --zero, attn_block: --attention tiled's block (None: plain attention)."""
     holds = []
     if grid is not None and grid.ep_size > 1:                                   # 3. experts
         placement = ExpertPlacement(grid.ep_group, cfg.moe_experts)
@@ -61,7 +67,7 @@ def parallelize(cfg: GPTConfig, grid, seed: int, dtype, recompute_mode: str = "n
                                                            virtual_stages)).__contains__)
     gathers = stage3.Gathers() if grid is not None and zero_stage == 3 else None   # 5. ZeRO-3
     p = parts(recompute_mode, context, moe, (lambda name: all(h(name) for h in holds)) if holds else None,
-              gathers)
+              gathers, attn_block)
     if grid is not None and grid.tp_size > 1:                                   # 6. tensor
         layers = SequenceParallelGPT if sp else TensorParallelGPT
         model = layers(cfg, grid.tp_group, seed=seed, dtype=np.dtype(dtype), parts=p)

@@ -141,6 +141,8 @@ def mechanisms(session) -> str:
         out.append(f"mixed precision ({args.precision})")
     if args.recompute != "none":
         out.append(f"{args.recompute} activation recomputation")
+    if getattr(args, "attention", "plain") == "tiled":
+        out.append(f"tiled attention (blocks of {args.attn_block} queries and keys)")
     return "  mechanisms: " + ("; ".join(out) if out else
                                "none (one process, the single-process baseline)")
 

@@ -16,7 +16,7 @@ from minipar import comm
 from minipar.config import outputs
 from minipar.config.flags import (DTYPES, ConfigError, check_context_split, check_cp_impl, check_moe, check_numbers,
                                   check_schedule, check_sequence_split, check_shard_group, check_split,
-                                  resolve_dp_flags, resolve_gathers, resolve_model, resolve_zpp,
+                                  resolve_attention, resolve_dp_flags, resolve_gathers, resolve_model, resolve_zpp,
                                   validate)
 from minipar.model.gpt import GPTConfig, param_specs
 from minipar.parallel.layout import Layout, LayoutError, check_layout
@@ -91,6 +91,7 @@ def prepare(args, world: int) -> RunSpec:
         raise ConfigError(f"--seed {args.seed} does not match the checkpoint {args.resume} "
                           f"(seed {meta['seed']})")
     validate(args, cfg)
+    args.attn_block = resolve_attention(args)
     if meta is not None:
         check_checkpoint(args, cfg, state, meta)
     try:

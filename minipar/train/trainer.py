@@ -131,7 +131,8 @@ def init_model(spec: RunSpec, args, grid: ProcessGrid | None = None,
     """(model, optimizer) for this rank: the layout's model (parallelize: every mechanism
     applied in order), its optimizer, and with --resume both loaded from the checkpoint."""
     model = parallelize(spec.cfg, grid, args.seed, spec.dtype, args.recompute, args.sp, context,
-                        moe_settings(spec, args), args.virtual_stages, args.zero)
+                        moe_settings(spec, args), args.virtual_stages, args.zero,
+                        getattr(args, "attn_block", None))              # --attention tiled's block, else None
     opt = build_optimizer(model, args)
     if spec.meta is not None:
         try:

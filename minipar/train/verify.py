@@ -15,6 +15,7 @@ what is reported but not judged (the key biases: `judged`).
 """
 from __future__ import annotations
 
+import argparse
 import math
 
 import numpy as np
@@ -123,9 +124,11 @@ def verdict(session, rows_log, ref_losses, ref_norms, state, ref_state) -> tuple
 
 def run_twin(spec, args, start: int, stop: int):
     """The same steps on one process, from the same weights and data (and the same
-    --precision: the fp32 master weights are compared). -> (losses, gradient norms before
-    clipping, the final canonical state)."""
+    --precision: the fp32 master weights are compared), attending plainly (--attention tiled is
+    checked against the plain attention). -> (losses, gradient norms before clipping, the
+    final canonical state)."""
     from minipar.train import trainer as train          # noqa: PLC0415 - the twin is the trainer's own loop
+    args = argparse.Namespace(**{**vars(args), "attention": "plain", "attn_block": None})
     model, opt = train.init_model(spec, args)
     sampler = data.Sampler(spec.tokens, spec.cfg.block_size, args.batch_size, args.seed)
     s = train.Session(args, model, opt, sampler, spec=spec)
