@@ -254,11 +254,9 @@ def run_cases(student, out, cases):
         out.put(key("case", name), fn(student.checkpoint))
 
 
-def one_block(student, out):
+def gradients(student, out):
+    """Every case of ONE, then of MANY (two criteria judge this one record)."""
     run_cases(student, out, ONE)
-
-
-def many_blocks(student, out):
     run_cases(student, out, MANY)
 
 
@@ -300,6 +298,7 @@ def gpt_loss(mode, cfg=MEM_CFG, rows=MEM_B):
 
 
 def memory(student, out):
+    """The bytes a chain keeps (tracemalloc) and a GPT's saved_bytes with the seam."""
     out.case(f"a chain of {MEM_CFG.n_layer} GPT blocks (C={MEM_CFG.n_embd}) through your checkpoint, x "
              f"({MEM_B}, {MEM_T}, {MEM_CFG.n_embd}): bytes alive between forward and backward")
     held, saved = held_by_chain(student.checkpoint)
@@ -348,6 +347,7 @@ FLOP_B = 2
 
 
 def flops(student, out):
+    """Each case's runs of each block, and a GPT's matrix-product FLOPs with the seam."""
     for name, (what, fn) in CASES.items():
         out.case(f"{name}: {what}, counting each block's runs")
         out.put(key("runs", name), fn(student.checkpoint)["runs"])
@@ -364,6 +364,12 @@ def flops(student, out):
             out.put(key("seam calls", mode), int(calls() - before))
     finally:
         restore()
+
+
+def costs(student, out):
+    """memory, then flops (two criteria judge this one record)."""
+    memory(student, out)
+    flops(student, out)
 
 
 # --- the seam ---------------------------------------------------------------------------------

@@ -271,30 +271,31 @@ def judge_flops(res):
 
 
 CRITERIA = [
-    Criterion("one block against the plain block", run="one_block", judge=judge_one,
+    Criterion("one block against the plain block", run="gradients", judge=judge_one,
               timeout=60, uses=("checkpoint",),
               hint="forward: with no_grad(), y = run(Tensor(x)), self.saved = (x,), return y.data; backward: "
                    "leaf = Tensor(x, requires_grad=True), with enable_grad(): y = self.run(leaf), "
                    "y.backward(grad), return (leaf.grad, None); under no_grad() or for data x: run(x)"),
-    Criterion("chains, reuse and accumulation", run="many_blocks",
+    Criterion("chains, reuse and accumulation", run="gradients",
               judge=judge_many, timeout=60, uses=("checkpoint",),
               hint="keep everything on self (one node per call), never on the class or in a global; "
                    "recompute from the kept input, not the output; run the block's backward once; "
                    "x without requires_grad: return run(x), so the block's own graph reaches its parameters"),
-    Criterion("saved bytes against the formula", run="memory", judge=judge_memory, timeout=60,
+    Criterion("saved bytes against the formula", run="costs", judge=judge_memory, timeout=60,
               uses=("checkpoint",),
               hint="the forward must record nothing (no_grad) and keep x itself in self.saved = (x,): no graph, "
                    "no copy, nothing on self beyond x and run; minipar.tensor.Tensor.saved_bytes counts "
                    "what self.saved holds"),
-    Criterion("one more forward per block", run="flops", judge=judge_flops, timeout=60,
+    Criterion("one more forward per block", run="costs", judge=judge_flops, timeout=60,
               uses=("checkpoint",),
               hint="a checkpointed block runs twice: once in forward under no_grad, once in backward "
                    "recording its graph; not again for the input's gradient"),
-    Criterion("trainer --dp 2 --recompute full", ranks=2,
-              trainer=trainer_flags("--dp", "2", "--recompute", "full", n_layer=3, batch_size=6), timeout=120,
-              uses=("checkpoint",),
-              hint="every transformer block runs through your checkpoint; data parallelism's gradient hooks "
-                   "fire inside your backward's y.backward(grad); the grader compares the run with one process"),
+    Criterion("trainer --pp 3 --recompute full", ranks=3,
+              trainer=trainer_flags("--pp", "3", "--micro-batches", "2", "--recompute", "full", n_layer=3),
+              timeout=120, uses=("checkpoint",),
+              hint="every transformer block runs through your checkpoint, on 3 pipeline stages with 2 "
+                   "micro-batches' graphs in flight (1F1B); each stage's first block gets the activation "
+                   "received from the previous stage; the grader compares the run with one process"),
     Criterion("trainer --tp 2 --recompute selective", ranks=2,
               trainer=trainer_flags("--tp", "2", "--recompute", "selective"), timeout=120,
               uses=("checkpoint",),
