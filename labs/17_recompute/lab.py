@@ -26,7 +26,8 @@ drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
 OWN_REASON = "minipar's own recomputation: this lab grades yours"
 GRAD_NAMES = {"Function", "Tensor", "no_grad", "enable_grad", "is_grad_enabled"}
 ALLOWED = Allowed(
-    modules={"minipar.tensor": GRAD_NAMES, "minipar.autograd.tensor": GRAD_NAMES},
+    modules={"minipar.tensor": GRAD_NAMES, "minipar.autograd.tensor": GRAD_NAMES,
+             "minipar.autograd": set()},             # only so that its recompute is refused by name
     refused={**{f"minipar.autograd.{n}": OWN_REASON for n in ("recompute", "backward_split")},
              **{n: OWN_REASON for n in ("Recompute", "runner", "replaying")}})
 TOL = 1e-12                     # float64: the same operations; 1e-12 of the tensor's scale
@@ -238,6 +239,10 @@ def flop_formula(L, B, T, C, V, mode):
                       "selective": L * 4 * B * T * T * C}[mode]
 
 
+def show_runs(flags) -> str:
+    return "[" + ", ".join("graph" if f is True else "no_grad" if f is False else "?" for f in flags) + "]"
+
+
 def judge_flops(res):
     for name, want in RUNS.items():
         got = res.get(0, key("runs", name))
@@ -246,10 +251,10 @@ def judge_flops(res):
         for label, flags in want.items():
             runs = got.get(label)
             if runs != flags:
-                show = lambda fs: "[" + ", ".join("graph" if f else "no_grad" for f in fs) + "]"   # noqa: E731
+                ran = show_runs(runs) if isinstance(runs, list) else f"{typename(runs)} (tampered with?)"
                 raise AssertionError(
                     f"{what}: block {label} ran {len(runs) if isinstance(runs, list) else '?'} time(s), "
-                    f"{show(runs) if isinstance(runs, list) else runs!r}; want {show(flags)}: a checkpointed "
+                    f"{ran}; want {show_runs(flags)}: a checkpointed "
                     f"block runs once under no_grad in forward and once recording its graph in backward, "
                     f"one more forward and no more")
     cfg, B = drive.FLOP_CFG, drive.FLOP_B
@@ -273,9 +278,9 @@ def judge_flops(res):
 CRITERIA = [
     Criterion("one block against the plain block", run="gradients", judge=judge_one,
               timeout=60, uses=("checkpoint",),
-              hint="forward: with no_grad(), y = run(Tensor(x)), self.saved = (x,), return y.data; backward: "
-                   "leaf = Tensor(x, requires_grad=True), with enable_grad(): y = self.run(leaf), "
-                   "y.backward(grad), return (leaf.grad, None); under no_grad() or for data x: run(x)"),
+              hint="forward runs the block under no_grad() and keeps x; backward runs it again on a leaf that "
+                   "requires a gradient, recording (enable_grad), back-propagates once and returns the leaf's "
+                   "gradient; under no_grad() or for data x, checkpoint returns run(x) itself"),
     Criterion("chains, reuse and accumulation", run="gradients",
               judge=judge_many, timeout=60, uses=("checkpoint",),
               hint="keep everything on self (one node per call), never on the class or in a global; "

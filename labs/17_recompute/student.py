@@ -14,8 +14,9 @@ gradient per forward argument (None for one that is not an array):
     y = Twice.apply(x_tensor, 3)            # a Tensor, recorded in the graph
 
 What you may use of minipar's autograd (minipar/autograd/tensor.py): Tensor(array,
-requires_grad=...), t.data, t.grad, t.requires_grad, t.backward(grad); Function and its apply;
-self.saved, the tuple of arrays a node keeps for backward (what Tensor.saved_bytes() counts); no_grad() and
+requires_grad=...), t.data, t.grad, t.requires_grad, t.backward(grad); Function and its
+apply; self.saved, the tuple of arrays a node keeps for backward (what Tensor.saved_bytes()
+counts; set it yourself: Function.save's name is refused by the scan); no_grad() and
 enable_grad() (with-blocks that stop and restart the recording of a graph) and
 is_grad_enabled(). Nothing of minipar/autograd/recompute.py: this lab grades yours.
 
