@@ -185,7 +185,7 @@ def judge_memory(res):
     held = res.get(0, "chain held")
     assert isinstance(held, int), f"the chain's record is {typename(held)} (tampered with?)"
     want, slack = L * N * C * D, L * 4096
-    if not _plain_held:
+    if held > want + slack and not _plain_held:                     # for the message: the plain chain's
         _plain_held.append(drive.held_by_chain(drive.plain)[0])
     assert held <= want + slack, \
         f"a chain of {L} checkpointed GPT blocks, x ({rows}, {drive.MEM_T}, {C}) float64: {held} bytes allocated " \
