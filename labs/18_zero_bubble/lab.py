@@ -578,7 +578,7 @@ CRITERIA = [
     Criterion("in flight: p to W, p - s to B", run="lists", judge=judge_in_flight, timeout=60,
               uses=("zb_h1",),
               hint="stage s holds back only its first s W's; after those, each F, B comes with the oldest W "
-                   "(minipar.parallel.pipeline.check.Report.peak_in_flight counts F to W)"),
+                   "(the report of minipar.parallel.pipeline.schedules.check counts them in peak_in_flight, F to W)"),
     Criterion("bubble (p-1)/(3m+p-1)", run="lists", judge=judge_bubble, timeout=60, uses=("zb_h1",),
               hint="the W's fill the drain: a stage that runs each W right after its B waits like 1F1B, "
                    "(p-1)/(m+p-1); minipar.parallel.pipeline.schedules.bubble_theory has the formulas"),

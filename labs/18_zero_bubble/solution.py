@@ -9,8 +9,6 @@ ZB-H1 is 1F1B with each backward split: the B's keep 1F1B's places, and the W's 
 would have run with them are moved to where the stage would otherwise wait: stage s leaves
 its first s W's for the very end.
 """
-import numpy as np
-
 from minipar.parallel.pipeline.schedules import (Backward, Forward, RecvActivation, RecvGrad, SendActivation,
                                                  SendGrad, WeightGrad)
 
