@@ -129,11 +129,12 @@ def functions(student, out):
     """grad_input and grad_weight on every case; linear_backward on every case and mask, with
     how many times it called grad_input and grad_weight; then minipar's autograd with the
     student's linear_backward at the seam: B (backward_split.backward_b) then W (PendingW.run)."""
-    for i, (label, *_rest) in enumerate(CASES):
-        dy, x, w = case_arrays(i)
+    for i, (label, *_rest) in enumerate(CASES):         # each function's cases in turn: an error in
+        dy, _, w = case_arrays(i)                           # one leaves the ones before it judged
         out.case(f"grad_input(dy, w), {label}")
         call_and_record(out, key("gi", i), student.grad_input, (dy, w), {"dy": dy, "w": w})
-        dy, x, w = case_arrays(i)
+    for i, (label, *_rest) in enumerate(CASES):
+        dy, x, _ = case_arrays(i)
         out.case(f"grad_weight(dy, x), {label}")
         call_and_record(out, key("gw", i), student.grad_weight, (dy, x), {"dy": dy, "x": x})
     count = Counting(student)

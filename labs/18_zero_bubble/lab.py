@@ -551,10 +551,6 @@ def judge_order(res):
             raise AssertionError(f"{what}: {len(ops)} ops, ZB-H1 has 3m = {3 * m}; yours: {got_line}")
 
 
-def judge_trainer(run):
-    """Beyond the twin: every rank ran the student's lists and Linear backwards (the counter)."""
-
-
 FUNCS = ("grad_input", "grad_weight", "linear_backward")
 CRITERIA = [
     Criterion("grad_input: B = dy W^T", run="functions", judge=judge_grad_input, timeout=60, uses=FUNCS,
@@ -591,4 +587,9 @@ CRITERIA = [
               hint="each rank's minipar.parallel.pipeline.stage.PipelineEngine walks your list; every Backward runs "
                    "B and every WeightGrad W through your linear_backward; the grader compares the run with its "
                    "own single-process twin"),
+    Criterion("trainer --pp 3 zb-h1, m < p", ranks=3, timeout=120,
+              trainer=trainer_flags("--pp", "3", "--micro-batches", "2", "--schedule", "zb-h1", n_layer=3),
+              uses=("zb_h1", "linear_backward"),
+              hint="with 2 micro-batches on 3 stages stage 0 runs every forward in its warm-up; the engine "
+                   "checks your lists with minipar.parallel.pipeline.schedules.check before it runs them"),
 ]
