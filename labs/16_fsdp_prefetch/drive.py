@@ -95,6 +95,14 @@ def events(student, out):
         out.put(key("events", n, K, reshard), student.events(n, K, reshard))
 
 
+def schedule(student, out):
+    """Every criterion's cases in one child: ahead's, releases', then events' (what each
+    recorded before a failure stays for its own criterion's judge)."""
+    ahead(student, out)
+    releases(student, out)
+    events(student, out)
+
+
 # --- the seam ---------------------------------------------------------------------------------
 
 def is_int(v) -> bool:

@@ -306,24 +306,24 @@ def trainer(ranks, K, reshard="on", **change):
 
 
 CRITERIA = [
-    Criterion("ahead: the units to prefetch", run="ahead", judge=judge_ahead, timeout=30, uses=("ahead",),
+    Criterion("ahead: the units to prefetch", run="schedule", judge=judge_ahead, timeout=30, uses=("ahead",),
               hint="take the pass's order (n-1..0 in backward), the K units after i in it (the first K when i "
                    "is None), stop at the end, and leave out those in live; return a new list, live untouched"),
-    Criterion("releases after forward and backward", run="releases", judge=judge_releases, timeout=30,
+    Criterion("releases after forward and backward", run="schedule", judge=judge_releases, timeout=30,
               uses=("releases",),
               hint="backward always releases; forward releases only with reshard after forward on, the last "
                    "unit like every other"),
-    Criterion("events: a well-formed step", run="events", judge=judge_well_formed, timeout=30, uses=("events",),
+    Criterion("events: a well-formed step", run="schedule", judge=judge_well_formed, timeout=30, uses=("events",),
               hint="track each unit: sharded, in flight (started, not waited for) or gathered; start only a "
                    "sharded unit, wait only for one in flight, compute only a gathered one, then release it"),
-    Criterion("peak gathered units and bytes against the formula", run="events", judge=judge_peak, timeout=30,
+    Criterion("peak gathered units and bytes against the formula", run="schedule", judge=judge_peak, timeout=30,
               uses=("events",),
               hint="at most the unit computing and the K ahead are gathered (parallel.zero.formulas.gathered_peak); "
                    "release each unit right after its compute, not later"),
-    Criterion("exposed waits against the formula", run="events", judge=judge_exposed, timeout=30, uses=("events",),
+    Criterion("exposed waits against the formula", run="schedule", judge=judge_exposed, timeout=30, uses=("events",),
               hint="with K >= 1 every unit's all-gather is prefetched: the first of each pass by ahead(None, ...) "
                    "at the pass's start"),
-    Criterion("events against the schedule", run="events", judge=judge_events, timeout=30, uses=("events",),
+    Criterion("events against the schedule", run="schedule", judge=judge_events, timeout=30, uses=("events",),
               hint="per unit: gather if nobody started it, wait if in flight, prefetch ahead of it, compute, "
                    "release; the prefetch goes before the compute, so that it travels while the unit computes"),
     trainer(2, 1),
