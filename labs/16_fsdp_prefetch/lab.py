@@ -129,7 +129,7 @@ def replay(ev, n, K, reshard) -> dict:
     what = f"events(n={n}, K={K}, reshard={reshard})"
     assert isinstance(ev, list), f"{what} returned {typename(ev)}, want a list of (op, phase, unit) tuples"
     sizes = sizes_of(n)
-    state, how = ["sharded"] * n, [None] * n
+    state, how, released = ["sharded"] * n, [None] * n, [None] * n
     computed = {p: [] for p in PHASES}
     exposed = {p: 0 for p in PHASES}
     top_units = top_bytes = 0
@@ -138,8 +138,8 @@ def replay(ev, n, K, reshard) -> dict:
         at = f"{what}, event {k} {show(e)}"
         assert isinstance(e, tuple) and len(e) == 3, f"{at}: each event is a tuple (op, phase, unit)"
         op, phase, u = e
-        assert op in OPS, f"{at}: op must be one of {OPS}"
-        assert phase in PHASES, f"{at}: phase must be 'forward' or 'backward'"
+        assert isinstance(op, str) and op in OPS, f"{at}: op must be one of the strings {OPS}"
+        assert isinstance(phase, str) and phase in PHASES, f"{at}: phase must be 'forward' or 'backward'"
         assert is_int(u) and 0 <= u < n, f"{at}: the unit must be an int in 0..{n - 1}" + \
             (" (past the last unit)" if is_int(u) and u >= n else "")
         u = int(u)
@@ -157,12 +157,13 @@ def replay(ev, n, K, reshard) -> dict:
             exposed[phase] += how[u] == "gather"
         elif op == "compute":
             assert s == "gathered", f"{at}: unit {u} computes while its parameters are " + \
-                ("still on their way (no wait)" if s == "flying" else "not gathered (released, or never gathered)")
+                ("still on their way (no wait)" if s == "flying" else
+                 f"released (event {released[u]})" if released[u] is not None else "not gathered")
             computed[phase].append(u)
         else:
             assert s != "flying", f"{at}: unit {u} is released while its all-gather is in flight (never used)"
             assert s == "gathered", f"{at}: unit {u} is released but it is not gathered"
-            state[u] = "sharded"
+            state[u], released[u] = "sharded", k
         held = [v for v in range(n) if state[v] != "sharded"]
         top_units = max(top_units, len(held))
         top_bytes = max(top_bytes, sum(sizes[v] for v in held))
@@ -173,6 +174,12 @@ def replay(ev, n, K, reshard) -> dict:
     left = [v for v in range(n) if state[v] != "sharded"]
     assert not left, f"{what}: unit(s) {left} still gathered at the end of the step (never released)"
     return {"peak_units": top_units, "peak_bytes": top_bytes, "exposed": exposed}
+
+
+def plain(e):
+    """An event as (str, str, int), or None when it is not one (nothing of it compared as it is)."""
+    ok = isinstance(e, tuple) and len(e) == 3 and isinstance(e[0], str) and isinstance(e[1], str) and is_int(e[2])
+    return (e[0], e[1], int(e[2])) if ok else None
 
 
 def replays(res):
@@ -194,8 +201,8 @@ def judge_ahead(res):
             why = "" if not extra else \
                 (f" ({extra[0]} is past the pass's last unit)" if not 0 <= extra[0] < n else
                  f" ({extra[0]} is gathered or on its way already)" if extra[0] in live else
-                 f" ({extra[0]} is not among the {K} unit(s) after {i} in {'backward' if backward else 'forward'} "
-                 f"order)")
+                 f" ({extra[0]} is not among the {'first ' if i is None else ''}{K} unit(s) "
+                 f"{'' if i is None else f'after {i} '}of {'backward' if backward else 'forward'} order)")
             raise AssertionError(f"{what} returned {got}, want {want}{why}")
         after = res.get(0, key("ahead", idx, "live after"))
         assert after == sorted(live), f"{what}: live was modified (it holds {after} after the call): leave it as it is"
@@ -248,7 +255,7 @@ def judge_events(res):
         for k in range(max(len(got), len(want))):
             a = got[k] if k < len(got) else "(the list ends)"
             b = want[k] if k < len(want) else "(the list ends)"
-            if a != b:
+            if (plain(a) if k < len(got) else a) != b:
                 before = ", ".join(map(repr, want[max(0, k - 3):k]))
                 raise AssertionError(f"{what}: event {k} is {show(a) if k < len(got) else a}, want {b!r} "
                                      f"(after {before or 'the start'}); {len(got)} events, want {len(want)}")
