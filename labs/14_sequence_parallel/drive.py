@@ -19,7 +19,7 @@ from minipar import comm
 from minipar.autograd import ops
 from minipar.autograd.tensor import Function, Tensor
 from minipar.parallel.tensor import sequence_parallel as sp
-from minipar.parallel.tensor.tensor_parallel import MaskColumns, MaskedEmbedding
+from minipar.parallel.tensor.tensor_parallel import MaskColumns, MaskedEmbedding, tp_collective
 
 # minipar's own sequence parallelism (what reference.py adapts): reached from the student's
 # file, each raises (labs/child.py). The seam (install) makes the model use the student's.
@@ -34,7 +34,7 @@ LAYOUTS = ((1, 1, 1, 1), (2, 2), (3, 1), (4,))         # group sizes, the ranks 
 DTYPES = ("float64", "float32")
 # (B, m = t/p tokens per rank, trailing shape): the sequence is axis 1
 SHAPES = [(2, 3, (4,)), (3, 2, (1,)), (1, 2, (5,)), (2, 1, (3,)), (0, 2, (4,)), (2, 2, (2, 3)), (3, 2, ())]
-FUNCTION_SHAPES = [0, 2, 4, 5]                         # indices into SHAPES for f and g-bar
+FUNCTION_SHAPES = [0, 2, 4, 5]                         # indices into SHAPES for g and g-bar
 PAIRING_SHAPES = [0, 1, 5]
 PARAM_SHAPES = [(5,), (2, 3), (1,)]                    # the replicated parameters
 
@@ -178,7 +178,7 @@ def pairing_inputs(name, li, gi, r, i, p):
 
 
 def pairing(student, out):
-    """f and g-bar on float64 normals: y = F(x) and dx = F*(dy), for the adjoint test."""
+    """g and g-bar on float64 normals: y = F(x) and dx = F*(dy), for the adjoint test."""
     for li, sizes, gi, r, g in layouts():
         wr, p = MPI.COMM_WORLD.Get_rank(), g.size
         for name, fn in (("f", student.GatherFromSequence), ("g", student.ScatterToSequence)):
@@ -233,13 +233,32 @@ def install(student):
     the student's code was applied on this rank."""
     calls = [0]
 
+    class F(student.GatherFromSequence):            # counted in tensor parallelism's ledger by kind,
+        def forward(self, x, group):                # as minipar's own (the summary's sp_count line)
+            calls[0] += 1
+            return tp_collective("f_gather", x.size * group.size, lambda: super(F, self).forward(x, group))
+
+        def backward(self, grad):
+            return tp_collective("f_scatter", grad.size, lambda: super(F, self).backward(grad))
+
+    class G(student.ScatterToSequence):
+        def forward(self, x, group):
+            calls[0] += 1
+            self.seam_tp = group.size
+            return tp_collective("g_scatter", x.size, lambda: super(G, self).forward(x, group))
+
+        def backward(self, grad):
+            return tp_collective("g_gather", grad.size * self.seam_tp, lambda: super(G, self).backward(grad))
+
+    class S(student.SumGradOverTP):
+        def backward(self, grad):
+            return tp_collective("sp_grads", grad.size, lambda: super(S, self).backward(grad))
+
     def f(x, group):
-        calls[0] += 1
-        return student.GatherFromSequence.apply(x, group)
+        return F.apply(x, group)
 
     def g(x, group):
-        calls[0] += 1
-        return student.ScatterToSequence.apply(x, group)
+        return G.apply(x, group)
 
     def column(self, x, w, b=None):
         return ops.linear(f(x, self.group), w, b)
@@ -250,7 +269,7 @@ def install(student):
 
     def replicated(self, p):
         calls[0] += 1
-        return student.SumGradOverTP.apply(p, self.group)
+        return S.apply(p, self.group)
 
     def tokens(self, idx, w):
         return g(MaskedEmbedding.apply(idx, w, self.vocab_start), self.group)

@@ -20,12 +20,14 @@ from labs.framework import Criterion, first_difference, load_drive, trainer_flag
 from labs.results import Opaque, key
 from labs.scan import Allowed
 
-TITLE = "sequence parallelism: the gather and scatter along the sequence, f and g-bar, the norms' gradient sum"
+TITLE = "sequence parallelism: the gather and scatter along the sequence, g and g-bar, the norms' gradient sum"
 drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
 OWN_REASON = "minipar's own sequence parallelism: this lab grades yours"
 ALLOWED = Allowed(
     modules={"minipar.comm": {"Group", "all_gather", "reduce_scatter", "all_reduce"},
-             "minipar.tensor": {"Function", "Tensor"}},
+             "minipar.tensor": {"Function", "Tensor"},
+             # named, with nothing given, so that each of their names is refused with its reason
+             "minipar.parallel.tensor.sequence_parallel": set(), "minipar.parallel.tensor.tensor_parallel": set()},
     refused={**{f"minipar.parallel.tensor.sequence_parallel.{n}": OWN_REASON for n in (
         "gather_seq", "scatter_seq", "ScatterToSequence", "GatherSequenceLinear", "SequenceSplit",
         "SequenceParallelGPT", "PositionsOfShard")},
@@ -128,7 +130,7 @@ def judge_pairing(res):
                         f"{abs(fwd - bwd):.3g}): backward is not forward's adjoint"
 
 
-# --- f and g-bar in the graph, and the ledger -----------------------------------------------
+# --- g and g-bar in the graph, and the ledger -----------------------------------------------
 
 def same_ledger(got, want, what, when):
     if not isinstance(got, dict):
@@ -214,7 +216,7 @@ CRITERIA = [
               uses=("GatherFromSequence", "ScatterToSequence"),
               hint="f's backward is the reduce-scatter, g-bar's the all-gather (each the other's adjoint): "
                    "sum over ranks of <F(x), dy> equals that of <x, F*(dy)>; backward returns dx in x's shape"),
-    Criterion("f and g-bar: values and the ledger", ranks=4, run="functions", judge=judge_functions, timeout=40,
+    Criterion("g and g-bar: values and the ledger", ranks=4, run="functions", judge=judge_functions, timeout=40,
               uses=("GatherFromSequence", "ScatterToSequence", "gather_sequence", "scatter_sequence"),
               hint="one comm.all_gather of x's own elements (p-1 times x's bytes sent), one comm.reduce_scatter "
                    "((p-1)/p of the array), nothing else: no all_reduce of a zero-padded (B, t, ...) buffer, "

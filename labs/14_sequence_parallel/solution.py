@@ -1,6 +1,6 @@
 """Lab 14, solved by hand as a student would: the sequence is axis 1 of (B, t, ...), so the
 rank pieces are moved to the front around each collective, which works on flat arrays in
-rank order. f and g-bar pair the two collectives in opposite directions; the replicated
+rank order. g and g-bar pair the two collectives in opposite directions; the replicated
 parameters' gradients are summed over the tp group in backward."""
 import numpy as np
 
