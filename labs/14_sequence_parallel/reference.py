@@ -5,9 +5,10 @@ stub's names. minipar fuses f with the column-parallel linear after it (GatherSe
 which re-gathers its input in backward); f alone is its two halves, gather_seq forward and
 scatter_seq backward, as below."""
 from minipar.parallel.tensor import sequence_parallel as sp
-from minipar.parallel.tensor.sequence_parallel import ScatterToSequence  # noqa: F401
 from minipar.parallel.tensor.tensor_parallel import SumGradOver
 from minipar.autograd.tensor import Function
+
+ScatterToSequence = sp.ScatterToSequence          # g-bar: minipar's own, as it is
 
 
 def gather_sequence(group, x):
