@@ -90,8 +90,8 @@ def scatter_input(li, gi, r, i, dtype, p):
     return draw(whole_shape(i, p), dtype, li, gi, r, i, np.dtype(dtype).num, 1)
 
 
-def case_text(what, p, sizes, r, shape, dtype) -> str:
-    return f"{what} p={p} (layout {'+'.join(map(str, sizes))}) rank {r}: x {tuple(shape)} {dtype}"
+def case_text(what, p, sizes, r, shape, dtype, name="x") -> str:
+    return f"{what} p={p} (layout {'+'.join(map(str, sizes))}) rank {r}: {name} {tuple(shape)} {dtype}"
 
 
 def ledger() -> dict:
@@ -205,9 +205,9 @@ def replicated(student, out):
         for j, shape in enumerate(PARAM_SHAPES):
             for dtype in DTYPES:
                 w, a, b, dy = param_inputs(li, gi, r, j, dtype)
-                out.case(case_text("SumGradOverTP", p, sizes, r, shape, dtype) + ", used once")
+                out.case(case_text("SumGradOverTP", p, sizes, r, shape, dtype, "w") + ", used once")
                 run_function(out, key("once", li, wr, j, dtype), student.SumGradOverTP, g, w, dy)
-                out.case(case_text("SumGradOverTP", p, sizes, r, shape, dtype) + ", used twice (w a + w b)")
+                out.case(case_text("SumGradOverTP", p, sizes, r, shape, dtype, "w") + ", used twice (w a + w b)")
                 k = key("twice", li, wr, j, dtype)
                 leaf, box = Tensor(w, requires_grad=True), []
                 comm.reset_traffic()

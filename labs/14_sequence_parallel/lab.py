@@ -181,7 +181,7 @@ def judge_replicated(res):
             for dtype in drive.DTYPES:
                 ins = [drive.param_inputs(li, gi, s, j, dtype) for s in range(p)]
                 w, a, b, dy = ins[r]
-                base = drive.case_text("SumGradOverTP", p, sizes, r, shape, dtype)
+                base = drive.case_text("SumGradOverTP", p, sizes, r, shape, dtype, "w")
                 sent = {"all_reduce": 1} if p > 1 else {}
                 for case, want in (("once", np.sum([v[3].astype(np.float64) for v in ins], axis=0)),
                                    ("twice", np.sum([((v[1] + v[2]) * v[3]).astype(np.float64) for v in ins], axis=0))):
