@@ -386,6 +386,8 @@ def install(student):
             expert_parallel.Sent(g), C * x2.dtype.itemsize, passes, None,
             int(rows.sum() - rows.reshape(Pn, El)[placement.rank].sum()),
             int(counts.sum() - counts[placement.rank].sum()), rows)
+        if passes == 2:          # the backward's dispatch exchanges the row counts again
+            placement.theory_bytes += expert_parallel.Sent(g).all_to_all(rows)
         return StudentSendBack.apply(out, g, counts, rows, student)
 
     moe.combine = combine_
