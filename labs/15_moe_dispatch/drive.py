@@ -258,7 +258,9 @@ def groups():
     return rank_groups(range(1, P_MAX + 1))
 
 
-def dispatch(student, out):
+def dispatch_and_back(student, out):
+    """Each case: the student's dispatch of this rank's rows, then (from inputs of their own, so
+    that a wrong dispatch does not spoil them) its send_back of this rank's experts' outputs."""
     for p, g in groups():
         r = g.rank
         for case, name in enumerate(DISPATCH):
@@ -267,21 +269,16 @@ def dispatch(student, out):
             xc = x.copy()
             comm.reset_traffic()
             got = student.dispatch(g, xc, tokens.copy(), rows.copy())
-            out.put(key("ledger", p, r, case), ledger_of())
+            out.put(key("ledger", "disp", p, r, case), ledger_of())
             out.put(key("disp", p, r, case), copy(got))
             out.put(key("disp", p, r, case, "x after"), xc)
 
-
-def send_back(student, out):
-    for p, g in groups():
-        r = g.rank
-        for case, name in enumerate(DISPATCH):
             rows_out, counts = back_input(p, r, case)
             out.case(f"p={p} rank {r} send_back: {name}, counts from each source {counts.tolist()}")
             oc = rows_out.copy()
             comm.reset_traffic()
             got = student.send_back(g, oc, counts.copy())
-            out.put(key("ledger", p, r, case), ledger_of())
+            out.put(key("ledger", "back", p, r, case), ledger_of())
             out.put(key("back", p, r, case), copy(got))
             out.put(key("back", p, r, case, "out after"), oc)
 

@@ -202,8 +202,9 @@ def judge_combine(res):
         assert res.get(0, key("comb", i, "aliases")) is False, f"{what}: y shares memory with an input"
 
 
-def judge_ledger(res, p, r, case, what, nbytes_rows_out, counts_exchange):
-    sent, calls = res.get(r, key("ledger", p, r, case))
+def judge_ledger(res, which, p, r, case, what, nbytes_rows_out, counts_exchange):
+    """The bytes the ledger counted for one call of `which` ("disp" or "back") on rank r."""
+    sent, calls = res.get(r, key("ledger", which, p, r, case))
     assert isinstance(sent, int) and isinstance(calls, dict), f"{what}: the ledger's record is damaged"
     assert set(calls) <= {"all_to_all"}, f"{what}: the ledger holds {sorted(calls)}; communicate only by " \
                                          f"comm.all_to_all"
@@ -214,36 +215,40 @@ def judge_ledger(res, p, r, case, what, nbytes_rows_out, counts_exchange):
                           if counts_exchange else "")
 
 
-def judge_dispatch(res):
+def judge_dispatch_and_back(res):
+    """Case by case, p by p: the dispatch on every rank, then the send-back."""
     for p in range(1, drive.P_MAX + 1):
         for case, name in enumerate(drive.DISPATCH):
             for r in range(p):
-                x, tokens, rows = drive.dispatch_input(p, r, case)
-                what = f"p={p} rank {r} dispatch: {name}, E={len(rows)}, rows per expert {rows.tolist()}"
-                xe, counts = pair(res.get(r, key("disp", p, r, case)), what, ("xe", "counts"))
-                want_x, want_c, dtype = oracle_received(p, r, case)
-                expect(ints(counts, f"{what}: counts"), want_c, f"{what}: counts (rows from each source for "
-                                                                 f"each of this rank's experts)")
-                assert isinstance(xe, np.ndarray), f"{what}: xe is a {kind(xe)}, want an array"
-                expect(xe, want_x.astype(dtype), f"{what}: xe (the rows received, expert-major)")
-                untouched(res, r, key("disp", p, r, case, "x after"), x, what, "x")
-                El = len(rows) // p
-                out_rows = int(rows.sum() - rows[r * El:(r + 1) * El].sum())
-                judge_ledger(res, p, r, case, what, out_rows * drive.C_EP * x.itemsize, 8 * El * (p - 1))
-
-
-def judge_send_back(res):
-    for p in range(1, drive.P_MAX + 1):
-        for case, name in enumerate(drive.DISPATCH):
+                judge_dispatch(res, p, case, name, r)
             for r in range(p):
-                out, counts = drive.back_input(p, r, case)
-                what = f"p={p} rank {r} send_back: {name}, counts from each source {counts.tolist()}"
-                back = res.get(r, key("back", p, r, case))
-                assert isinstance(back, np.ndarray), f"{what}: got a {kind(back)}, want an array (M, C)"
-                expect(back, oracle_back(p, r, case), f"{what}: the rows back home, in dispatch order")
-                untouched(res, r, key("back", p, r, case, "out after"), out, what, "out")
-                others = int(counts.sum() - counts[r].sum())
-                judge_ledger(res, p, r, case, what, others * drive.C_EP * out.itemsize, 0)
+                judge_send_back(res, p, case, name, r)
+
+
+def judge_dispatch(res, p, case, name, r):
+    x, tokens, rows = drive.dispatch_input(p, r, case)
+    what = f"p={p} rank {r} dispatch: {name}, E={len(rows)}, rows per expert {rows.tolist()}"
+    xe, counts = pair(res.get(r, key("disp", p, r, case)), what, ("xe", "counts"))
+    want_x, want_c, dtype = oracle_received(p, r, case)
+    expect(ints(counts, f"{what}: counts"), want_c, f"{what}: counts (rows from each source for "
+                                                     f"each of this rank's experts)")
+    assert isinstance(xe, np.ndarray), f"{what}: xe is a {kind(xe)}, want an array"
+    expect(xe, want_x.astype(dtype), f"{what}: xe (the rows received, expert-major)")
+    untouched(res, r, key("disp", p, r, case, "x after"), x, what, "x")
+    El = len(rows) // p
+    out_rows = int(rows.sum() - rows[r * El:(r + 1) * El].sum())
+    judge_ledger(res, "disp", p, r, case, what, out_rows * drive.C_EP * x.itemsize, 8 * El * (p - 1))
+
+
+def judge_send_back(res, p, case, name, r):
+    out, counts = drive.back_input(p, r, case)
+    what = f"p={p} rank {r} send_back: {name}, counts from each source {counts.tolist()}"
+    back = res.get(r, key("back", p, r, case))
+    assert isinstance(back, np.ndarray), f"{what}: got a {kind(back)}, want an array (M, C)"
+    expect(back, oracle_back(p, r, case), f"{what}: the rows back home, in dispatch order")
+    untouched(res, r, key("back", p, r, case, "out after"), out, what, "out")
+    others = int(counts.sum() - counts[r].sum())
+    judge_ledger(res, "back", p, r, case, what, others * drive.C_EP * out.itemsize, 0)
 
 
 TRAINER = trainer_flags("--dp", "4", "--ep", "4", "--moe-experts", "8", "--moe-top-k", "2",
@@ -264,15 +269,11 @@ CRITERIA = [
     Criterion("combine against a dense oracle", run="combine", judge=judge_combine, timeout=30, uses=("combine",),
               hint="y[tokens] += ... with a repeated token adds once: loop, or np.add.at; each row's weight "
                    "once, weights.flat[slot] (minipar.model.moe.combine)"),
-    Criterion("dispatch under MPI against the oracle", ranks=4, run="dispatch", judge=judge_dispatch, timeout=60,
-              uses=("dispatch",),
+    Criterion("dispatch and send back under MPI", ranks=4, run="dispatch_and_back", judge=judge_dispatch_and_back,
+              timeout=60, uses=("dispatch", "send_back"),
               hint="rank j owns experts j E/p .. (j+1) E/p - 1: the rows for rank j are the sum of their rows; "
                    "the counts go by one equal comm.all_to_all of int64; then reorder expert-major "
-                   "(minipar.parallel.expert.expert_parallel.expert_major)"),
-    Criterion("send back under MPI against the oracle", ranks=4, run="send_back", judge=judge_send_back,
-              timeout=60, uses=("send_back",),
-              hint="the inverse of dispatch's expert-major permutation, then comm.all_to_all with sizes "
-                   "counts.sum(1): what came from each source goes back to it"),
+                   "(minipar.parallel.expert.expert_parallel.expert_major); send_back undoes that order"),
     Criterion("trainer --dp 4 --ep 4 --moe-experts 8 --moe-top-k 2 --moe-capacity-factor 1.0", ranks=4,
               trainer=TRAINER, timeout=120,
               uses=("top_k", "capacity", "claim_slots", "assignments", "dispatch", "send_back", "combine"),
