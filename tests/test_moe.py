@@ -131,3 +131,31 @@ def test_claim_slots_by_choice_then_token():
     kept = moe.claim_slots(choice, 3, 1)
     assert kept.tolist() == [[True, False], [False, True], [True, False]]
     assert moe.capacity(10, 2, 4, 1.0) == 5 and moe.capacity(10, 2, 4, 0) is None
+
+
+def test_top_k_ties_and_router_modes():
+    """Equal logits: the lower expert id first; k = 1 keeps p (Switch) or renormalises to 1
+    (Mixtral); k > 1 renormalises over the chosen."""
+    z = np.array([[0.0, 1.0, 1.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    choice, w = moe.top_k(z, 2)
+    assert choice.tolist() == [[1, 2], [0, 1]] and np.allclose(w, 0.5, rtol=0, atol=1e-15)
+    p = np.exp(z[0]) / np.exp(z[0]).sum()
+    choice, w = moe.top_k(z, 1)
+    assert choice.tolist() == [[1], [0]] and abs(w[0, 0] - p[1]) < 1e-15 and abs(w[1, 0] - 0.25) < 1e-15
+    assert np.array_equal(moe.top_k(z, 1, "mixtral")[1], np.ones((2, 1)))
+    choice, w = moe.top_k(z, 4)
+    assert choice.tolist() == [[1, 2, 0, 3], [0, 1, 2, 3]] and np.allclose(w.sum(1), 1, rtol=0, atol=1e-15)
+
+
+def test_combine_adds_the_kept_outputs_weighted():
+    """y[token] += w out, from the (token, slot) of each kept assignment; a token with none stays 0."""
+    rng = np.random.default_rng(0)
+    n, K = 4, 2
+    weights = rng.random((n, K))
+    tokens, ks = np.array([2, 0, 2, 1]), np.array([0, 1, 1, 0])
+    out = rng.standard_normal((4, C))
+    y = moe.combine(Tensor(out), tokens, tokens * K + ks, Tensor(weights), n).data
+    want = np.zeros((n, C))
+    for m in range(4):
+        want[tokens[m]] += weights[tokens[m], ks[m]] * out[m]
+    assert np.allclose(y, want, rtol=1e-14, atol=0) and not y[3].any()

@@ -122,6 +122,26 @@ class Pool:
         self.counts = {g: np.array(row) for g, row in enumerate(counts)}
 
 
+def probabilities(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The router's softmax over the experts and its log-sum-exp, from the logits z (N, E):
+    (p (N, E), lse (N,))."""
+    lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+    return np.exp(z - lse[:, None]), lse
+
+
+def top_k(logits: np.ndarray, k: int, router: str = "switch") -> tuple[np.ndarray, np.ndarray]:
+    """Each token's k experts and their combine weights, from the router's logits (N, E):
+    (choice (N, k) int64, the k largest p = softmax(logits) largest first, ties to the lower
+    expert id; weights (N, k), the chosen p renormalised over the k). Switch's k = 1 keeps
+    p itself (a renormalised single weight would be 1 and carry no gradient); "mixtral"
+    renormalises k = 1 too."""
+    p, _ = probabilities(logits)
+    choice = np.argsort(-p, axis=1, kind="stable")[:, :k]                # ties: the lower id first
+    picked = np.take_along_axis(p, choice, 1)
+    renormalise = k > 1 or router == "mixtral"
+    return choice, (picked / picked.sum(1, keepdims=True) if renormalise else picked)
+
+
 def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int | None:
     """Slots per expert in a group of `tokens`: ceil(F N K / E); None without a capacity."""
     return None if factor <= 0 else math.ceil(factor * tokens * top_k / experts)
@@ -164,13 +184,10 @@ class Router(Function):
         self.dtype, (x, w) = x.dtype, compute(x, w)
         N, E, K = x.shape[0], s.experts, s.top_k
         z = x @ w                                                     # (N, E)
-        lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
-        p = np.exp(z - lse[:, None])
-        choice = np.argsort(-p, axis=1, kind="stable")[:, :K]        # ties: the lower id first
-        picked = np.take_along_axis(p, choice, 1)
-        total = picked.sum(1, keepdims=True)
+        p, lse = probabilities(z)
+        choice, weights = top_k(z, K, s.router)                       # ties: the lower id first
+        total = np.take_along_axis(p, choice, 1).sum(1, keepdims=True)
         self.renormalised = K > 1 or s.router == "mixtral"           # Switch's K = 1 keeps p itself
-        weights = picked / total if self.renormalised else picked
         kept = np.zeros_like(choice, dtype=bool)
         self.f = np.zeros((N, E))                                    # each token's group's f_e (Switch)
         pool = s.pool if s.router == "mixtral" else None
@@ -254,6 +271,15 @@ def assignments(decisions: Decisions, experts: int):
     return tokens, tokens * K + ks, np.bincount(experts_of, minlength=experts)
 
 
+def combine(out: Tensor, tokens, slots, weights: Tensor, n: int) -> Tensor:
+    """The experts' outputs back at their tokens, weighted: y (n, C) = zeros, then for each
+    kept assignment m, y[tokens[m]] += weights.flat[slots[m]] out[m] (out (M, C) in the order
+    of tokens; weights (n, K); a dropped assignment has no row and adds nothing)."""
+    K = weights.shape[1]
+    gates = ops.embedding(slots, ops.reshape(weights, (n * K, 1)))              # (M, 1)
+    return ScatterRows.apply(ops.mul(out, gates), tokens, n)
+
+
 def moe_mlp(P: dict, i: int, x: Tensor, s: MoESettings, family) -> Tensor:
     """Block i's MoE layer on x (B, t, C) (docs/moe.md): the routed experts (on this process, or
     with --ep on the ranks that hold them) and the shared ones; `family` names the parameters and
@@ -275,8 +301,7 @@ def moe_mlp(P: dict, i: int, x: Tensor, s: MoESettings, family) -> Tensor:
         parts = ops.split(xs, list(np.cumsum(rows)[:-1]), axis=0) if s.experts > 1 else [xs]
         out = ops.concat([family.expert_mlp(P, family.expert_prefix(i, e), part) for e, part in enumerate(parts)],
                          axis=0)
-    gates = ops.embedding(slots, ops.reshape(weights, (B * t * s.top_k, 1)))    # (M, 1)
-    y = ScatterRows.apply(ops.mul(out, gates), tokens, B * t)
+    y = combine(out, tokens, slots, weights, B * t)
     for k in range(s.shared):                        # DeepSeekMoE: every token through each shared expert
         y = y + family.expert_mlp(P, family.shared_prefix(i, k), x2)
     return ops.reshape(y, (B, t, C))
