@@ -220,7 +220,7 @@ def judge_bytes(res):
 CRITERIA = [
     Criterion("the split: positions", run="split_run", judge=judge_split, timeout=60, uses=("positions",),
               hint="zig-zag: chunk r and chunk 2C-1-r of 2C, contiguous: chunks 2r and 2r+1; raise ValueError "
-                   "when 2C does not divide T; minipar.parallel.context.ring_attention.positions is minipar's"),
+                   "when 2C does not divide T (T = C, say); the handout's chunk table draws both splits"),
     Criterion("one block of attention against one softmax", run="block_run", judge=judge_block, timeout=60,
               uses=("block_attention",),
               hint="scale by 1/sqrt(hs) once; subtract each row's max before exp; a row that sees no key gets "
