@@ -1,6 +1,6 @@
 # hostile: lab 13's functions defined in the file, each handing back minipar's own ring attention
 # lab: 13
-# scan: minipar's own ring attention: this lab grades yours
+# scan: import from minipar.parallel.context: not a module this lab's handout gives
 # sandbox: minipar's own minipar.parallel.context.ring_attention.positions was called
 from minipar.parallel.context import ring_attention as ra
 
