@@ -214,6 +214,8 @@ def judge_bytes(res):
                              f"{q.dtype.itemsize} B an element, to the next rank at C - 1 = {p - 1} steps"
 
 
+RING_USES = ("ring_attention", "block_attention", "merge", "plan")   # the forward calls all four
+
 CRITERIA = [
     Criterion("the split: positions", run="split_run", judge=judge_split, timeout=60, uses=("positions",),
               hint="zig-zag: chunk r and chunk 2C-1-r of 2C, contiguous: chunks 2r and 2r+1; raise ValueError "
@@ -229,23 +231,23 @@ CRITERIA = [
               hint="compare the chunks' indices: key chunk before query chunk is full, the same chunk "
                    "diagonal, after it skip; zig-zag gives every rank 2C + 1 sub-blocks a pass"),
     Criterion("ring attention against one process", ranks=4, run="ring_run", judge=judge_ring, timeout=90,
-              uses=("ring_attention",),
+              uses=RING_USES,
               hint="step 0 is the rank's own block; at step j it holds rank (r - j) mod C's; send to r + 1 and "
                    "receive from r - 1 into a new buffer; MINIPAR_TRACE=1 prints every message"),
     Criterion("sub-blocks the forward computed", ranks=4, run="ring_run", judge=judge_blocks, timeout=90,
-              uses=("ring_attention",),
+              uses=RING_USES,
               hint="call block_attention once per c x c sub-block that plan does not skip, with the causal mask "
                    "only on diagonal ones"),
     Criterion("bytes in the ledger", ranks=4, run="ring_run", judge=judge_bytes, timeout=90,
-              uses=("ring_attention",),
+              uses=RING_USES,
               hint="one g.begin('ring_attention', C - 1), one sendrecv of K and V together per step, none after "
                    "the last block; comm.traffic() after a call shows what was counted"),
     Criterion("trainer --cp 2", ranks=2, trainer=trainer_flags("--cp", "2"), timeout=120,
-              uses=("ring_attention", "positions"),
+              uses=RING_USES + ("positions",),
               hint="every layer's attention forward is your ring_attention (minipar's backward uses your o and "
                    "lse); the grader compares the run with one process"),
     Criterion("trainer --cp 3 --cp-layout contiguous", ranks=3,
               trainer=trainer_flags("--cp", "3", "--cp-layout", "contiguous", block_size=12), timeout=120,
-              uses=("ring_attention", "positions"),
+              uses=RING_USES + ("positions",),
               hint="three ranks, the contiguous split of 12 tokens; the grader compares the run with one process"),
 ]
