@@ -109,6 +109,40 @@ def _scores(q, k, mask, scale):
     return s if mask is None else np.where(mask, -np.inf, s)
 
 
+# The plain math of the merge the forward does, as two functions on normalised results:
+# attention over a piece of the keys gives (o, lse), and two pieces merge into the attention
+# over their union. RingAttention.forward does the same with unnormalised accumulators (acc, l,
+# m: o = acc / l, lse = m + log l), which saves a division per block; tests/test_ring_merge.py
+# holds the two to each other and to one softmax.
+
+def partial_attention(q, k, v, mask=None):
+    """softmax(q k^T / sqrt(hs)) v over the keys k, v only -> (o, lse): q (..., tq, hs), k, v
+    (..., tk, hs), mask (tq, tk) True where a key is hidden (after its query), or None; lse
+    (..., tq) the log of the softmax's denominator, log sum_j e^(s_j). A row that sees no key
+    has o = 0 and lse = -inf: the neutral element of merge."""
+    s = (q @ np.swapaxes(k, -1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        s = np.where(mask, -np.inf, s)
+    m = s.max(-1) if s.shape[-1] else np.full(s.shape[:-1], -np.inf, s.dtype)
+    shift = np.where(np.isfinite(m), m, 0).astype(s.dtype)
+    p = np.exp(s - shift[..., None])
+    total = p.sum(-1)
+    with np.errstate(divide="ignore"):
+        lse = shift + np.log(total)                                   # log 0 = -inf: no key
+    o = (p @ v) / np.where(total > 0, total, 1)[..., None]
+    return o, lse
+
+
+def merge(o1, lse1, o2, lse2):
+    """Two attention results over disjoint sets of keys -> the one over their union:
+    lse = log(e^lse1 + e^lse2) (computed from the larger), o = e^(lse1 - lse) o1 + e^(lse2 - lse) o2.
+    (o, -inf) is neutral; two -inf give (0, -inf)."""
+    lse = np.logaddexp(lse1, lse2)
+    ref = np.where(np.isfinite(lse), lse, 0).astype(lse.dtype)
+    w1, w2 = np.exp(lse1 - ref), np.exp(lse2 - ref)
+    return w1[..., None] * o1 + w2[..., None] * o2, lse
+
+
 # The c x c sub-blocks of scores this process has computed, by pass (blocks()). The seconds
 # it has spent waiting for ring messages, by pass, the communication the compute did not
 # hide (the "exposed" time; scripts/bench_ring.py, the trainer's row), are counted in the
