@@ -36,7 +36,7 @@ HEADS = ((1, 1), (2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 2), (4, 4), (6, 1),
          (8, 2), (8, 4), (12, 4), (12, 6))
 # Hkv that does not divide H: always refused
 BAD_HEADS = ((4, 3, 1), (6, 4, 2), (8, 3, 2))
-HEAD_SIZES = (2, 3)
+HEAD_SIZES = (3,)
 
 
 def shapes():
@@ -128,10 +128,15 @@ def aliases(got, grad) -> bool:
 
 # --- what the child runs ----------------------------------------------------------------------
 
+def ranks_tried(H, tp) -> range:
+    """Every rank of a tp that divides H; rank 0 alone of one that does not (refused anyway)."""
+    return range(tp) if H % tp == 0 else range(1)
+
+
 def head_cases():
-    """(H, Hkv, tp, rank) of the head criterion: every rank of every shape, then ranks outside
+    """(H, Hkv, tp, rank) of the head criterion: the ranks of every shape, then ranks outside
     their group (refused)."""
-    return [(H, Hkv, tp, r) for H, Hkv, tp in shapes() for r in range(tp)] + [(4, 2, 2, 2), (4, 1, 4, -1)]
+    return [(H, Hkv, tp, r) for H, Hkv, tp in shapes() for r in ranks_tried(H, tp)] + [(4, 2, 2, 2), (4, 1, 4, -1)]
 
 
 def heads(student, out):
@@ -143,7 +148,7 @@ def heads(student, out):
 def columns(student, out):
     for H, Hkv, tp in shapes():
         for hs in HEAD_SIZES:
-            for r in range(tp):
+            for r in ranks_tried(H, tp):
                 out.case(f"qkv_columns(n_head={H}, n_kv_head={Hkv}, head_size={hs}, tp={tp}, rank={r})")
                 refused_or(out, key("cols", H, Hkv, hs, tp, r), student.qkv_columns, H, Hkv, hs, tp, r)
 

@@ -171,7 +171,7 @@ def judge_heads(res):
 def judge_columns(res):
     for H, Hkv, tp in drive.shapes():
         for hs in drive.HEAD_SIZES:
-            for r in range(tp):
+            for r in drive.ranks_tried(H, tp):
                 what = f"qkv_columns(n_head={H}, n_kv_head={Hkv}, head_size={hs}, tp={tp}, rank={r})"
                 reason = refusal(H, Hkv, tp, r)
                 got = returned(res, key("cols", H, Hkv, hs, tp, r), what, reason)
