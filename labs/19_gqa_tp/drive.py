@@ -224,7 +224,8 @@ def install(student):
     qkv_columns (each rank's shard at init, in load_state_dict and in the checkpoint's
     consolidation), and every key/value shard's gradient goes through the student's
     sum_kv_grad over the group kv_groups gives for the key/value head rank_heads says this rank
-    holds. Returns how many times the student's functions ran here."""
+    holds, counted in tensor parallelism's ledger as minipar's own sum is (kind kv_grads). Returns
+    how many times the student's functions ran here."""
     calls = [0]
     own_init, own_shard, own_unshard = tpar.TensorParallelGPT.__init__, tpar.TensorParallelGPT.shard, \
         tpar.TensorParallelGPT.unshard
@@ -294,7 +295,10 @@ def install(student):
 
         def summed(group, grad, ranks):
             calls[0] += 1
-            return student.sum_kv_grad(group, grad, ranks)
+            if len(ranks) == 1:                             # minipar counts no sum of one rank either
+                return student.sum_kv_grad(group, grad, ranks)
+            # in tensor parallelism's ledger as minipar's own sum is (the run's summary counts it)
+            return tpar.tp_collective("kv_grads", grad.size, lambda: student.sum_kv_grad(group, grad, ranks))
 
         return StudentKVSum.apply(p, summed, self.group, ranks)
 

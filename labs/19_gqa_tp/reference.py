@@ -1,8 +1,9 @@
 """Lab 19 answered by minipar's own code (python -m labs.grade 19 --solution): the layout of
 minipar/parallel/tensor/tensor_parallel.py behind the lab's signatures. kv_share refuses what
 cannot be split; TensorParallelGPT.shard, applied to a row of column numbers, says which columns
-of q_proj, k_proj and v_proj a rank keeps; the sum is SumGradOver's, an all-reduce over the
-ranks that hold the head (a communicator split off the tp group, as TensorParallelGPT makes)."""
+of q_proj, k_proj and v_proj a rank keeps; the sum is SumGradOver's all-reduce (comm.all_reduce,
+what tp_all_reduce runs) over the ranks that hold the head, on a communicator split off the tp
+group as TensorParallelGPT splits one."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -53,6 +54,7 @@ def kv_groups(n_head, n_kv_head, tp):
 def sum_kv_grad(g, grad, ranks):
     sub = comm.Group.split(g.comm, min(ranks), g.rank)
     try:
-        return np.array(tpar.tp_all_reduce(sub, np.array(grad, copy=True), "sum", "kv_grads"), copy=True)
+        x = np.array(grad, copy=True)                   # tp_all_reduce's all-reduce (the seam counts the call)
+        return np.array(x if sub.size == 1 else comm.all_reduce(sub, x, op="sum"), copy=True)
     finally:
         sub.comm.Free()
