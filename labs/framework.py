@@ -210,6 +210,34 @@ def rank_groups(sizes):
         sub.Free()
 
 
+def place(sizes, world_rank: int) -> tuple[int, int, int]:
+    """(group index, rank in the group, p) of a world rank in a layout: `sizes` cut the world's
+    ranks, in order, into groups of those sizes (e.g. (3, 1): ranks 0-2 and rank 3)."""
+    start = 0
+    for gi, n in enumerate(sizes):
+        if world_rank < start + n:
+            return gi, world_rank - start, n
+        start += n
+    raise ValueError(f"rank {world_rank} is outside the layout {sizes}")
+
+
+def layout_groups(layouts):
+    """(layout index, sizes, group index, rank in the group, Group) for each layout of
+    `layouts` (tuples of group sizes covering the world, as place() cuts them), on this rank;
+    every rank takes part in each layout, and its group is freed after the caller's loop body."""
+    from mpi4py import MPI                      # noqa: PLC0415 - only the children need MPI
+
+    from minipar import comm                    # noqa: PLC0415
+    world = MPI.COMM_WORLD
+    for li, sizes in enumerate(layouts):
+        gi, r, _ = place(sizes, world.Get_rank())
+        sub = world.Split(gi, world.Get_rank())
+        g = comm.Group(sub)
+        sub.Free()
+        yield li, sizes, gi, r, g
+        g.comm.Free()
+
+
 def expect(got, want, what: str, rtol: float = 0.0, atol: float = 0.0):
     """AssertionError naming `what`, the largest difference and the first bad index, unless
     got equals want within the tolerances."""

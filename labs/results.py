@@ -54,6 +54,22 @@ class Opaque:
     __hash__ = None
 
 
+def typename(v) -> str:
+    """The name of a recorded value's type (for an Opaque, the type it stands for): what a
+    judge's message calls what the student returned."""
+    return v.typename if isinstance(v, Opaque) else type(v).__name__
+
+
+def described(v) -> str:
+    """A returned value in a few words: 'an array of float64 (2, 3)', 'a tuple of 2',
+    'Thing <Thing object>'."""
+    if isinstance(v, np.ndarray):
+        return f"an array of {v.dtype} {v.shape}"
+    if isinstance(v, (tuple, list)):
+        return f"a {type(v).__name__} of {len(v)}"
+    return f"{typename(v)} {v!r:.80}"
+
+
 # --- the child's side: encoding ------------------------------------------------------------
 
 class Encoder:

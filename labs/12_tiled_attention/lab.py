@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
-from labs.results import Opaque, key
+from labs.results import described, key
 from labs.scan import Allowed
 
 TITLE = "tiled attention: FlashAttention-2's forward and backward"
@@ -83,14 +83,6 @@ def close32(got, want, what):
                              f"without dtype= is float64)")
     diff = first_difference(got, want.astype(np.float32), rtol=F32_TOL, atol=F32_TOL * scale_of(want))
     assert diff is None, f"{what}: {diff}"
-
-
-def described(v) -> str:
-    if isinstance(v, np.ndarray):
-        return f"an array of {v.dtype} {v.shape}"
-    if isinstance(v, (tuple, list)):
-        return f"a {type(v).__name__} of {len(v)}"
-    return f"{v.typename if isinstance(v, Opaque) else type(v).__name__} {v!r:.80}"
 
 
 def returned(res, k, names, what):

@@ -14,6 +14,7 @@ what minipar.comm's ledger counted (operation: calls, bytes sent).
 import numpy as np
 from mpi4py import MPI
 
+from labs.framework import layout_groups
 from labs.results import key
 from minipar import comm
 from minipar.autograd import ops
@@ -39,26 +40,9 @@ PAIRING_SHAPES = [0, 1, 5]
 PARAM_SHAPES = [(5,), (2, 3), (1,)]                    # the replicated parameters
 
 
-def place(sizes, world_rank: int) -> tuple[int, int, int]:
-    """(group index, rank in the group, p) of a world rank in a layout."""
-    start = 0
-    for gi, n in enumerate(sizes):
-        if world_rank < start + n:
-            return gi, world_rank - start, n
-        start += n
-    raise ValueError(f"rank {world_rank} is outside the layout {sizes}")
-
-
 def layouts():
     """(layout index, sizes, group index, rank in the group, Group) for each layout, here."""
-    world = MPI.COMM_WORLD
-    for li, sizes in enumerate(LAYOUTS):
-        gi, r, _ = place(sizes, world.Get_rank())
-        sub = world.Split(gi, world.Get_rank())
-        g = comm.Group(sub)
-        sub.Free()
-        yield li, sizes, gi, r, g
-        g.comm.Free()
+    return layout_groups(LAYOUTS)
 
 
 def draw(shape, dtype, *seed) -> np.ndarray:

@@ -16,8 +16,8 @@ import os
 
 import numpy as np
 
-from labs.framework import Criterion, first_difference, load_drive, trainer_flags
-from labs.results import Opaque, key
+from labs.framework import Criterion, first_difference, load_drive, place, trainer_flags
+from labs.results import key, typename
 from labs.scan import Allowed
 
 TITLE = "sequence parallelism: the gather and scatter along the sequence, g and g-bar, the norms' gradient sum"
@@ -38,10 +38,6 @@ ALLOWED = Allowed(
 # float32: the sums of multiples of 1/8 are exact; the adjoint's float64 inner products are
 # sums in another order
 ADJOINT_RTOL = 1e-12
-
-
-def typename(v) -> str:
-    return v.typename if isinstance(v, Opaque) else type(v).__name__
 
 
 def expect(got, want, what):
@@ -75,7 +71,7 @@ def cases():
     """(layout index, sizes, world rank, group index, rank in group, p) of every rank."""
     for li, sizes in enumerate(drive.LAYOUTS):
         for wr in range(drive.WORLD):
-            gi, r, p = drive.place(sizes, wr)
+            gi, r, p = place(sizes, wr)
             yield li, sizes, wr, gi, r, p
 
 

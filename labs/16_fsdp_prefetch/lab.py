@@ -21,7 +21,7 @@ import os
 import numpy as np
 
 from labs.framework import Criterion, load_drive, trainer_flags
-from labs.results import Opaque, key
+from labs.results import key, typename
 from labs.scan import Allowed
 from minipar.parallel.zero import formulas, units as zero_units
 
@@ -35,10 +35,6 @@ ALLOWED = Allowed(
 OPS = ("gather", "prefetch", "wait", "compute", "release")
 PHASES = ("forward", "backward")
 SIZES = [40, 24, 56, 8, 32, 72, 16]        # bytes of unit u's gathered parameters (cycled past 7 units)
-
-
-def typename(v) -> str:
-    return v.typename if isinstance(v, Opaque) else type(v).__name__
 
 
 def is_int(v) -> bool:

@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
-from labs.results import Opaque, key
+from labs.results import key, typename
 from labs.scan import Allowed
 from minipar.autograd import recompute
 from minipar.plan import activations
@@ -31,10 +31,6 @@ ALLOWED = Allowed(
     refused={**{f"minipar.autograd.{n}": OWN_REASON for n in ("recompute", "backward_split")},
              **{n: OWN_REASON for n in ("Recompute", "runner", "replaying")}})
 TOL = 1e-12                     # float64: the same operations; 1e-12 of the tensor's scale
-
-
-def typename(v) -> str:
-    return v.typename if isinstance(v, Opaque) else type(v).__name__
 
 
 def scale_of(a) -> float:

@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
-from labs.results import Opaque, key
+from labs.results import described, key, typename
 from labs.scan import Allowed
 from minipar.show import draw
 from minipar.parallel.pipeline import schedules
@@ -61,18 +61,6 @@ def close(got, want, what, dtype):
         raise AssertionError(f"{what}: dtype {got.dtype}, want {dtype} (the inputs' dtype)")
     diff = first_difference(got, np.asarray(want).astype(dtype), rtol=tol, atol=tol * scale_of(np.asarray(want)))
     assert diff is None, f"{what}: {diff}"
-
-
-def typename(v) -> str:
-    return v.typename if isinstance(v, Opaque) else type(v).__name__
-
-
-def described(v) -> str:
-    if isinstance(v, np.ndarray):
-        return f"an array of {v.dtype} {v.shape}"
-    if isinstance(v, (tuple, list)):
-        return f"a {type(v).__name__} of {len(v)}"
-    return f"{typename(v)} {v!r:.80}"
 
 
 def untouched(res, k, inputs: dict, what):

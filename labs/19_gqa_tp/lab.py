@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
-from labs.results import Opaque, key
+from labs.results import key, typename
 from labs.scan import Allowed
 
 TITLE = "grouped-query attention under tensor parallelism: which heads each rank holds, and the shared key/value heads' gradient sum"
@@ -28,10 +28,6 @@ ALLOWED = Allowed(
     refused={**{f"minipar.comm.{n}": "sum on point-to-point messages (a Call on g), as the handout says"
                 for n in ("all_reduce", "all_reduce_async", "reduce", "broadcast", "all_gather", "reduce_scatter",
                           "untracked")}})
-
-
-def typename(v) -> str:
-    return v.typename if isinstance(v, Opaque) else type(v).__name__
 
 
 # --- the oracle -------------------------------------------------------------------------------
