@@ -58,8 +58,23 @@ def rs_cases(p: int):
     return [(n, d, op) for n in sizes_for(p) for d in DTYPES for op in OPS]
 
 
+# all_gather's `sizes` as any caller may give them, not np.array_split's (largest first): an
+# empty piece before the last, and a last piece larger than the others
+UNEVEN = (3, 0, 5, 1, 9)
+
+
+def uneven_sizes(p: int) -> list[int]:
+    return list(UNEVEN[:p])
+
+
 def ledger_sizes(p: int) -> list[int]:
     return [p * 1000, p * 17, 1001, 0]
+
+
+def uneven_piece(p: int, r: int):
+    """Rank r's piece of the uneven case: its slice of one drawn array cut at uneven_sizes(p)."""
+    at = np.cumsum([0, *uneven_sizes(p)])
+    return case_input(p, 0, int(at[-1]), "float64", salt=3).ravel()[at[r]:at[r + 1]].copy()
 
 
 def groups():
@@ -98,6 +113,10 @@ def all_gather(student, out):
             out.case(f"all_gather p={p} rank {r} pieces {sizes}")
             piece = np.array_split(case_input(p, 0, n, "float64", salt=2).ravel(), p)[r].copy()
             call_and_record(out, key("agv", p, r, n), lambda x: student.all_gather(g, x, sizes), piece)
+        sizes = uneven_sizes(p)
+        out.case(f"all_gather p={p} rank {r} pieces {sizes}")
+        piece = uneven_piece(p, r)
+        call_and_record(out, key("agu", p, r), lambda x: student.all_gather(g, x, sizes), piece)
 
 
 def ledger(student, out):

@@ -71,6 +71,13 @@ def judge_all_gather(res):
                 expect(res.get(r, key("agv", p, r, n)), full, what)
                 assert res.get(r, key("agv", p, r, n, "aliases x")) is False, \
                     f"{what}: the result shares memory with the piece (return a new array)"
+        sizes = drive.uneven_sizes(p)                     # not array_split's: where each piece starts is sum(sizes[:r])
+        full = np.concatenate([drive.uneven_piece(p, r) for r in range(p)])
+        for r in range(p):
+            what = f"p={p} rank {r} pieces {sizes}"
+            k = key("agu", p, r)
+            expect(res.get(r, k), full, what)
+            untouched(res, k, r, drive.uneven_piece(p, r), what)
 
 
 def judge_ledger(res):
@@ -104,7 +111,8 @@ CRITERIA = [
               hint="print the piece indices you send and receive at each step for p = 3; "
                    "MINIPAR_TRACE=1 prints every message"),
     Criterion("all_gather against NumPy", ranks=5, run="all_gather", judge=judge_all_gather, timeout=30,
-              uses=("all_gather",), hint="the piece a rank sends at step s is the one it received at step s-1"),
+              uses=("all_gather",), hint="the piece a rank sends at step s is the one it received at step s-1; "
+                                          "with sizes, piece r starts at sum(sizes[:r]), whatever the sizes are"),
     Criterion("bytes in the ledger", ranks=5, run="ledger", judge=judge_ledger, timeout=30,
               uses=("reduce_scatter", "all_gather"),
               hint="send one piece per step, not the whole array; comm.traffic() after a call "

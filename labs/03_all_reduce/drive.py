@@ -21,6 +21,8 @@ DTYPES = ("float64", "float32", "int64", "int32")
 OPS = ("sum", "max", "min")
 FUNCTIONS = ("all_reduce_ring", "all_reduce_doubling")
 P_MAX = 5
+# doubling also on p = 6: q = 4 with two extra ranks (4 -> 0, 5 -> 1), where p = 3 and 5 have one
+DOUBLING_P_MAX = 6
 # minipar's own all-reduces, in every form (the dispatcher and each algorithm's module), and
 # the other collectives of minipar.comm: reached from the student's file, each raises
 # (labs/child.py)
@@ -69,6 +71,18 @@ def cases(p):
     return out
 
 
+def p_values(name) -> range:
+    """The group sizes a function's NumPy criterion runs: 1..5, and 6 for doubling."""
+    return range(1, (DOUBLING_P_MAX if name == "all_reduce_doubling" else P_MAX) + 1)
+
+
+def cases_for(name, p):
+    """cases(p), and on doubling's p = 6 a few of them (what it adds is two extra ranks)."""
+    if p > P_MAX:
+        return [((n,), d, op, False) for n in (1, 7, 96) for d in ("float64", "int32") for op in ("sum", "max")]
+    return cases(p)
+
+
 def case_x(p, r, shape, dtype, transposed, salt=0):
     """The array rank r passes in a case (the transpose of its input when `transposed`)."""
     x = case_input(p, r, shape, dtype, salt)
@@ -95,9 +109,9 @@ def ledger_cases(name, p):
     return [(1000, "float64"), (13, "float32"), (1, "float64"), (96, "int64"), (0, "float32")]
 
 
-def groups(smallest=1):
-    """(p, Group) for p = smallest..5 that hold this rank: ranks 0..p-1 of the world."""
-    return rank_groups(range(smallest, P_MAX + 1))
+def groups(smallest=1, largest=P_MAX):
+    """(p, Group) for p = smallest..largest that hold this rank: ranks 0..p-1 of the world."""
+    return rank_groups(range(smallest, largest + 1))
 
 
 def snapshot(v):
@@ -110,9 +124,9 @@ def snapshot(v):
 
 def against_numpy(student, out, name):
     fn = getattr(student, name)
-    for p, g in groups():
+    for p, g in groups(largest=p_values(name)[-1]):
         r = g.rank
-        for shape, dtype, op, transposed in cases(p):
+        for shape, dtype, op, transposed in cases_for(name, p):
             out.case(describe(name, p, r, shape, dtype, op, transposed))
             x = case_x(p, r, shape, dtype, transposed)
             k = case_key(name, p, r, shape, dtype, op, transposed)

@@ -33,8 +33,8 @@ def inputs(p, shape, dtype, transposed=False, salt=0):
 
 
 def judge_against_numpy(res, name):
-    for p in range(1, drive.P_MAX + 1):
-        for shape, dtype, op, transposed in drive.cases(p):
+    for p in drive.p_values(name):
+        for shape, dtype, op, transposed in drive.cases_for(name, p):
             xs = inputs(p, shape, dtype, transposed)
             x_shape = tuple(reversed(shape)) if transposed else tuple(shape)
             want = REDUCE[op](xs, axis=0, dtype=np.dtype(dtype)).reshape(x_shape)
@@ -196,7 +196,7 @@ CRITERIA = [
               uses=("all_reduce_ring",),
               hint="a ring reduce-scatter, then a ring all-gather of the finished pieces, in one Call "
                    "of 2(p-1) steps (minipar.comm.algorithms.ring); print (step, piece sent, piece received) for p = 3"),
-    Criterion("all_reduce_doubling against NumPy", ranks=5, run="doubling", judge=judge_doubling, timeout=60,
+    Criterion("all_reduce_doubling against NumPy", ranks=drive.DOUBLING_P_MAX, run="doubling", judge=judge_doubling, timeout=60,
               uses=("all_reduce_doubling",),
               hint="partner at round k is r ^ (1 << k) among the q = largest power of two <= p "
                    "ranks; ranks r >= q hand x to r - q first and get the result back last "

@@ -379,9 +379,12 @@ BYTES = [("naive", None, 16, 4, "float64"), ("bucketed", 1e3, 32, 4, "float64"),
          ("bucketed", 0.0272, 16, 4, "float64"), ("bucketed", 1e-9, 16, 4, "float64"),
          ("bucketed", 0.004, 16, 1, "float64"), ("bucketed", 1e3, 32, 2, "float32"),
          ("bucketed", EXACT_32, 16, 4, "float32"), ("naive", None, 16, 2, "float32")]
-# events, at dp = 4: (mode, bucket_mb, micro-batches, dtype)
-EVENTS = [("bucketed", 0.004, 1, "float64"), ("bucketed", 0.004, 2, "float64"), ("bucketed", EXACT_64, 1, "float64"),
-          ("bucketed", EXACT_32, 2, "float32"), ("naive", None, 2, "float64")]
+# events, at dp = 4: (mode, bucket_mb, micro-batches, dtype, n_embd). At C=16, wte (32 KiB, the
+# walk's last gradient) closes the last bucket of every limit below the whole model; at C=32,
+# 0.08 MiB (83,886 B) makes 2 buckets, the last (wpe .. wte, 70,144 B) below the limit
+EVENTS = [("bucketed", 0.004, 1, "float64", 16), ("bucketed", 0.004, 2, "float64", 16),
+          ("bucketed", EXACT_64, 1, "float64", 16), ("bucketed", EXACT_32, 2, "float32", 16),
+          ("naive", None, 2, "float64", 16), ("bucketed", 0.08, 2, "float64", 32)]
 # frozen wpe, tied wte, dp = 4, micro-batches 2: (mode, bucket_mb)
 FROZEN = [("bucketed", 1e3), ("bucketed", 0.004), ("bucketed", 1e-9), ("naive", None)]
 FREEZE = ("wpe.weight",)
@@ -450,16 +453,16 @@ def events(student, out):
     dtype, whether it is in place, the backward it started in, how many gradients had arrived,
     and the test() calls on it during backward; and the order the gradients arrived in."""
     g = group(4)
-    for mode, bucket_mb, m, dtype in EVENTS:
-        out.case(f"{model_text(16, dtype)}, {mode}" + (f", bucket_mb={mb_text(bucket_mb)}" if bucket_mb else "")
+    for mode, bucket_mb, m, dtype, n_embd in EVENTS:
+        out.case(f"{model_text(n_embd, dtype)}, {mode}" + (f", bucket_mb={mb_text(bucket_mb)}" if bucket_mb else "")
                  + f", dp=4 rank {g.rank}, micro-batches {m}, watching every all-reduce")
         watch = Watch()
         undo = watching(watch)
         try:
-            Run(maker(student, mode, bucket_mb), g, micro_batches=m, observer=watch, dtype=dtype)
+            Run(maker(student, mode, bucket_mb), g, micro_batches=m, n_embd=n_embd, observer=watch, dtype=dtype)
         finally:
             undo()
-        out.put(key("events", mode, bucket_mb, m, dtype), watch.steps)
+        out.put(key("events", mode, bucket_mb, m, dtype, n_embd), watch.steps)
 
 
 def frozen(student, out):

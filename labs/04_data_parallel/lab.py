@@ -241,8 +241,8 @@ def judge_events(res):
     last gradient during the last backward, the buckets those of the reverse walk (on the
     exact limit too); every bucket in flight while gradients still arrive is pushed with
     test(). Naive: one blocking comm.all_reduce per parameter, of its gradient, in finish()."""
-    for mode, bucket_mb, m, dtype in drive.EVENTS:
-        meta = drive.trainable_meta(16, (), dtype)
+    for mode, bucket_mb, m, dtype, n_embd in drive.EVENTS:
+        meta = drive.trainable_meta(n_embd, (), dtype)
         names = [n for n, _ in meta]
         nbytes = [b for _, b in meta]
         want = data_parallel.bucket_members(nbytes, bucket_mb) if mode == "bucketed" else []
@@ -255,13 +255,13 @@ def judge_events(res):
             return sum(nbytes[i] for i in ids)
 
         for r in range(4):
-            steps = res.get(r, key("events", mode, bucket_mb, m, dtype))
+            steps = res.get(r, key("events", mode, bucket_mb, m, dtype, n_embd))
             assert isinstance(steps, list) and all(isinstance(s, dict) for s in steps), \
                 f"the events came back as {typename(steps)} (tampered with?)"
             assert len(steps) == 2, f"{mode}, micro-batches {m}, rank {r}: finish() ran {len(steps)} times in 2 steps"
             for step, s in enumerate(steps):
                 label = f"{len(want)} buckets" if mode == "bucketed" else f"{len(names)} parameters"
-                what = f"{drive.model_text(16, dtype)}, {mode_text(mode, bucket_mb)} ({label}), dp=4 rank {r}, " \
+                what = f"{drive.model_text(n_embd, dtype)}, {mode_text(mode, bucket_mb)} ({label}), dp=4 rank {r}, " \
                        f"micro-batches {m}, step {step}"
                 starts, blocking = event_list(s.get("starts"), what), event_list(s.get("blocking"), what)
                 arrived, backwards = s.get("arrived"), s.get("backwards")
