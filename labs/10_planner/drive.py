@@ -32,12 +32,15 @@ HAND = dict(V=10, T=4, L=2, H=2, C=8)                    # the case counted by h
 
 K_CASES = [(True, 2), (False, 4), (False, 8)]            # (mixed, itemsize): fp16/bf16, float32, float64
 PAPER_P, PAPER_N = 7_500_000_000, 64                     # ZeRO's figure 1
-# P divisible by every N below; the last two so large that a float division (/ then int())
+# P divisible by every N of STATE_NS (of ODD_NS: the last four); the last two so large that a float division (/ then int())
 # is no longer exact: 64 x (2^53 + 1) and 3 x 2^60 + 192
 STATE_PS = (834_304, 124_439_808, 7_500_000_000, 64 * (2 ** 53 + 1), 3 * 2 ** 60 + 192)
 STATE_SK = ((2, 12), (4, 8), (8, 16))
 STATE_NS = (1, 2, 4, 8, 64)
-EXACT_LIMIT = [(64, 2, 12, 64), (1, 8, 16, 1)]           # (P, s, K, N): one parameter per rank
+# group sizes that are not powers of two, with each P above they divide: a division by
+# shifting log2(N) bits, exact for 1, 2, 4, 8 and 64, shows only here
+ODD_NS = (3, 5, 6, 12)
+EXACT_LIMIT = [(64, 2, 12, 64), (1, 8, 16, 1), (3, 2, 12, 3)]   # (P, s, K, N): one parameter per rank
 
 SIX_ND = [(7, 11), (124_439_808, 16 * 1024), (10 ** 9, 2 * 10 ** 10), (1, 1)]
 TOKENS_GPT3 = 300e9                                      # GPT-3's training tokens
@@ -51,6 +54,13 @@ RUNS = [   # every ZeRO unit (wte, the block, the rest) divides by 2: no padding
     ["--precision", "bf16", "--n-embd", "32", "--untied"],
 ]
 V = 256                                                  # the trainer's vocabulary: bytes
+
+
+def state_cases() -> list:
+    """(P, s, K, N) of model_state_bytes against formulas.formula: every P, s/K and power-of-two
+    N; every N of ODD_NS that divides P; one parameter per rank."""
+    return [(P, s, K, N) for P in STATE_PS for s, K in STATE_SK for N in STATE_NS] + \
+           [(P, s, K, N) for P in STATE_PS for s, K in STATE_SK for N in ODD_NS if P % N == 0] + EXACT_LIMIT
 
 
 def text(s: dict) -> str:
@@ -75,8 +85,7 @@ def zero_formula(student, out):
     for stage in range(4):
         out.case(f"model_state_bytes(P=7.5e9, itemsize=2, K=12, zero_stage={stage}, N=64)")
         out.put(key("paper", stage), student.model_state_bytes(PAPER_P, 2, 12, stage, PAPER_N))
-    cases = [(P, s, K, N) for P in STATE_PS for s, K in STATE_SK for N in STATE_NS] + EXACT_LIMIT
-    for P, s, K, N in cases:
+    for P, s, K, N in state_cases():
         for stage in range(4):
             out.case(f"model_state_bytes(P={P:,}, itemsize={s}, K={K}, zero_stage={stage}, N={N})")
             out.put(key("states", P, s, K, stage, N), student.model_state_bytes(P, s, K, stage, N))

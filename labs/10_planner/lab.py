@@ -126,8 +126,7 @@ def judge_zero_formula(res):
         assert abs(total / 1e9 - printed) <= 0.05, \
             f"{what}: {total / 1e9:.4g} GB in all ({parts}); ZeRO's figure 1 prints {printed:g} GB " \
             f"(arXiv:1910.02054, GB = 1e9 bytes)"
-    cases = [(P, s, K, N) for P in drive.STATE_PS for s, K in drive.STATE_SK for N in drive.STATE_NS]
-    for P, s, K, N in cases + drive.EXACT_LIMIT:
+    for P, s, K, N in drive.state_cases():
         for stage in range(4):
             want = zero.formula(stage, P, P, N, s, K)
             expect_whole_dict(res.get(0, key("states", P, s, K, stage, N)), want, STATES,

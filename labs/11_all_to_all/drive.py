@@ -83,14 +83,17 @@ def groups():
 
 
 def call_and_record(student, out, g, k, x, sizes):
-    """all_to_all(g, x, sizes): record what it returned (its arrays as they are now), x as it
-    is afterwards, and whether y shares memory with x."""
-    got = student.all_to_all(g, x, None if sizes is None else list(sizes))
+    """all_to_all(g, x, sizes): record what it returned (its arrays as they are now), x and the
+    sizes list handed in as they are afterwards, and whether y shares memory with x."""
+    passed = None if sizes is None else list(sizes)
+    got = student.all_to_all(g, x, passed)
     y = got[0] if type(got) is tuple and len(got) == 2 else None
     if type(got) is tuple:
         got = tuple(np.array(v) if type(v) is np.ndarray else v for v in got)
     out.put(k, got)
     out.put(key(k, "x after"), x)
+    if passed is not None:
+        out.put(key(k, "sizes after"), passed)
     out.put(key(k, "aliases x"), bool(isinstance(y, np.ndarray) and np.shares_memory(y, x)))
 
 

@@ -31,7 +31,8 @@ def wanted(xs, counts, r):
     return np.concatenate(parts), [int(c[r]) for c in counts]
 
 
-def judge_case(res, r, k, x, want, received, what):
+def judge_case(res, r, k, x, want, received, what, sizes=None):
+    """sizes: the rank's sizes handed in (None: equal pieces), which must come back untouched."""
     got = res.get(r, k)
     if not (isinstance(got, tuple) and len(got) == 2):
         kind = getattr(got, "typename", type(got).__name__)
@@ -52,6 +53,11 @@ def judge_case(res, r, k, x, want, received, what):
     after = res.get(r, key(k, "x after"))
     assert isinstance(after, np.ndarray) and after.shape == x.shape and np.array_equal(after, x), \
         f"{what}: the input x was modified"
+    if sizes is not None:
+        kept = res.get(r, key(k, "sizes after"))
+        assert isinstance(kept, list) and kept == list(sizes), \
+            f"{what}: the caller's sizes list is {kept!r:.200} after the call, it handed in {list(sizes)} " \
+            f"(never modify sizes: the caller keeps its counts, e.g. to put the combined rows back)"
     assert res.get(r, key(k, "aliases x")) is False, f"{what}: y shares memory with x (return a new array)"
 
 
@@ -75,7 +81,7 @@ def judge_variable(res):
                 for r in range(p):
                     want, received = wanted(xs, counts, r)
                     judge_case(res, r, key("var", p, r, case, len(rest), dtype), xs[r], want, received,
-                               f"p={p} rank {r} sizes {counts[r]} ({name}) x {rest} {dtype}")
+                               f"p={p} rank {r} sizes {counts[r]} ({name}) x {rest} {dtype}", counts[r])
 
 
 def judge_ledger(res):

@@ -30,7 +30,7 @@ def all_to_all(g, x, sizes=None):
     sizes=None: x.shape[0] is divisible by p and piece j is x[j*m:(j+1)*m], m = x.shape[0]/p.
     sizes: p row counts adding up to x.shape[0], piece j has sizes[j] rows; the counts must
     reach their destinations first (rank j cannot size its receive otherwise), by the same
-    exchange on one int64 each, in the same Call as the rows. x is never modified.
+    exchange on one int64 each, in the same Call as the rows. Neither x nor sizes is ever modified.
 
     The pairwise exchange: in round k = 1 .. p-1 rank r sends its piece for r+k and receives
     the piece rank r-k has for it (mod p); its own piece is a copy. Each rank sends (p-1)/p of
