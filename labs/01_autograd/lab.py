@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from labs.framework import Criterion, first_difference, load_drive
-from labs.results import Opaque, key
+from labs.results import described, key, typename
 from labs.scan import Allowed
 from minipar.autograd import ops
 
@@ -27,19 +27,6 @@ drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
 # all, whose backwards are the answers) is refused by the scan.
 ALLOWED = Allowed()
 F32_TOL = 1e-4                  # float32 results: relative to the largest entry (--verify's float32)
-
-
-def typename(v) -> str:
-    return v.typename if isinstance(v, Opaque) else type(v).__name__
-
-
-def described(v) -> str:
-    """A returned value in a few words: 'a tuple of 2', 'a list [1, 2]', 'Thing <Thing object>'."""
-    if isinstance(v, np.ndarray):
-        return f"an array of {v.dtype} {v.shape}"
-    if isinstance(v, (tuple, list)):
-        return f"a {type(v).__name__} of {len(v)}"
-    return f"{typename(v)} {v!r:.80}"
 
 
 def expect(got, want, what, rtol, atol=0.0):

@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
-from labs.results import Opaque, key
+from labs.results import key, typename
 from labs.scan import Allowed
 from minipar.plan import comm_bytes
 from minipar.parallel import data_parallel
@@ -49,10 +49,6 @@ def twin(micro_batches=1, steps=2, n_embd=16, freeze=(), dtype="float64"):
     if k not in _twins:
         _twins[k] = drive.Run(None, None, micro_batches, steps, n_embd, freeze, dtype=dtype)
     return _twins[k]
-
-
-def typename(v) -> str:
-    return v.typename if isinstance(v, Opaque) else type(v).__name__
 
 
 def hexa(v) -> str:

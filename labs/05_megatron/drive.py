@@ -13,6 +13,7 @@ gradients), every input as it is afterwards, and what tensor parallelism's ledge
 import numpy as np
 from mpi4py import MPI
 
+from labs.framework import layout_groups
 from labs.results import key
 from minipar import comm
 from minipar.model.gpt import GPTConfig
@@ -39,26 +40,9 @@ COUNT_TPS = (2, 4)
 COUNT_DTYPES = ("float64", "float32")
 
 
-def place(sizes, world_rank: int) -> tuple[int, int, int]:
-    """(group index, rank in the group, tp) of a world rank in a layout."""
-    start = 0
-    for gi, n in enumerate(sizes):
-        if world_rank < start + n:
-            return gi, world_rank - start, n
-        start += n
-    raise ValueError(f"rank {world_rank} is outside the layout {sizes}")
-
-
 def layouts():
-    """(layout index, sizes, group index, tp rank, Group) for each layout, on this rank."""
-    world = MPI.COMM_WORLD
-    for li, sizes in enumerate(LAYOUTS):
-        gi, r, _ = place(sizes, world.Get_rank())
-        sub = world.Split(gi, world.Get_rank())
-        g = comm.Group(sub)
-        sub.Free()
-        yield li, sizes, gi, r, g
-        g.comm.Free()
+    """(layout index, sizes, group index, rank in the group, Group) for each layout, here."""
+    return layout_groups(LAYOUTS)
 
 
 def draw(shape, dtype, *seed) -> np.ndarray:

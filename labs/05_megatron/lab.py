@@ -16,8 +16,8 @@ import os
 
 import numpy as np
 
-from labs.framework import Criterion, first_difference, load_drive, trainer_flags
-from labs.results import Opaque, key
+from labs.framework import Criterion, first_difference, load_drive, place, trainer_flags
+from labs.results import key, typename
 from labs.scan import ANY, Allowed
 from minipar.model.gpt import GPT
 from minipar.parallel.tensor import tensor_parallel as tpar
@@ -38,10 +38,6 @@ ALLOWED = Allowed(
 # float64 is judged to 1e-12 (the same sums in another order); float32 and float16 results
 # against the float64 formulas on the same rounded inputs, relative to the tensor's scale
 TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3}
-
-
-def typename(v) -> str:
-    return v.typename if isinstance(v, Opaque) else type(v).__name__
 
 
 def scale_of(a) -> float:
@@ -109,7 +105,7 @@ def judge_f_and_g(res):
     for li, sizes in enumerate(drive.LAYOUTS):
         lay = "+".join(map(str, sizes))
         for wr in range(drive.WORLD):
-            gi, r, tp = drive.place(sizes, wr)
+            gi, r, tp = place(sizes, wr)
             for name in ("f", "g"):
                 for i, shape in enumerate(drive.FG_SHAPES):
                     for dtype in drive.DTYPES:
@@ -165,7 +161,7 @@ def full_linear(li, gi, i, dtype):
 def judge_layer(res, kind):
     for li, sizes in enumerate(drive.LAYOUTS):
         for wr in range(drive.WORLD):
-            gi, r, tp = drive.place(sizes, wr)
+            gi, r, tp = place(sizes, wr)
             for i in drive.layer_cases(tp):
                 for dtype in drive.DTYPES:
                     what = drive.layer_text(kind, tp, sizes, r, i, dtype)

@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
-from labs.results import Opaque, key
+from labs.results import key, typename
 from labs.scan import Allowed
 
 TITLE = "the vocabulary-parallel embedding and cross-entropy"
@@ -36,10 +36,6 @@ ALLOWED = Allowed(
                                 "tensor parallelism's ledger (tensor_parallel.traffic())"
            for n in ("all_reduce", "all_reduce_async", "all_gather", "reduce_scatter", "broadcast", "reduce")}})
 TOL = {"float64": 1e-12, "float32": 1e-5}               # relative, and of the tensor's largest entry absolute
-
-
-def typename(v) -> str:
-    return v.typename if isinstance(v, Opaque) else type(v).__name__
 
 
 def close(got, want, dtype, what):

@@ -23,7 +23,7 @@ import os
 import numpy as np
 
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
-from labs.results import Opaque, key
+from labs.results import key, typename
 from labs.scan import Allowed
 from minipar.model.gpt import GPT
 from minipar.parallel.zero import formulas, units as zero_units
@@ -45,10 +45,6 @@ ALLOWED = Allowed(
 F32 = {"loss": 1e-6, "param": 1e-4}
 KINDS = ("params", "grads", "optimizer")
 _twins: dict = {}
-
-
-def typename(v) -> str:
-    return v.typename if isinstance(v, Opaque) else type(v).__name__
 
 
 def is_int(v) -> bool:
