@@ -25,7 +25,6 @@ import ctypes
 import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import tempfile

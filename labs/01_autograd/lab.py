@@ -17,7 +17,8 @@ import os
 import numpy as np
 
 from labs.framework import Criterion, first_difference, load_drive
-from labs.results import described, key, typename
+from labs.results import key, typename
+from labs.judging import fresh, returned, scale_of, untouched
 from labs.scan import Allowed
 from minipar.autograd import ops
 
@@ -32,12 +33,6 @@ F32_TOL = 1e-4                  # float32 results: relative to the largest entry
 def expect(got, want, what, rtol, atol=0.0):
     diff = first_difference(got, want, rtol=rtol, atol=atol)
     assert diff is None, f"{what}: {diff}"
-
-
-def scale_of(want) -> float:
-    """The largest |entry| of want (1 for an empty or all-zero array): what atol is relative to."""
-    m = float(np.abs(want).max()) if want.size else 0.0
-    return m if m > 0 else 1.0
 
 
 def fd_close(got, want, what):
@@ -63,47 +58,13 @@ def f32_close(got, want, what):
 
 # --- what came back from one call -----------------------------------------------------------
 
-def returned(res, k, names, what):
-    """The student's result as a tuple of len(names) arrays (a helpful message if not)."""
-    result = res.get(0, k)
-    if len(names) == 1:
-        assert isinstance(result, np.ndarray), f"{what}: returned {described(result)}, not an array"
-        return (result,)
-    assert isinstance(result, (tuple, list)) and len(result) == len(names), \
-        f"{what}: returned {described(result)}, want a tuple ({', '.join(names)})"
-    for name, part in zip(names, result):
-        assert isinstance(part, np.ndarray), f"{what}: {name} is {described(part)}, not an array"
-    return tuple(result)
-
-
-def untouched(res, k, inputs: dict, what):
-    """Every input as the child saw it after the call equals the input given."""
-    for name, a in inputs.items():
-        after = res.get(0, key(k, "after", name))
-        if not (isinstance(after, np.ndarray) and after.shape == a.shape and after.dtype == a.dtype
-                and np.array_equal(after, a)):
-            diff = first_difference(after, a, rtol=0.0)
-            raise AssertionError(f"{what}: the input {name} was modified ({diff}): compute into new arrays")
-
-
-def fresh(res, k, names, what):
-    """No returned array shares memory with an input."""
-    shares = res.get(0, key(k, "shares"))
-    assert isinstance(shares, list), f"{what}: the record of shared memory is {typename(shares)} (tampered with?)"
-    for name, inputs in zip(names, shares):
-        if inputs:
-            raise AssertionError(f"{what}: {name} shares memory with the input {inputs[0]} (a view of it, or the "
-                                 f"input itself): return a new array; the autograd engine keeps what you return "
-                                 f"and adds to it later")
-
-
 def result_of(res, family, i, names, inputs, what):
     """The returned arrays of case i of `family`, once the inputs are found untouched and no
     result aliases one."""
     k = key(family, i)
     got = returned(res, k, names, what)
     untouched(res, k, inputs, what)
-    fresh(res, k, names, what)
+    fresh(res, k, names, what, "the autograd engine keeps what you return and adds to it later")
     return got
 
 

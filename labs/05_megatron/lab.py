@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from labs.framework import Criterion, first_difference, load_drive, place, trainer_flags
+from labs.judging import scale_of
 from labs.results import key, typename
 from labs.scan import ANY, Allowed
 from minipar.model.gpt import GPT
@@ -38,11 +39,6 @@ ALLOWED = Allowed(
 # float64 is judged to 1e-12 (the same sums in another order); float32 and float16 results
 # against the float64 formulas on the same rounded inputs, relative to the tensor's scale
 TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3}
-
-
-def scale_of(a) -> float:
-    m = float(np.abs(a).max()) if np.size(a) else 0.0
-    return m if m > 0 else 1.0
 
 
 def expect(got, want, what, tol=0.0, scale=None):

@@ -22,6 +22,7 @@ import numpy as np
 
 from labs.framework import Criterion, load_drive, trainer_flags
 from labs.results import Opaque, key
+from labs.pipeline_lists import check_placed
 from labs.scan import Allowed
 from minipar.show import draw
 from minipar.parallel.pipeline import schedules
@@ -188,15 +189,6 @@ def chart(fn, p: int, m: int, backward_time: float = 1.0) -> str:
 
 # --- well-formed lists ------------------------------------------------------------------------
 
-def needed(kind, s: int, p: int) -> bool:
-    """Does stage s of p hold one `kind` instruction per micro-batch?"""
-    if kind in (RecvActivation, SendGrad):
-        return s > 0
-    if kind in (SendActivation, RecvGrad):
-        return s < p - 1
-    return True
-
-
 def why_needed(kind, s: int) -> str:
     return {Forward: "every stage runs each micro-batch's Forward once",
             Backward: "every stage runs each micro-batch's Backward once",
@@ -253,33 +245,8 @@ def well_formed(r: Returned, fn: str, p: int, m: int, s: int):
                                  f"of layers per stage: leave chunk at its default 0 "
                                  f"({type(ins).__name__}(mb)){context}")
         at.setdefault((type(ins), int(mb)), []).append(k)
-    for kind in KINDS:
-        want = 1 if needed(kind, s, p) else 0
-        for mb in range(m):
-            ks = at.get((kind, mb), [])
-            if len(ks) == want:
-                continue
-            if want == 0:
-                problem = f"{kind(mb)} at item {ks[0]}, but {why_not(kind, s)}"
-            elif not ks:
-                problem = f"no {kind(mb)}: {why_needed(kind, s)}"
-            else:
-                problem = f"{kind(mb)} {len(ks)} times (items {ks}), once wanted"
-            raise AssertionError(f"{what}: {problem}{context}")
-    for first, then, why in ORDER:
-        for mb in range(m):
-            a, b = at.get((first, mb)), at.get((then, mb))
-            if a and b and a[0] > b[0]:
-                raise AssertionError(f"{what}: {first(mb)} at item {a[0]} comes after {then(mb)} "
-                                     f"at item {b[0]}: {why}{context}")
-    for k, ins in enumerate(prog):
-        if type(ins) in BESIDE:
-            op, step, why = BESIDE[type(ins)]
-            j = at[(op, int(ins.mb))][0]
-            if j != k + step:
-                where = "right before" if step > 0 else "right after"
-                raise AssertionError(f"{what}: {ins} at item {k} is not {where} {op(int(ins.mb))} (item {j}): "
-                                     f"{why}{context}")
+    check_placed(prog, at, KINDS, ORDER, BESIDE, m, s, p, what, context, not_here=why_not,
+                 missing=lambda kind, s: f": {why_needed(kind, s)}")
 
 
 def judge_well_formed(res):

@@ -16,6 +16,7 @@ import numpy as np
 
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
 from labs.results import described, key
+from labs.judging import returned, scale_of, untouched
 from labs.scan import Allowed
 
 TITLE = "tiled attention: FlashAttention-2's forward and backward"
@@ -23,6 +24,7 @@ drive = load_drive(os.path.dirname(os.path.abspath(__file__)))
 # Plain NumPy: the handout gives no minipar name, so every minipar import (above all
 # minipar.autograd.tiled_attention, the answer, and attention.py's plain attention) is refused.
 ALLOWED = Allowed()
+NEW_ARRAYS = "compute into new arrays (q * scale, not q *= scale)"
 F32_TOL = 1e-4                  # float32 results: relative, and of the largest entry absolute
 
 
@@ -63,11 +65,6 @@ def plain_backward(q, k, v, do, causal, scale):
 
 # --- comparing --------------------------------------------------------------------------------
 
-def scale_of(want) -> float:
-    m = float(np.abs(want).max()) if want.size else 0.0
-    return m if m > 0 else 1.0
-
-
 def close64(got, want, what):
     """float64 against the plain attention: 1e-12 relative, and 1e-12 of the largest entry
     absolute (the same sums in another order)."""
@@ -85,26 +82,6 @@ def close32(got, want, what):
     assert diff is None, f"{what}: {diff}"
 
 
-def returned(res, k, names, what):
-    """The student's result as a tuple of len(names) arrays (a helpful message if not)."""
-    result = res.get(0, k)
-    assert isinstance(result, (tuple, list)) and len(result) == len(names), \
-        f"{what}: returned {described(result)}, want a tuple ({', '.join(names)})"
-    for name, part in zip(names, result):
-        assert isinstance(part, np.ndarray), f"{what}: {name} is {described(part)}, not an array"
-    return tuple(result)
-
-
-def untouched(res, k, inputs: dict, what):
-    for name, a in inputs.items():
-        after = res.get(0, key(k, "after", name))
-        if not (isinstance(after, np.ndarray) and after.shape == a.shape and after.dtype == a.dtype
-                and np.array_equal(after, a)):
-            diff = first_difference(after, a, rtol=0.0)
-            raise AssertionError(f"{what}: the input {name} was modified ({diff}): compute into new arrays "
-                                 f"(q * scale, not q *= scale)")
-
-
 # --- the judges -------------------------------------------------------------------------------
 
 def judge_forward_family(res, family, cases, dtype, close):
@@ -114,7 +91,7 @@ def judge_forward_family(res, family, cases, dtype, close):
             what = f"forward, {label}, causal={causal}, {dtype}"
             kf = key(family, "fwd", i, causal)
             o, lse = returned(res, kf, ("o", "lse"), what)
-            untouched(res, kf, {"q": q, "k": k, "v": v}, what)
+            untouched(res, kf, {"q": q, "k": k, "v": v}, what, NEW_ARRAYS)
             want_o, want_lse, _ = plain_forward(q, k, v, causal, scale)
             close(o, want_o, f"{what}: o")
             close(lse, want_lse, f"{what}: lse (log sum_j exp S_ij per row, shape {want_lse.shape})")
@@ -128,7 +105,7 @@ def judge_backward_family(res, family, cases, dtype, close):
             kb = key(family, "bwd", i, causal)
             got = returned(res, kb, ("dq", "dk", "dv"), what)
             o, lse = drive.plain_forward(q, k, v, causal, scale)
-            untouched(res, kb, {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do}, what)
+            untouched(res, kb, {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do}, what, NEW_ARRAYS)
             want = plain_backward(q, k, v, do, causal, scale)
             for name, g, w in reversed(list(zip(("dq", "dk", "dv"), got, want))):   # dv first: the simplest
                 close(g, w, f"{what}: {name}")

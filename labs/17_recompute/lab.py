@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
+from labs.judging import scale_of
 from labs.results import key, typename
 from labs.scan import Allowed
 from minipar.autograd import recompute
@@ -31,11 +32,6 @@ ALLOWED = Allowed(
     refused={**{f"minipar.autograd.{n}": OWN_REASON for n in ("recompute", "backward_split")},
              **{n: OWN_REASON for n in ("Recompute", "runner", "replaying")}})
 TOL = 1e-12                     # float64: the same operations; 1e-12 of the tensor's scale
-
-
-def scale_of(a) -> float:
-    m = float(np.abs(a).max()) if np.size(a) else 0.0
-    return m if m > 0 else 1.0
 
 
 # --- the gradients -----------------------------------------------------------------------------

@@ -18,7 +18,9 @@ import os
 import numpy as np
 
 from labs.framework import Criterion, first_difference, load_drive, trainer_flags
-from labs.results import described, key, typename
+from labs.results import described, key
+from labs.judging import fresh, scale_of, untouched
+from labs.pipeline_lists import check_placed
 from labs.scan import Allowed
 from minipar.show import draw
 from minipar.parallel.pipeline import schedules
@@ -45,14 +47,12 @@ ALLOWED = Allowed(
             ("programs", "minipar's simulator's lists: build yours yourself"))}})
 TIMES = ((1.0, 1.0, 1.0), (1.0, 2.0, 1.0))     # (F, B, W): all equal, and B twice W
 F32_TOL = 1e-5
+ADDS_INTO = "the autograd adds into what you return"
+NEVER_IN_PLACE = ("compute into new arrays, never in place (x.shape = ... or dy *= ... change the caller's "
+                  "array; W still needs x and dy after B)")
 
 
 # --- the Linear's gradients ---------------------------------------------------------------------
-
-def scale_of(want) -> float:
-    m = float(np.abs(want).max()) if want.size else 0.0
-    return m if m > 0 else 1.0
-
 
 def close(got, want, what, dtype):
     """float64: 1e-12 relative and of the largest entry; float32: the dtype, then F32_TOL."""
@@ -61,26 +61,6 @@ def close(got, want, what, dtype):
         raise AssertionError(f"{what}: dtype {got.dtype}, want {dtype} (the inputs' dtype)")
     diff = first_difference(got, np.asarray(want).astype(dtype), rtol=tol, atol=tol * scale_of(np.asarray(want)))
     assert diff is None, f"{what}: {diff}"
-
-
-def untouched(res, k, inputs: dict, what):
-    for name, a in inputs.items():
-        after = res.get(0, key(k, "after", name))
-        if not (isinstance(after, np.ndarray) and after.shape == a.shape and after.dtype == a.dtype
-                and np.array_equal(after, a)):
-            diff = first_difference(after, a, rtol=0.0)
-            raise AssertionError(f"{what}: the input {name} was modified ({diff}): compute into new arrays, "
-                                 f"never in place (x.shape = ... or dy *= ... change the caller's array; "
-                                 f"W still needs x and dy after B)")
-
-
-def fresh(res, k, names, what):
-    shares = res.get(0, key(k, "shares"))
-    assert isinstance(shares, list), f"{what}: the record of shared memory is {typename(shares)} (tampered with?)"
-    for name, inputs in zip(names, shares):
-        if inputs:
-            raise AssertionError(f"{what}: {name} shares memory with the input {inputs[0]} (a view of it): "
-                                 f"return a new array; the autograd adds into what you return")
 
 
 def want_dx(dy, w):
@@ -118,8 +98,8 @@ def judge_grad_input(res):
         what = f"grad_input(dy, w), {label}"
         k = key("gi", i)
         got = one_array(res, k, what)
-        untouched(res, k, {"dy": dy, "w": w}, what)
-        fresh(res, k, ["dx"], what)
+        untouched(res, k, {"dy": dy, "w": w}, what, NEVER_IN_PLACE)
+        fresh(res, k, ["dx"], what, ADDS_INTO)
         close(got, want_dx(dy, w), what + ", dx", dtype)
 
 
@@ -131,8 +111,8 @@ def judge_grad_weight(res):
         what = f"grad_weight(dy, x), {label}"
         k = key("gw", i)
         dw, db = pair(res, k, what)
-        untouched(res, k, {"dy": dy, "x": x}, what)
-        fresh(res, k, ["dw", "db"], what)
+        untouched(res, k, {"dy": dy, "x": x}, what, NEVER_IN_PLACE)
+        fresh(res, k, ["dw", "db"], what, ADDS_INTO)
         want_w, want_b = want_dw_db(dy, x)
         if db.shape != want_b.shape:
             raise AssertionError(f"{what}: db has shape {db.shape}, want {want_b.shape}: the bias gets one "
@@ -153,8 +133,8 @@ def judge_linear_backward(res):
             got = res.get(0, k)
             assert isinstance(got, (tuple, list)) and len(got) == 3, \
                 f"{what}: returned {described(got)}, want (dx, dw, db)"
-            untouched(res, k, {"dy": dy, "x": x, "w": w}, what)
-            fresh(res, k, ["dx", "dw", "db"], what)
+            untouched(res, k, {"dy": dy, "x": x, "w": w}, what, NEVER_IN_PLACE)
+            fresh(res, k, ["dx", "dw", "db"], what, ADDS_INTO)
             want_w, want_b = want_dw_db(dy, x)
             for name, part, need, want in zip(("dx", "dw", "db"), got, needs, (want_dx(dy, w), want_w, want_b)):
                 if not need:
@@ -323,12 +303,8 @@ def chart(fn, p, m, f=1.0, b=1.0, w=1.0) -> str:
 
 # --- well-formed lists --------------------------------------------------------------------------
 
-def needed(kind, s, p) -> bool:
-    if kind in (RecvActivation, SendGrad):
-        return s > 0
-    if kind in (SendActivation, RecvGrad):
-        return s < p - 1
-    return True
+def no_such_stage(kind, s) -> str:
+    return f"stage {s} has no {'previous' if kind in (RecvActivation, SendGrad) else 'next'} stage"
 
 
 ORDER = [(RecvActivation, Forward, "a forward needs its input received first"),
@@ -362,35 +338,9 @@ def well_formed(entry, p, m, s):
         if not 0 <= ins.mb < m:
             raise AssertionError(f"{what}: item {k} is {ins}: micro-batch {ins.mb} is not in 0..{m - 1}{context}")
         at.setdefault((type(ins), ins.mb), []).append(k)
-    for kind in KINDS:
-        want = 1 if needed(kind, s, p) else 0
-        for mb in range(m):
-            ks = at.get((kind, mb), [])
-            if len(ks) == want:
-                continue
-            if want == 0:
-                problem = f"{kind(mb)} at item {ks[0]}, but stage {s} has no " \
-                          f"{'previous' if kind in (RecvActivation, SendGrad) else 'next'} stage"
-            elif not ks:
-                problem = f"no {kind(mb)}" + (": every micro-batch's W must run once, or its weights get no "
-                                              "gradient" if kind is WeightGrad else "")
-            else:
-                problem = f"{kind(mb)} {len(ks)} times (items {ks}), once wanted"
-            raise AssertionError(f"{what}: {problem}{context}")
-    for first, then, why in ORDER:
-        for mb in range(m):
-            a, b = at.get((first, mb)), at.get((then, mb))
-            if a and b and a[0] > b[0]:
-                raise AssertionError(f"{what}: {first(mb)} at item {a[0]} comes after {then(mb)} at item {b[0]}: "
-                                     f"{why}{context}")
-    for k, ins in enumerate(prog):
-        if type(ins) in BESIDE:
-            op, step, why = BESIDE[type(ins)]
-            j = at[(op, ins.mb)][0]
-            if j != k + step:
-                where = "right before" if step > 0 else "right after"
-                raise AssertionError(f"{what}: {ins} at item {k} is not {where} {op(ins.mb)} (item {j}): "
-                                     f"{why}{context}")
+    check_placed(prog, at, KINDS, ORDER, BESIDE, m, s, p, what, context, not_here=no_such_stage,
+                 missing=lambda kind, s: ": every micro-batch's W must run once, or its weights get no "
+                                         "gradient" if kind is WeightGrad else "")
 
 
 def judge_well_formed(res):
