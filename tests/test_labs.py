@@ -93,3 +93,18 @@ def test_a_syntax_error_names_the_students_own_file_and_line(tmp_path):
         out = p.stdout + p.stderr
         assert p.returncode == 1 and "SyntaxError" in out and "(my_ring.py, line 5)" in out, out
         assert "frozen importlib" not in out and "Traceback" not in out, out
+
+
+def test_quick_skips_only_the_later_trainer_criteria_and_a_skipped_one_runs_nothing():
+    """labs-check --quick grades the solution in the first trainer criterion only; a skipped
+    criterion is a "not run" verdict that started nothing (even for a file that would fail it)."""
+    from labs.grade import grade                                   # noqa: PLC0415
+    lab_dir = framework.find("19")
+    lab = framework.load_lab(lab_dir)
+    trainers = [c.name for c in lab.CRITERIA if c.trainer]
+    assert len(trainers) == 2 and check_all.quick_skip(lab) == {trainers[1]}
+    stub = open(os.path.join(lab_dir, "student.py"), "rb").read()
+    skip = {c.name for c in lab.CRITERIA}
+    verdicts = grade(lab_dir, stub, "student.py", sandbox=None, skip=skip, say=lambda line: None)
+    assert [v.status for v in verdicts[1:]] == ["not run"] * len(skip)
+    assert all(v.message == "(skipped)" for v in verdicts[1:]), verdicts
