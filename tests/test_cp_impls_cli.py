@@ -36,12 +36,15 @@ def test_bad_cp_impl_flags_stop_every_rank_before_any_message(tmp_path, flags, m
         f.read_text().startswith("0 messages before: ") for f in said)
 
 
-@pytest.mark.parametrize("impl", ["ulysses", "allgather", "hybrid"])
-@pytest.mark.parametrize("layout", [
+# cp 4 and the grouped-query heads for each impl; with dp, ZeRO and the contiguous layout for hybrid
+# (Ulysses and the all-gather with dp and every ZeRO stage: scripts/verify_matrix.py)
+CP_LAYOUTS = [(impl, layout) for impl in ("ulysses", "allgather", "hybrid") for layout in (
     ["--cp", "4", "--n-head", "4"],
-    ["--cp", "2", "--dp", "2", "--zero", "1", "--cp-layout", "contiguous", "--micro-batches", "2"],
     GQA + ["--cp", "4"],                                  # Ulysses: each KV head on 2 of the 4 ranks
-])
+)] + [("hybrid", ["--cp", "2", "--dp", "2", "--zero", "1", "--cp-layout", "contiguous", "--micro-batches", "2"])]
+
+
+@pytest.mark.parametrize("impl,layout", CP_LAYOUTS, ids=[f"{i}-{' '.join(f)}" for i, f in CP_LAYOUTS])
 def test_verify_passes_and_the_bytes_are_the_formula(tmp_path, impl, layout):
     log = str(tmp_path / "log.jsonl")
     degree = ["--cp-ulysses", "2"] if impl == "hybrid" and "4" in layout else []   # cp 4: Ulysses 2 x ring 2

@@ -1,9 +1,12 @@
 """Nothing lost, proven: a run saving every step is killed (SIGKILL, no warning) at a random
-moment, 20 times over; each time the newest complete checkpoint loads, and resuming from it
-to the end gives weights bit-identical to a run never interrupted, and the same loss and
-gradient norm at every step. The killed runs go on from each other (--resume ck --save ck),
-so the kills land in training, in a save, between a save's two renames (then DIR.old is
-the checkpoint, and resuming says so), and with a stale lock and DIR.tmp left behind.
+moment, 20 times over; each time the newest complete checkpoint loads, and the run resumed
+from it logs the same loss and gradient norm, bit for bit, as a run never interrupted, at every
+step it runs. The killed runs go on from each other (--resume ck --save ck), so the kills land
+in training, in a save, between a save's two renames (then DIR.old is the checkpoint, and
+resuming says so), and with a stale lock and DIR.tmp left behind. After every fourth kill, the
+last, and every kill that left DIR.old as the checkpoint, a run resumed from it goes on to the
+end and its weights must be bit-identical to the uninterrupted run's (the other checkpoints
+are resumed by the next killed run, whose steps are checked as they go).
 
 MINIPAR_KILL_SEED picks other kill times (the seed is in the test's output). The seed fixes
 when each kill is aimed (after 1 or 2 logged steps, then 0-15 ms); where it lands also
@@ -58,7 +61,7 @@ def test_twenty_kills_lose_nothing(tmp_path):
     finish(start(tmp_path, "--save", "ref", "--log", "ref.jsonl"))
     ref_model = checkpoint.load(str(tmp_path / "ref"))[0]
     ref_rows = {r["step"]: (r["loss"], r["grad_norm"]) for r in rows(tmp_path / "ref.jsonl")}
-    fallbacks, in_a_save, steps_seen = 0, 0, []
+    fallbacks, in_a_save, steps_seen, to_the_end = 0, 0, [], 0
     for kill in range(KILLS):
         resume = ["--resume", "ck"] if os.path.exists(tmp_path / "ck") or os.path.exists(tmp_path / "ck.old") else []
         log = tmp_path / f"run{kill}.jsonl"
@@ -81,6 +84,9 @@ def test_twenty_kills_lose_nothing(tmp_path):
         _, _, meta = checkpoint.load(str(tmp_path / "ck"))    # the newest complete one loads
         fallbacks += meta["loaded_from"].endswith(".old")
         steps_seen.append(meta["step"])
+        if not (kill % 4 == 3 or kill == KILLS - 1 or meta["loaded_from"].endswith(".old")):
+            continue                                          # the next killed run resumes it
+        to_the_end += 1
         out = finish(start(tmp_path, "--resume", "ck", "--save", "end", "--log", "end.jsonl"))
         if meta["loaded_from"].endswith(".old"):
             assert "resuming from the one before it" in out, out
@@ -93,5 +99,6 @@ def test_twenty_kills_lose_nothing(tmp_path):
             assert (r["loss"], r["grad_norm"]) == ref_rows[r["step"]], (kill, r["step"])
         shutil.rmtree(tmp_path / "end")
     assert steps_seen == sorted(steps_seen) and steps_seen[-1] < STEPS, steps_seen
+    assert to_the_end >= KILLS // 4, to_the_end
     print(f"{KILLS} kills at checkpoint steps {steps_seen}; {in_a_save} in a save (ck.tmp or ck.old left), "
-          f"{fallbacks} between its renames (ck.old)")
+          f"{fallbacks} between its renames (ck.old); {to_the_end} resumed to the end")
