@@ -31,7 +31,8 @@ lab.py defines
     ALLOWED        labs.scan.Allowed: the imports and minipar names a solution may use
     CRITERIA       [Criterion, ...] in the order they are graded, each judged in the grader's
                    process from what the child handed back (labs/results.py)
-    and the judges the criteria name.
+    and the judges the criteria name (what several labs' judges share: labs/judging.py,
+    and labs/pipeline_lists.py for the schedule labs).
 
 The grader never imports the student's file: the scan (labs/scan.py) reads it, and each
 criterion runs it in a sandboxed child (labs/sandbox.py) that only returns values.
