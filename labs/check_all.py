@@ -164,7 +164,9 @@ _worker_sandbox = None
 
 def _worker_start():
     global _worker_sandbox
+    from multiprocessing import util            # noqa: PLC0415
     _worker_sandbox = Sandbox()                 # a uid and scratch of its own (labs/sandbox.py)
+    util.Finalize(None, _worker_sandbox.close, exitpriority=10)   # its scratch removed when the worker ends
 
 
 def _worker_check(args):
@@ -197,6 +199,8 @@ def check_labs(dirs, quick: bool, jobs: int, say) -> tuple[list, int]:
             for d, findings, n, lines in pool.imap_unordered(_worker_check, [(d, quick) for d in dirs]):
                 say(lines)
                 results.append((d, findings, n))
+            pool.close()                        # the workers end by themselves (not terminated):
+            pool.join()                         # each removes its sandbox's scratch folder
     results.sort(key=lambda r: dirs.index(r[0]))
     return [f"{os.path.basename(d)}: {f}" for d, fs, _ in results for f in fs], sum(n for _, _, n in results)
 

@@ -108,3 +108,18 @@ def test_quick_skips_only_the_later_trainer_criteria_and_a_skipped_one_runs_noth
     verdicts = grade(lab_dir, stub, "student.py", sandbox=None, skip=skip, say=lambda line: None)
     assert [v.status for v in verdicts[1:]] == ["not run"] * len(skip)
     assert all(v.message == "(skipped)" for v in verdicts[1:]), verdicts
+
+
+def test_check_all_with_jobs_leaves_no_scratch_folder(tmp_path):
+    """Each --jobs worker's sandbox removes its scratch folder when the worker ends (a pool's
+    workers are let finish, not terminated)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    os.chmod(tmp_path, 0o711)                   # the sandbox's uid passes through to its scratch
+    os.chmod(tmp, 0o711)
+    p = subprocess.run([sys.executable, "-m", "labs.check_all", "--quick", "--jobs", "2", "16", "17"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
+    assert p.returncode == 0 and "2 lab(s), 2 mutants caught, 0 finding(s)" in p.stdout, p.stdout + p.stderr
+    left = [f for f in os.listdir(tmp) if f.startswith("minipar-grade-")]
+    assert left == [], left
