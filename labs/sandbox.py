@@ -184,6 +184,15 @@ def answers() -> list[str]:
     return out
 
 
+def uid_lock_path(uid: int) -> str:
+    """The lock file that holds a sandbox uid while a grader uses it. One place per machine,
+    whatever TMPDIR says: the uid is the machine's, and two graders with different TMPDIRs
+    must not share one (each kills every process of its uid). /run is root's, as the full
+    sandbox is; /tmp where there is no /run to write."""
+    folder = "/run" if os.path.isdir("/run") and os.access("/run", os.W_OK) else "/tmp"
+    return os.path.join(folder, f"minipar-sandbox-uid-{uid}.lock")
+
+
 class Sandbox:
     """One grading slot. mode is "full" or "partial"; why says what a partial one lacks."""
 
@@ -217,8 +226,7 @@ class Sandbox:
         graders at once never share a uid (each kills every process of its own)."""
         import fcntl                             # noqa: PLC0415
         while True:
-            path = os.path.join(tempfile.gettempdir(), f"minipar-sandbox-uid-{uid}.lock")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fd = os.open(uid_lock_path(uid), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:

@@ -292,3 +292,28 @@ def test_student_always_grades_the_file_it_names_and_mutant_grades_the_patch(tmp
     report = json.loads((tmp_path / "m.json").read_text())
     assert report["graded_as"] == "mutant" and report["criteria"][1]["status"] == "fail"
     assert "largest |difference|" in report["criteria"][1]["message"]
+
+
+def test_two_graders_with_different_tmpdirs_never_share_a_uid(tmp_path):
+    """The uid's lock is the machine's, not TMPDIR's: a grader that kills every process of its
+    uid must not hold the uid of a grader started with another TMPDIR."""
+    import tempfile                                                 # noqa: PLC0415
+    first = Sandbox()
+    try:
+        if first.mode != "full":
+            pytest.skip(f"the full sandbox is not available here: {first.why}")
+        saved = tempfile.tempdir
+        other = tmp_path / "elsewhere"
+        other.mkdir()
+        tempfile.tempdir = str(other)                               # as TMPDIR=elsewhere would
+        try:
+            second = Sandbox()
+        finally:
+            tempfile.tempdir = saved
+        try:
+            assert second.uid != first.uid, (first.uid, second.uid)
+            assert not any(f.startswith("minipar-sandbox-uid-") for f in os.listdir(other))
+        finally:
+            second.close()
+    finally:
+        first.close()

@@ -36,7 +36,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
 
 from labs.classroom import tree_digest  # noqa: E402
-from labs.sandbox import FIRST_UID, processes_of_uid  # noqa: E402
+from labs.sandbox import FIRST_UID, processes_of_uid, uid_lock_path  # noqa: E402
 
 MARKER = "minipar-hostile-marker"
 MARKER_FILES = [f"/tmp/{MARKER}", f"/root/.{MARKER}", os.path.join(REPO, MARKER)]
@@ -140,9 +140,8 @@ def zombie(pid: int) -> bool:
 def held_by_a_grader(uid: int) -> bool:
     """Is a grader running now with this sandbox uid (another grading, not the one checked)?"""
     import fcntl
-    path = os.path.join(tempfile.gettempdir(), f"minipar-sandbox-uid-{uid}.lock")
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(uid_lock_path(uid), os.O_RDONLY)
     except OSError:
         return False
     try:
