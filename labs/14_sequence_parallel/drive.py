@@ -20,7 +20,7 @@ from minipar import comm
 from minipar.autograd import ops
 from minipar.autograd.tensor import Function, Tensor
 from minipar.parallel.tensor import sequence_parallel as sp
-from minipar.parallel.tensor.tensor_parallel import MaskColumns, MaskedEmbedding, tp_collective
+from minipar.parallel.tensor.tensor_parallel import MaskedEmbedding, tp_collective
 
 # minipar's own sequence parallelism (what reference.py adapts): reached from the student's
 # file, each raises (labs/child.py). The seam (install) makes the model use the student's.
@@ -209,21 +209,24 @@ def replicated(student, out):
 
 def install(student):
     """SequenceSplit's layers (what the model's family calls on a tp rank with --sp) become
-    the student's: a column-parallel linear gathers its input with the student's f, a
-    row-parallel one (and the embedding) reduce-scatters with the student's g-bar, the head
-    gathers with f, and every replicated parameter goes through the student's SumGradOverTP.
-    (minipar's own f is fused with the linear and re-gathers its input in backward; the
-    student's keeps the gathered input: the same maths, more memory.) Returns how many times
-    the student's code was applied on this rank."""
+    the student's: minipar's column-parallel linear (and the head) gathers its input with the
+    student's f, a row-parallel one (and the embedding) reduce-scatters with the student's
+    g-bar, and every replicated parameter goes through the student's SumGradOverTP. f stays
+    fused with the linear as minipar's is (sequence_parallel.GatherSequenceLinear: only the
+    input's shard is kept, and backward gathers it again with the student's f forward for
+    the weight gradient), so the run's collectives are sp_count's. Returns how many times the
+    student's code was applied on this rank."""
     calls = [0]
 
-    class F(student.GatherFromSequence):            # counted in tensor parallelism's ledger by kind,
-        def forward(self, x, group):                # as minipar's own (the summary's sp_count line)
-            calls[0] += 1
-            return tp_collective("f_gather", x.size * group.size, lambda: super(F, self).forward(x, group))
+    class Column(sp.GatherSequenceLinear):          # each collective counted in tensor parallelism's
+        def gather(self, x, kind):                  # ledger by kind, as minipar's own (sp_count's line)
+            calls[0] += kind == "f_gather"
+            self.f = student.GatherFromSequence()   # the last gather's node runs f's backward
+            return tp_collective(kind, x.size * self.group.size, lambda: self.f.forward(x, self.group))
 
-        def backward(self, grad):
-            return tp_collective("f_scatter", grad.size, lambda: super(F, self).backward(grad))
+        def scatter(self, dx):
+            out = tp_collective("f_scatter", dx.size, lambda: self.f.backward(dx))
+            return out[0] if isinstance(out, (tuple, list)) else out
 
     class G(student.ScatterToSequence):
         def forward(self, x, group):
@@ -238,14 +241,8 @@ def install(student):
         def backward(self, grad):
             return tp_collective("sp_grads", grad.size, lambda: super(S, self).backward(grad))
 
-    def f(x, group):
-        return F.apply(x, group)
-
     def g(x, group):
         return G.apply(x, group)
-
-    def column(self, x, w, b=None):
-        return ops.linear(f(x, self.group), w, b)
 
     def row(self, x, w, b=None):
         y = g(ops.linear(x, w), self.group)
@@ -258,10 +255,6 @@ def install(student):
     def tokens(self, idx, w):
         return g(MaskedEmbedding.apply(idx, w, self.vocab_start), self.group)
 
-    def logits(self, x, w):
-        z = ops.matmul(f(x, self.group), ops.transpose(w))
-        return z if self.vocab_valid == w.shape[0] else MaskColumns.apply(z, self.vocab_valid)
-
     split = sp.SequenceSplit
-    split.column, split.row, split.replicated, split.tokens, split.logits = column, row, replicated, tokens, logits
+    split.gather_linear, split.row, split.replicated, split.tokens = Column, row, replicated, tokens
     return lambda: calls[0]

@@ -111,7 +111,7 @@ class GatherSequenceLinear(Function):
     def forward(self, x, w, b, group, *pieces):
         self.group, self.has_bias = group, b is not None
         self.linear = ops.Linear()
-        full = gather_seq(group, x, "f_gather")                       # (B, t, Cin)
+        full = self.gather(x, "f_gather")                             # (B, t, Cin)
         y = self.linear.forward(full, w, b, *pieces)
         self.linear.saved = ()                                        # the gathered input is not kept
         self.save(x, w, *pieces)
@@ -122,12 +122,20 @@ class GatherSequenceLinear(Function):
         needs = self.needs_input_grad            # backward_split may ask for dx or dw alone
         self.linear.needs_input_grad = (*needs[:3], *needs[4:])       # Linear's (x, w, b, *pieces)
         need_w = needs[1] or any(needs[4:])
-        full = gather_seq(self.group, x, "regather") if need_w else x   # again, for dw
+        full = self.gather(x, "regather") if need_w else x            # again, for dw
         self.linear.saved = (full.reshape(-1, full.shape[-1]), w, *pieces)
         dx, dw, db, *dpieces = self.linear.backward(g)
         self.linear.saved = ()
-        dx = None if dx is None else scatter_seq(self.group, dx, "f_scatter")
+        dx = None if dx is None else self.scatter(dx)
         return (dx, dw, db, None, *dpieces)
+
+    def gather(self, x, kind):
+        """f's all-gather along the sequence (kind: "f_gather" forward, "regather" backward)."""
+        return gather_seq(self.group, x, kind)
+
+    def scatter(self, dx):
+        """f's backward: the reduce-scatter along the sequence of the gathered input's gradient."""
+        return scatter_seq(self.group, dx, "f_scatter")
 
 
 class PositionsOfShard(Function):
@@ -157,9 +165,11 @@ class SequenceSplit(TensorSplit):
     (B, t/tp, C) -> (B, t/tp, C); logits() returns tensor parallelism's vocabulary-sharded
     logits of all t tokens."""
 
+    gather_linear = GatherSequenceLinear                              # f fused with a column-parallel linear
+
     def column(self, x, w, b=None):
         w = list(w) if isinstance(w, (list, tuple)) else [w]          # a weight, or its column pieces
-        return GatherSequenceLinear.apply(x, w[0], b, self.group, *w[1:])
+        return self.gather_linear.apply(x, w[0], b, self.group, *w[1:])
 
     def row(self, x, w, b=None):
         y = ScatterToSequence.apply(ops.linear(x, w), self.group)
@@ -184,7 +194,7 @@ class SequenceSplit(TensorSplit):
 
     def logits(self, x, w):
         """(B, t/tp, C) -> vocab-sharded logits (B, t, Vp/tp); padded columns are -inf."""
-        logits = GatherSequenceLinear.apply(x, ops.transpose(w), None, self.group)
+        logits = self.gather_linear.apply(x, ops.transpose(w), None, self.group)
         return logits if self.vocab_valid == w.shape[0] else MaskColumns.apply(logits, self.vocab_valid)
 
 
