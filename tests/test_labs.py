@@ -123,3 +123,17 @@ def test_check_all_with_jobs_leaves_no_scratch_folder(tmp_path):
     assert p.returncode == 0 and "2 lab(s), 2 mutants caught, 0 finding(s)" in p.stdout, p.stdout + p.stderr
     left = [f for f in os.listdir(tmp) if f.startswith("minipar-grade-")]
     assert left == [], left
+
+
+def test_lab14_seam_keeps_minipars_fused_gather_so_the_collectives_are_sp_counts():
+    """The student's f runs inside minipar's GatherSequenceLinear (kept shard, re-gathered in
+    backward), so the run sends what sequence_parallel.sp_count says, recomputation included,
+    and agrees with one process."""
+    p = subprocess.run([sys.executable, "-m", "labs.run", "14", "-n", "2", "--student",
+                        os.path.join(REPO, "labs", "14_sequence_parallel", "solution.py"), "--",
+                        "--tp", "2", "--sp", "--recompute", "full", *TINY, "--dtype", "float64", "--verify"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "regather 3" in p.stdout and ": = sp_count x 1 micro-batch(es)" in p.stdout, p.stdout
+    assert "-> OK" in p.stdout and "ran on every rank [0, 1]" in p.stdout, p.stdout
