@@ -1,11 +1,12 @@
 """Lab 14's criteria, judged in the grader's process (labs/framework.py says what a lab is).
 
-Seam (drive.install): sequence_parallel.SequenceSplit's column, row, replicated, tokens and
-logits, the calls the model's family makes on a tp rank with --sp: every gather and scatter
-along the sequence of the residual stream (f before each column-parallel linear and the head,
-g-bar after each row-parallel linear and the embedding) and every replicated parameter's
-gradient sum (GPT-2's LayerNorms and row-parallel biases, Llama's RMSNorms) is then the
-student's. GPT-2's position rows (PositionsOfShard) stay minipar's.
+Seam (drive.install): sequence_parallel.SequenceSplit's gather_linear (the fused f and
+linear that its column and logits apply; its gather and scatter become the student's f),
+row, replicated and tokens, the calls the model's family makes on a tp rank with --sp: every
+gather and scatter along the sequence of the residual stream (f before each column-parallel
+linear and the head, g-bar after each row-parallel linear and the embedding) and every
+replicated parameter's gradient sum (GPT-2's LayerNorms and row-parallel biases, Llama's
+RMSNorms) is then the student's. GPT-2's position rows (PositionsOfShard) stay minipar's.
 Oracles, computed here in NumPy from the inputs the grader rebuilds from the cases' seeds
 (drive.py): the concatenation of the ranks' tokens along axis 1, the sum of the ranks'
 partial sums cut along axis 1, the adjoint identity, and the sum of the ranks' parameter
